@@ -1,0 +1,202 @@
+"""Accuracy and uncertainty metrics of a predictive distribution p̄ (reference ``ops/tests.py``).
+
+All metrics come from one mergeable accumulator, :class:`UncertaintyMetrics`
+(a ``clu.metrics.Metric``): per-batch sums, per-bin sums and confusion
+matrices, so evaluating 10,000 images in padded, masked batches gives exactly
+the numbers of evaluating them at once.  Definitions (conf = max_c p̄_c,
+pred = argmax_c p̄_c, "certain" = conf > cutoff, cutoff 0.9):
+
+* NLL = mean −log p̄(y);  Acc;  Top-5;  Brier = mean Σ_c (onehot_c − p̄_c)²
+* ECE = Σ_b (n_b/N)|acc_b − conf_b| over ``num_bins`` equal-width bins (lo, hi];
+  signed ECSE = Σ_b (n_b/N)(conf_b − acc_b)
+* Acc-90 = P(correct | certain), Unc-90 = P(not certain | wrong), Freq-90 = P(certain)
+* IoU = mean over classes present in the labels of TP/(TP+FP+FN); IoU-90 on
+  the certain examples only.
+
+Note: the reference NLL averages per-batch means; here every example counts
+once (identical for equal batch sizes).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import clu.metrics
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def entropy(probs, axis: int = -1):
+  """Shannon entropy −Σ p log p (nats), with 0·log 0 = 0."""
+  return -jnp.sum(jax.scipy.special.xlogy(probs, probs), axis=axis)
+
+
+def uncertainty_decomposition(sample_probs) -> dict:
+  """Split predictive uncertainty of ``sample_probs [N, B, C]`` into parts, each ``[B]``.
+
+  total = H[p̄] (predictive entropy), aleatoric = mean_n H[p_n] (expected
+  entropy), epistemic = total − aleatoric (mutual information).
+  """
+  if sample_probs.ndim != 3:
+    raise ValueError(f"sample_probs must have shape [num_samples, batch, classes], got {sample_probs.shape}.")
+  total = entropy(jnp.mean(sample_probs, axis=0))
+  aleatoric = jnp.mean(entropy(sample_probs), axis=0)
+  return {"total": total, "aleatoric": aleatoric, "epistemic": total - aleatoric}
+
+
+def _check_predictions(probs, labels, mask):
+  if probs.ndim < 2:
+    raise ValueError(f"probs must have shape [..., classes], got {probs.shape}.")
+  if labels.shape != probs.shape[:-1]:
+    raise ValueError(f"labels shape {labels.shape} does not match probs shape {probs.shape} without the class axis.")
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise TypeError(f"labels must be integer class indices, got dtype {labels.dtype}.")
+  if mask is not None and mask.shape != labels.shape:
+    raise ValueError(f"mask shape {mask.shape} does not match labels shape {labels.shape}.")
+
+
+@flax.struct.dataclass
+class UncertaintyMetrics(clu.metrics.Metric):
+  """Sufficient statistics of the SS metrics; ``merge`` adds, ``compute`` returns a dict."""
+  count: jax.Array
+  nll_sum: jax.Array
+  correct: jax.Array
+  top5_correct: jax.Array
+  brier_sum: jax.Array
+  bin_count: jax.Array          # [num_bins]
+  bin_correct: jax.Array        # [num_bins]
+  bin_confidence: jax.Array     # [num_bins]
+  certain_count: jax.Array
+  certain_correct: jax.Array
+  wrong_uncertain: jax.Array
+  confusion: jax.Array          # [C, C], rows = true class, columns = prediction
+  certain_confusion: jax.Array  # [C, C]
+  cutoff: float = flax.struct.field(pytree_node=False, default=0.9)
+
+  @classmethod
+  def from_model_output(cls, probs, labels, mask=None, *, num_bins: int = 10, cutoff: float = 0.9,
+                        **_) -> "UncertaintyMetrics":
+    """Statistics of one batch.
+
+    Args:
+      probs: ``[..., C]`` predictive probabilities (e.g. ``mc_predict(...).mean_probs``).
+      labels: ``[...]`` integer labels.
+      mask: optional ``[...]`` 0/1 weights (padding examples = 0).
+      num_bins: ECE bins (10 in the SS reference, 15 in iBNN / Guo et al.).
+      cutoff: confidence threshold of the "-90" metrics (strictly greater is certain).
+    """
+    probs, labels = jnp.asarray(probs), jnp.asarray(labels)
+    _check_predictions(probs, labels, mask)
+    num_classes = probs.shape[-1]
+    probs = probs.reshape(-1, num_classes).astype(jnp.float32)
+    labels = labels.reshape(-1)
+    w = jnp.ones(labels.shape, jnp.float32) if mask is None else jnp.asarray(mask, jnp.float32).reshape(-1)
+
+    conf = jnp.max(probs, axis=-1)
+    pred = jnp.argmax(probs, axis=-1)
+    p_true = jnp.take_along_axis(probs, labels[:, None], axis=-1)[:, 0]
+    correct = (pred == labels).astype(jnp.float32)
+    certain = (conf > cutoff).astype(jnp.float32)
+    k = min(5, num_classes)
+    in_top5 = jnp.any(jax.lax.top_k(probs, k)[1] == labels[:, None], axis=-1).astype(jnp.float32)
+    onehot = jax.nn.one_hot(labels, num_classes)
+    brier = jnp.sum((onehot - probs) ** 2, axis=-1)
+    nll = -jnp.log(jnp.maximum(p_true, jnp.finfo(jnp.float32).tiny))
+    # Bin b holds confidences in (b/nb, (b+1)/nb].
+    bins = jnp.clip(jnp.ceil(conf * num_bins).astype(jnp.int32) - 1, 0, num_bins - 1)
+    bin_onehot = jax.nn.one_hot(bins, num_bins) * w[:, None]
+    pred_onehot = jax.nn.one_hot(pred, num_classes)
+    weighted_true = onehot * w[:, None]
+    return cls(
+        count=jnp.sum(w), nll_sum=jnp.sum(w * nll), correct=jnp.sum(w * correct),
+        top5_correct=jnp.sum(w * in_top5), brier_sum=jnp.sum(w * brier),
+        bin_count=jnp.sum(bin_onehot, axis=0), bin_correct=correct @ bin_onehot,
+        bin_confidence=conf @ bin_onehot,
+        certain_count=jnp.sum(w * certain), certain_correct=jnp.sum(w * certain * correct),
+        wrong_uncertain=jnp.sum(w * (1 - correct) * (1 - certain)),
+        confusion=weighted_true.T @ pred_onehot,
+        certain_confusion=(weighted_true * certain[:, None]).T @ pred_onehot,
+        cutoff=cutoff)
+
+  def merge(self, other: "UncertaintyMetrics") -> "UncertaintyMetrics":
+    if self.cutoff != other.cutoff or self.bin_count.shape != other.bin_count.shape:
+      raise ValueError("Cannot merge metrics computed with different cutoff or num_bins.")
+    return jax.tree.map(jnp.add, self, other)
+
+  def reduce(self) -> "UncertaintyMetrics":
+    """Sum a stacked (e.g. per-device) leading axis."""
+    return jax.tree.map(lambda x: jnp.sum(x, axis=0), self)
+
+  def reliability(self) -> dict:
+    """Reliability-diagram data: per-bin ``accuracy``, ``confidence``, ``count`` and bin ``edges``."""
+    count = np.asarray(self.bin_count, np.float64)
+    safe = np.maximum(count, 1.0)
+    return {"accuracy": np.asarray(self.bin_correct) / safe, "confidence": np.asarray(self.bin_confidence) / safe,
+            "count": count, "edges": np.linspace(0.0, 1.0, count.shape[0] + 1)}
+
+  def compute(self) -> dict:
+    n = float(self.count)
+    if n == 0:
+      raise ValueError("No examples were accumulated (count is 0).")
+    rel = self.reliability()
+    gaps = rel["count"] / n * (rel["confidence"] - rel["accuracy"])
+    wrong = n - float(self.correct)
+    return {
+        "count": n,
+        "nll": float(self.nll_sum) / n,
+        "acc": float(self.correct) / n,
+        "top5": float(self.top5_correct) / n,
+        "brier": float(self.brier_sum) / n,
+        "ece": float(np.sum(np.abs(gaps))),
+        "ecse": float(np.sum(gaps)),
+        "acc90": float(self.certain_correct) / max(float(self.certain_count), 1.0),
+        "unc90": float(self.wrong_uncertain) / wrong if wrong > 0 else 0.0,
+        "freq90": float(self.certain_count) / n,
+        "iou": mean_iou(self.confusion),
+        "iou90": mean_iou(self.certain_confusion),
+    }
+
+
+def mean_iou(confusion) -> float:
+  """Mean over classes with label support of TP / (TP + FP + FN); 0 if no class has support."""
+  cm = np.asarray(confusion, np.float64)
+  tp = np.diag(cm)
+  support = cm.sum(axis=1)
+  union = support + cm.sum(axis=0) - tp
+  present = support > 0
+  if not present.any():
+    return 0.0
+  return float(np.mean(tp[present] / union[present]))
+
+
+def evaluate(probs, labels, mask=None, *, num_bins: int = 10, cutoff: float = 0.9) -> dict:
+  """All metrics of one set of predictions ``probs [..., C]`` with ``labels [...]``."""
+  return UncertaintyMetrics.from_model_output(probs, labels, mask, num_bins=num_bins, cutoff=cutoff).compute()
+
+
+def plot_reliability_diagram(metrics: UncertaintyMetrics, title: Optional[str] = None):
+  """Reliability diagram (accuracy per confidence bin) above a confidence histogram.
+
+  Returns the matplotlib ``Figure``; save it with ``fig.savefig("reliability.png")``.
+  """
+  import matplotlib.pyplot as plt
+  rel = metrics.reliability()
+  edges = rel["edges"]
+  centers, width = (edges[:-1] + edges[1:]) / 2, edges[1] - edges[0]
+  fig, (top, bottom) = plt.subplots(2, 1, figsize=(4.5, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+  top.bar(centers, rel["accuracy"], width=width, edgecolor="black", color="tab:blue", label="accuracy")
+  top.bar(centers, rel["confidence"] - rel["accuracy"], bottom=rel["accuracy"], width=width,
+          edgecolor="tab:red", color="tab:red", alpha=0.3, label="gap")
+  top.plot([0, 1], [0, 1], "k--", linewidth=1)
+  top.set_ylabel("accuracy")
+  top.set_ylim(0, 1)
+  stats = metrics.compute()
+  top.set_title(title or f"ECE {100 * stats['ece']:.2f}%  Acc {100 * stats['acc']:.2f}%")
+  top.legend(loc="upper left")
+  bottom.bar(centers, rel["count"] / max(rel["count"].sum(), 1.0), width=width, edgecolor="black", color="gray")
+  bottom.set_xlabel("confidence")
+  bottom.set_ylabel("fraction")
+  bottom.set_xlim(0, 1)
+  fig.tight_layout()
+  return fig

@@ -1,0 +1,92 @@
+"""Model zoo and the one registry: ``get_model("resnet_mcdo_smoothing_18", num_classes=100)``.
+
+Names follow the reference implementation: ``<family>_<variant>[_<depth>]`` with
+variant ``dnn`` (deterministic), ``mcdo`` (MC dropout), ``dnn_smoothing`` or
+``mcdo_smoothing``.  Every model is called as
+``model.apply(variables, images_nhwc, train=False, rngs={"dropout": key})``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+
+import flax.linen as nn
+
+from smoothing_jax.models.alexnet import AlexNet
+from smoothing_jax.models.resnet import ResNet
+from smoothing_jax.models.vgg import VGG, VGG_STAGES
+from smoothing_jax.models.wideresnet import WideResNet
+
+__all__ = ["AlexNet", "ResNet", "VGG", "WideResNet", "get_model", "list_models"]
+
+RESNET_STAGES = {18: ((2, 2, 2, 2), "basic"), 34: ((3, 4, 6, 3), "basic"), 50: ((3, 4, 6, 3), "bottleneck"),
+                 101: ((3, 4, 23, 3), "bottleneck"), 152: ((3, 8, 36, 3), "bottleneck")}
+VARIANTS = ("dnn", "mcdo", "dnn_smoothing", "mcdo_smoothing")
+MCDO_RATE = 0.3
+ALEXNET_MCDO_RATE = 0.1
+
+
+def _architectures():
+  """``{"<family>_{variant}_<depth>": (module class, architecture kwargs, MC dropout rate)}``."""
+  archs = {}
+  for depth, (stages, block) in RESNET_STAGES.items():
+    archs[f"resnet_{{}}_{depth}"] = (ResNet, dict(stage_sizes=stages, block=block), MCDO_RATE)
+    archs[f"preresnet_{{}}_{depth}"] = (ResNet, dict(stage_sizes=stages, block=block, preact=True), MCDO_RATE)
+  for depth, width_per_group in ((50, 4), (101, 8)):
+    archs[f"resnext_{{}}_{depth}"] = (
+        ResNet, dict(stage_sizes=RESNET_STAGES[depth][0], block="bottleneck", groups=32,
+                     width_per_group=width_per_group), MCDO_RATE)
+  for depth in (50, 101):
+    archs[f"wideresnet_{{}}_{depth}"] = (
+        ResNet, dict(stage_sizes=RESNET_STAGES[depth][0], block="bottleneck", width_per_group=128), MCDO_RATE)
+  archs["wideresnet_{}_28_10"] = (WideResNet, dict(depth=28, widen_factor=10), MCDO_RATE)
+  for depth, stages in VGG_STAGES.items():
+    archs[f"vgg_{{}}_{depth}"] = (VGG, dict(stage_sizes=stages), MCDO_RATE)
+    archs[f"prevgg_{{}}_{depth}"] = (VGG, dict(stage_sizes=stages, preact=True), MCDO_RATE)
+  archs["alexnet_{}"] = (AlexNet, {}, ALEXNET_MCDO_RATE)
+  return archs
+
+
+@functools.cache
+def _registry():
+  registry = {}
+  for pattern, (cls, kwargs, rate) in _architectures().items():
+    for variant in VARIANTS:
+      registry[pattern.format(variant)] = (cls, dict(
+          kwargs, dropout_rate=rate if variant.startswith("mcdo") else 0.0,
+          smoothing=variant.endswith("smoothing")))
+  return registry
+
+
+def list_models() -> list[str]:
+  """All registered model names, sorted."""
+  return sorted(_registry())
+
+
+def get_model(name: str, num_classes: int, **overrides) -> nn.Module:
+  """Build a registered model.
+
+  Args:
+    name: e.g. ``resnet_dnn_18``, ``resnet_mcdo_smoothing_50``, ``vgg_mcdo_16``,
+      ``alexnet_dnn_smoothing``, ``wideresnet_mcdo_28_10``.
+    num_classes: number of output logits.
+    **overrides: module fields, e.g. ``stem="imagenet"``, ``classifier="mlp"``,
+      ``dropout_rate=0.2``, ``temperature=5.0``, ``blur_size=3``, ``width=8``.
+
+  Raises:
+    ValueError: unknown name (with the closest registered names) or unknown override.
+  """
+  registry = _registry()
+  if name not in registry:
+    close = difflib.get_close_matches(name, registry, n=5, cutoff=0.6)
+    hint = f" Did you mean one of {close}?" if close else " See smoothing_jax.models.list_models()."
+    raise ValueError(f"Unknown model name {name!r}.{hint}")
+  cls, kwargs = registry[name]
+  fields = {f.name for f in dataclasses.fields(cls)} - {"parent", "name"}
+  unknown = sorted(set(overrides) - fields)
+  if unknown:
+    raise ValueError(f"Unknown option(s) {unknown} for model {name!r}; valid options: {sorted(fields)}.")
+  if not isinstance(num_classes, int) or num_classes < 1:
+    raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}.")
+  return cls(num_classes=num_classes, **{**kwargs, **overrides})

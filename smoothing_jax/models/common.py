@@ -1,0 +1,147 @@
+"""Pieces shared by the CNN families: convolutions with PyTorch padding, heads, options.
+
+Submodule names follow the PyTorch reference's ``state_dict`` keys with
+``Sequential`` indices joined by ``_`` (``layer1.0.conv1`` ↔ ``layer1_0/conv1``),
+so :mod:`smoothing_jax.convert` maps reference checkpoints one to one.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+from smoothing_jax.layers import MCDropout, Smooth
+
+STEMS = ("cifar", "imagenet")
+CLASSIFIERS = ("gap", "mlp")
+
+# PyTorch BatchNorm2d defaults: running = 0.9 · running + 0.1 · batch, eps 1e-5.
+batch_norm = functools.partial(nn.BatchNorm, momentum=0.9, epsilon=1e-5)
+conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
+
+
+def conv(features, kernel_size, stride=1, padding=0, groups=1, bias=False, name=None, dtype=jnp.float32):
+  """``nn.Conv2d``-equivalent: explicit symmetric zero padding, no bias by default."""
+  return nn.Conv(features, (kernel_size, kernel_size), strides=(stride, stride),
+                 padding=((padding, padding), (padding, padding)), feature_group_count=groups,
+                 use_bias=bias, kernel_init=conv_init, dtype=dtype, name=name)
+
+
+def max_pool(x, kernel_size, stride, padding=0):
+  """``nn.MaxPool2d`` (floor mode; padding counts as -inf)."""
+  return nn.max_pool(x, (kernel_size, kernel_size), (stride, stride),
+                     padding=((padding, padding), (padding, padding)))
+
+
+def adaptive_avg_pool(x, output_size: int):
+  """``nn.AdaptiveAvgPool2d(output_size)`` on NHWC maps.
+
+  Bin ``i`` of an ``n``-pixel axis averages pixels ``floor(i·n/o) … ceil((i+1)·n/o) - 1``
+  (so a 1×1 map is replicated to o×o, as in the reference VGG on CIFAR).
+  """
+  def averaging_matrix(n):
+    m = np.zeros((output_size, n), np.float32)
+    for i in range(output_size):
+      start, end = (i * n) // output_size, -(-((i + 1) * n) // output_size)
+      m[i, start:end] = 1.0 / (end - start)
+    return jnp.asarray(m, x.dtype)
+  return jnp.einsum("ih,jw,bhwc->bijc", averaging_matrix(x.shape[1]), averaging_matrix(x.shape[2]), x)
+
+
+def check_images(x, channels: int = 3):
+  """Raise a clear error unless ``x`` is a float NHWC batch with ``channels`` channels."""
+  if not hasattr(x, "ndim") or x.ndim != 4:
+    raise ValueError(f"Expected images of shape [batch, height, width, {channels}] (NHWC), "
+                     f"got shape {getattr(x, 'shape', type(x))}.")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"Expected floating-point images (normalised float32), got dtype {x.dtype}; "
+                    "convert uint8 images with the input pipeline's normalisation first.")
+  if x.shape[-1] != channels:
+    raise ValueError(f"Expected {channels} channels in the last axis (NHWC), got shape {x.shape}; "
+                     "NCHW inputs must be transposed to NHWC.")
+
+
+class GAPHead(nn.Module):
+  """Global average pooling + dense (reference ``GAPBlock``; ``bn=True`` is ``BNGAPBlock``)."""
+  num_classes: int
+  bn: bool = False
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    if self.bn:
+      x = nn.relu(batch_norm(use_running_average=not train, dtype=self.dtype, name="bn")(x))
+    x = jnp.mean(x, axis=(1, 2))
+    return nn.Dense(self.num_classes, dtype=self.dtype, name="dense")(x)
+
+
+class MLPHead(nn.Module):
+  """Flatten + 4096-4096-C MLP with train-only dropout 0.5 (reference ``MLPBlock``).
+
+  Flattens in channel-major (PyTorch NCHW) order so converted weights apply directly.
+  """
+  num_classes: int
+  hidden: int = 4096
+  dropout_rate: float = 0.5
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = jnp.transpose(x, (0, 3, 1, 2)).reshape(x.shape[0], -1)
+    for i in (1, 2):
+      x = nn.relu(nn.Dense(self.hidden, dtype=self.dtype, name=f"dense{i}")(x))
+      x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
+    return nn.Dense(self.num_classes, dtype=self.dtype, name="dense3")(x)
+
+
+class CNN(nn.Module):
+  """Options every CNN family shares (dataclass fields of each model).
+
+  Attributes:
+    num_classes: output logits.
+    dropout_rate: MC dropout rate at the reference positions; 0 gives the
+      deterministic (``dnn``) network.
+    smoothing: insert ``Smooth`` at the end of each stage (``_smoothing`` models).
+    prob, temperature, blur_size, blur_same, pad_mode: ``Smooth`` options.
+    stem: ``"cifar"`` (32×32 inputs) or ``"imagenet"`` (224×224 inputs).
+    classifier: ``"gap"`` or ``"mlp"`` (None: the family's reference default).
+    dtype: computation dtype (parameters stay float32).
+  """
+  num_classes: int = 10
+  dropout_rate: float = 0.0
+  smoothing: bool = False
+  prob: Optional[str] = "tanh"
+  temperature: float = 10.0
+  blur_size: int = 2
+  blur_same: bool = False
+  pad_mode: str = "constant"
+  stem: str = "cifar"
+  classifier: Optional[str] = None
+  dtype: Any = jnp.float32
+
+  def check_options(self, default_classifier: str) -> str:
+    """Validate the shared options; return the classifier to build."""
+    if self.stem not in STEMS:
+      raise ValueError(f"Unknown stem {self.stem!r}; choose one of {STEMS}.")
+    classifier = self.classifier or default_classifier
+    if classifier not in CLASSIFIERS:
+      raise ValueError(f"Unknown classifier {classifier!r}; choose one of {CLASSIFIERS}.")
+    if not 0.0 <= self.dropout_rate < 1.0:
+      raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate!r}.")
+    return classifier
+
+  def smooth(self, x, name: str):
+    """The stage-end smoothing block (identity unless ``smoothing``)."""
+    if not self.smoothing:
+      return x
+    return Smooth(self.prob, self.temperature, self.blur_size, self.blur_same, self.pad_mode, name=name)(x)
+
+  def dropout(self, x):
+    """MC dropout at a reference position (identity for ``dnn`` models)."""
+    return MCDropout(self.dropout_rate)(x) if self.dropout_rate > 0 else x
+
+  def bn(self, train: bool, name: str, **kwargs):
+    return batch_norm(use_running_average=not train, dtype=self.dtype, name=name, **kwargs)

@@ -1,0 +1,119 @@
+"""ResNet, pre-activation ResNet, ResNeXt and Wide ResNet-50-2/101-2 (reference ``models/resnet.py``).
+
+One module, variants as arguments:
+  * ``block``: ``"basic"`` or ``"bottleneck"``; ``groups`` / ``width_per_group``
+    give ResNeXt (32×4d, 32×8d) and Wide ResNet (width 128);
+  * ``preact``: pre-activation blocks, a conv-only stem and a BN-ReLU-GAP head;
+  * MC dropout between the two convs of a basic block / before the last conv of
+    a bottleneck; smoothing after every stage (pre-activation: stages 1–3).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+
+from smoothing_jax.models.common import CNN, GAPHead, MLPHead, adaptive_avg_pool, check_images, conv, max_pool
+
+EXPANSION = {"basic": 1, "bottleneck": 4}
+
+
+class ResNetBlock(CNN):
+  """Post-activation basic/bottleneck block (torchvision layout, stride on the 3×3 conv)."""
+  channels: int = 64
+  stride: int = 1
+  block: str = "basic"
+  groups: int = 1
+  width_per_group: int = 64
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    out_channels = self.channels * EXPANSION[self.block]
+    width = int(self.channels * (self.width_per_group / 64.0)) * self.groups
+    skip = x
+    if self.stride != 1 or x.shape[-1] != out_channels:
+      skip = conv(out_channels, 1, self.stride, dtype=self.dtype, name="shortcut_0")(x)
+      skip = self.bn(train, "shortcut_1")(skip)
+    if self.block == "basic":
+      y = nn.relu(self.bn(train, "bn1")(conv(width, 3, self.stride, 1, dtype=self.dtype, name="conv1")(x)))
+      y = self.dropout(y)
+      y = self.bn(train, "bn2")(conv(out_channels, 3, 1, 1, dtype=self.dtype, name="conv2")(y))
+    else:
+      y = nn.relu(self.bn(train, "bn1")(conv(width, 1, dtype=self.dtype, name="conv1")(x)))
+      y = conv(width, 3, self.stride, 1, self.groups, dtype=self.dtype, name="conv2")(y)
+      y = self.dropout(nn.relu(self.bn(train, "bn2")(y)))
+      y = self.bn(train, "bn3")(conv(out_channels, 1, dtype=self.dtype, name="conv3")(y))
+    return nn.relu(skip + y)
+
+
+class PreActBlock(CNN):
+  """Pre-activation basic/bottleneck block; the 1×1 shortcut (no BN) sees BN-ReLU(x)."""
+  channels: int = 64
+  stride: int = 1
+  block: str = "basic"
+  groups: int = 1
+  width_per_group: int = 64
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    out_channels = self.channels * EXPANSION[self.block]
+    width = int(self.channels * (self.width_per_group / 64.0)) * self.groups
+    pre = nn.relu(self.bn(train, "bn1")(x))
+    if self.stride != 1 or x.shape[-1] != out_channels:
+      skip = conv(out_channels, 1, self.stride, dtype=self.dtype, name="shortcut_0")(pre)
+    else:
+      skip = x
+    if self.block == "basic":
+      y = conv(width, 3, self.stride, 1, dtype=self.dtype, name="conv1")(pre)
+      y = self.dropout(nn.relu(self.bn(train, "bn2")(y)))
+      y = conv(out_channels, 3, 1, 1, dtype=self.dtype, name="conv2")(y)
+    else:
+      y = conv(width, 1, dtype=self.dtype, name="conv1")(pre)
+      y = nn.relu(self.bn(train, "bn2")(y))
+      y = conv(width, 3, self.stride, 1, self.groups, dtype=self.dtype, name="conv2")(y)
+      y = self.dropout(nn.relu(self.bn(train, "bn3")(y)))
+      y = conv(out_channels, 1, dtype=self.dtype, name="conv3")(y)
+    return skip + y
+
+
+class ResNet(CNN):
+  """ResNet family.  ``__call__(images [B,H,W,3], train) -> logits [B, num_classes]``."""
+  stage_sizes: Sequence[int] = (2, 2, 2, 2)
+  block: str = "basic"
+  groups: int = 1
+  width_per_group: int = 64
+  preact: bool = False
+  width: int = 64
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    check_images(x)
+    classifier = self.check_options("gap")
+    if self.block not in EXPANSION:
+      raise ValueError(f"Unknown ResNet block {self.block!r}; choose one of {sorted(EXPANSION)}.")
+    if self.block == "basic" and (self.groups != 1 or self.width_per_group != 64):
+      raise ValueError("Basic blocks support only groups=1 and width_per_group=64.")
+    if self.stem == "imagenet":
+      x = conv(self.width, 7, 2, 3, dtype=self.dtype, name="layer0_0")(x)
+    else:
+      x = conv(self.width, 3, 1, 1, dtype=self.dtype, name="layer0_0")(x)
+    if not self.preact:
+      x = nn.relu(self.bn(train, "layer0_1")(x))
+    if self.stem == "imagenet":
+      x = max_pool(x, 3, 2, 1)
+
+    block_cls = PreActBlock if self.preact else ResNetBlock
+    shared = {f: getattr(self, f) for f in ("dropout_rate", "dtype")}
+    for stage, num_blocks in enumerate(self.stage_sizes, start=1):
+      channels = self.width * 2 ** (stage - 1)
+      for j in range(num_blocks):
+        x = block_cls(channels=channels, stride=2 if (stage > 1 and j == 0) else 1, block=self.block,
+                      groups=self.groups, width_per_group=self.width_per_group,
+                      name=f"layer{stage}_{j}", **shared)(x, train)
+      # Pre-activation networks do not smooth the last stage (reference num_sblocks [1, 1, 1, 0]).
+      if not (self.preact and stage == len(self.stage_sizes)):
+        x = self.smooth(x, f"smooth{stage}_0")
+
+    if classifier == "mlp":
+      return MLPHead(self.num_classes, dtype=self.dtype, name="classifier_1")(adaptive_avg_pool(x, 7), train)
+    return GAPHead(self.num_classes, bn=self.preact, dtype=self.dtype, name="classifier_0")(x, train)

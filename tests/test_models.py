@@ -1,0 +1,185 @@
+"""Model zoo: reference parameter counts, geometry, variants, registry and input errors."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from smoothing_jax.models import get_model, list_models
+
+RNGS = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+
+
+def abstract_variables(model, size=32, batch=1):
+  return jax.eval_shape(lambda: model.init(RNGS, jnp.zeros((batch, size, size, 3))))
+
+
+def num_params(name, num_classes, **overrides):
+  variables = abstract_variables(get_model(name, num_classes, **overrides))
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(variables["params"]))
+
+
+def wrn_param_count(depth, k, num_classes):
+  """Closed-form count of the iBNN/meliketoy WRN (conv biases, BN γ/β, 1×1 shortcuts)."""
+  n = (depth - 4) // 6
+  conv = lambda cin, cout, ks: cin * cout * ks * ks + cout
+  total, cin = conv(3, 16, 3), 16
+  for width in (16 * k, 32 * k, 64 * k):
+    for j in range(n):
+      total += 2 * cin + conv(cin, width, 3) + 2 * width + conv(width, width, 3)
+      if j == 0:
+        total += conv(cin, width, 1)
+      cin = width
+  return total + 2 * cin + cin * num_classes + num_classes
+
+
+# Trainable parameter counts of the PyTorch reference implementation.
+@pytest.mark.parametrize("name,num_classes,expected", [
+    ("resnet_dnn_18", 100, 11_220_132),
+    ("resnet_dnn_50", 100, 23_705_252),
+    ("preresnet_dnn_18", 100, 11_218_340),
+    ("resnext_dnn_50", 100, 23_177_124),
+    ("vgg_dnn_16", 100, 134_674_468),
+    ("alexnet_dnn", 10, 23_467_722),
+    ("resnet_dnn_34", 10, 21_282_122),
+    ("wideresnet_dnn_28_10", 10, 36_489_290),
+])
+def test_reference_parameter_counts(name, num_classes, expected):
+  assert num_params(name, num_classes) == expected
+
+
+def test_wrn_count_matches_closed_form():
+  assert wrn_param_count(28, 10, 10) == 36_489_290
+  assert num_params("wideresnet_dnn_28_10", 100) == wrn_param_count(28, 10, 100)
+
+
+@pytest.mark.parametrize("family", ["resnet_{}_18", "preresnet_{}_50", "vgg_{}_11", "alexnet_{}",
+                                    "wideresnet_{}_28_10"])
+def test_dropout_and_smoothing_add_no_parameters(family):
+  counts = {v: num_params(family.format(v), 10) for v in ("dnn", "mcdo", "dnn_smoothing", "mcdo_smoothing")}
+  assert len(set(counts.values())) == 1, counts
+
+
+def test_registry_has_the_reference_grid():
+  names = set(list_models())
+  for variant in ("dnn", "mcdo", "dnn_smoothing", "mcdo_smoothing"):
+    for depth in (18, 34, 50, 101, 152):
+      assert f"resnet_{variant}_{depth}" in names and f"preresnet_{variant}_{depth}" in names
+    for depth in (11, 13, 16, 19):
+      assert f"vgg_{variant}_{depth}" in names and f"prevgg_{variant}_{depth}" in names
+    for name in (f"resnext_{variant}_50", f"resnext_{variant}_101", f"wideresnet_{variant}_50",
+                 f"wideresnet_{variant}_101", f"wideresnet_{variant}_28_10", f"alexnet_{variant}"):
+      assert name in names
+
+
+def test_variant_options_follow_the_reference():
+  assert get_model("resnet_dnn_18", 10).dropout_rate == 0.0
+  assert get_model("resnet_mcdo_18", 10).dropout_rate == 0.3
+  assert get_model("alexnet_mcdo_smoothing", 10).dropout_rate == 0.1
+  assert get_model("vgg_mcdo_smoothing_16", 10).smoothing
+  assert not get_model("vgg_mcdo_16", 10).smoothing
+
+
+def test_unknown_name_lists_close_matches():
+  with pytest.raises(ValueError, match=r"Unknown model name 'resnet_mcdo_smooth_18'.*resnet_mcdo_smoothing_18"):
+    get_model("resnet_mcdo_smooth_18", 10)
+
+
+def test_unknown_option_is_named():
+  with pytest.raises(ValueError, match=r"Unknown option\(s\) \['dropout'\]"):
+    get_model("resnet_dnn_18", 10, dropout=0.1)
+
+
+@pytest.mark.parametrize("stem,size,expected", [("cifar", 32, [33, 18, 10, 6]), ("imagenet", 224, [57, 30, 16, 9])])
+def test_smoothing_grows_each_stage_map_by_one_pixel(stem, size, expected):
+  model = get_model("resnet_dnn_smoothing_18", 10, stem=stem, width=8)
+  _, state = jax.eval_shape(lambda: model.init_with_output(
+      RNGS, jnp.zeros((1, size, size, 3)), capture_intermediates=True))
+  sizes = [state["intermediates"][f"smooth{i}_0"]["__call__"][0].shape[1] for i in range(1, 5)]
+  assert sizes == expected
+
+
+def test_preactivation_resnet_smooths_stages_one_to_three():
+  model = get_model("preresnet_dnn_smoothing_18", 10, width=8)
+  _, state = jax.eval_shape(lambda: model.init_with_output(RNGS, jnp.zeros((1, 32, 32, 3)),
+                                                           capture_intermediates=True))
+  assert sorted(k for k in state["intermediates"] if k.startswith("smooth")) == ["smooth1_0", "smooth2_0", "smooth3_0"]
+
+
+@pytest.mark.parametrize("name,overrides,size", [
+    ("resnet_mcdo_smoothing_50", {"stem": "imagenet"}, 224),
+    ("resnext_dnn_smoothing_101", {}, 32),
+    ("wideresnet_mcdo_50", {"classifier": "mlp"}, 32),
+    ("preresnet_mcdo_smoothing_34", {"stem": "imagenet"}, 224),
+    ("prevgg_mcdo_smoothing_13", {}, 32),
+    ("vgg_dnn_19", {"classifier": "gap"}, 224),
+    ("alexnet_mcdo_smoothing", {"stem": "imagenet"}, 224),
+    ("alexnet_dnn", {}, 32),
+    ("wideresnet_mcdo_smoothing_28_10", {}, 32),
+])
+def test_output_shapes(name, overrides, size):
+  model = get_model(name, 7, **overrides)
+  out = jax.eval_shape(lambda: model.init_with_output(RNGS, jnp.zeros((2, size, size, 3)))[0])
+  assert out.shape == (2, 7)
+
+
+def test_mlp_head_is_the_reference_head():
+  params = abstract_variables(get_model("resnet_dnn_18", 10, classifier="mlp"))["params"]
+  assert params["classifier_1"]["dense1"]["kernel"].shape == (7 * 7 * 512, 4096)
+  assert params["classifier_1"]["dense3"]["kernel"].shape == (4096, 10)
+
+
+@pytest.fixture(scope="module")
+def narrow_models():
+  out = {}
+  for name in ("resnet_dnn_18", "resnet_mcdo_18"):
+    model = get_model(name, 5, width=4)
+    variables = jax.jit(model.init)(RNGS, jnp.zeros((1, 16, 16, 3)))
+    apply = jax.jit(lambda v, x, k, m=model: m.apply(v, x, rngs={"dropout": k}))
+    out[name] = (model, variables, apply)
+  return out
+
+
+def test_dnn_is_deterministic_and_mcdo_samples(narrow_models, images):
+  _, v, apply = narrow_models["resnet_dnn_18"]
+  chex.assert_trees_all_equal(apply(v, images, jax.random.key(1)), apply(v, images, jax.random.key(2)))
+  _, v, apply = narrow_models["resnet_mcdo_18"]
+  a, b = apply(v, images, jax.random.key(1)), apply(v, images, jax.random.key(2))
+  assert not np.allclose(a, b)
+  chex.assert_trees_all_close(a, apply(v, images, jax.random.key(1)))
+
+
+def test_train_mode_updates_batch_stats(narrow_models, images):
+  model, v, _ = narrow_models["resnet_dnn_18"]
+  logits, updates = model.apply(v, images, train=True, mutable=["batch_stats"])
+  assert logits.shape == (3, 5)
+  before = v["batch_stats"]["layer0_1"]["mean"]
+  after = updates["batch_stats"]["layer0_1"]["mean"]
+  assert not np.allclose(before, after)
+
+
+def test_mcdo_without_dropout_rng_is_a_clear_error(narrow_models, images):
+  model, v, _ = narrow_models["resnet_mcdo_18"]
+  with pytest.raises(ValueError, match="'dropout' RNG"):
+    model.apply(v, images)
+
+
+@pytest.mark.parametrize("bad,error,message", [
+    (jnp.zeros((16, 16, 3)), ValueError, "NHWC"),
+    (jnp.zeros((1, 16, 16, 3), jnp.uint8), TypeError, "floating-point"),
+    (jnp.zeros((1, 16, 16, 1)), ValueError, "3 channels"),
+    (jnp.zeros((1, 3, 16, 16)), ValueError, "NCHW"),
+])
+def test_bad_images_are_rejected(narrow_models, bad, error, message):
+  model, v, _ = narrow_models["resnet_dnn_18"]
+  with pytest.raises(error, match=message):
+    model.apply(v, bad)
+
+
+@pytest.mark.parametrize("overrides,message", [({"stem": "tiny"}, "Unknown stem"),
+                                               ({"classifier": "cls"}, "Unknown classifier"),
+                                               ({"blur_size": 4}, "Unsupported blur size 4")])
+def test_bad_options_are_rejected(overrides, message):
+  model = get_model("resnet_dnn_smoothing_18", 10, width=4, **overrides)
+  with pytest.raises(ValueError, match=message):
+    abstract_variables(model)
