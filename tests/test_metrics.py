@@ -1,0 +1,118 @@
+"""Metrics against a hand-worked example, numpy, and exact accumulation over batches."""
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from smoothing_jax.metrics import UncertaintyMetrics, entropy, evaluate, plot_reliability_diagram, \
+    uncertainty_decomposition
+
+# Five predictions over three classes (worked by hand below).
+PROBS = np.array([[0.95, 0.03, 0.02],   # y=0 correct, conf .95 (certain)
+                  [0.50, 0.30, 0.20],   # y=1 wrong,   conf .50
+                  [0.10, 0.85, 0.05],   # y=1 correct, conf .85
+                  [0.02, 0.03, 0.95],   # y=0 wrong,   conf .95 (certain)
+                  [0.02, 0.03, 0.95]],  # y=2 correct, conf .95 (certain)
+                 np.float32)
+LABELS = np.array([0, 1, 1, 0, 2])
+
+
+def test_hand_worked_example():
+  m = evaluate(PROBS, LABELS)
+  assert m["count"] == 5
+  assert m["nll"] == pytest.approx(-(math.log(.95) + math.log(.3) + math.log(.85) + math.log(.02) + math.log(.95)) / 5,
+                                   rel=1e-5)
+  assert m["acc"] == pytest.approx(3 / 5)
+  assert m["top5"] == pytest.approx(1.0)  # only 3 classes
+  # Brier: .0038 + .78 + .035 + 1.8638 + .0038
+  assert m["brier"] == pytest.approx(2.6864 / 5, rel=1e-5)
+  # Bins (.9, 1]: {e1, e4, e5} acc 2/3 conf .95; (.4, .5]: {e2} acc 0 conf .5; (.8, .9]: {e3} acc 1 conf .85.
+  assert m["ece"] == pytest.approx(3 / 5 * (0.95 - 2 / 3) + 1 / 5 * 0.5 + 1 / 5 * 0.15, rel=1e-5)
+  assert m["ecse"] == pytest.approx(3 / 5 * (0.95 - 2 / 3) + 1 / 5 * 0.5 - 1 / 5 * 0.15, rel=1e-5)
+  assert m["acc90"] == pytest.approx(2 / 3)
+  assert m["unc90"] == pytest.approx(1 / 2)
+  assert m["freq90"] == pytest.approx(3 / 5)
+  # Confusion rows (true) [1,0,1], [1,1,0], [0,0,1]: IoU 1/3, 1/2, 1/2.
+  assert m["iou"] == pytest.approx(4 / 9)
+  # Certain rows [1,0,1], [0,0,0], [0,0,1]: classes 0 and 2 present, IoU 1/2 and 1/2.
+  assert m["iou90"] == pytest.approx(1 / 2)
+
+
+def test_cutoff_is_strict():
+  probs = np.array([[0.9, 0.1], [0.91, 0.09]], np.float64).astype(np.float32)
+  m = evaluate(probs, np.array([0, 0]))
+  assert m["freq90"] == pytest.approx(0.5)
+
+
+def test_reliability_bins_use_left_open_intervals():
+  probs = np.array([[0.5, 0.5], [0.6, 0.4], [0.75, 0.25]], np.float32)
+  stats = UncertaintyMetrics.from_model_output(probs, np.array([0, 1, 0]), num_bins=2)
+  rel = stats.reliability()
+  np.testing.assert_allclose(rel["count"], [1, 2])  # 0.5 ∈ (0, .5]; 0.6, 0.75 ∈ (.5, 1]
+  np.testing.assert_allclose(rel["accuracy"], [1.0, 0.5])
+  np.testing.assert_allclose(rel["confidence"], [0.5, 0.675], rtol=1e-6)
+
+
+def test_top5_matches_numpy():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(200, 7))
+  probs = (np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)).astype(np.float32)
+  labels = rng.integers(0, 7, size=200)
+  rank = (probs > probs[np.arange(200), labels][:, None]).sum(-1)
+  assert evaluate(probs, labels)["top5"] == pytest.approx(np.mean(rank < 5))
+
+
+def test_batched_padded_accumulation_is_exact():
+  rng = np.random.default_rng(1)
+  logits = rng.normal(scale=3.0, size=(103, 10))
+  probs = (np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)).astype(np.float32)
+  labels = rng.integers(0, 10, size=103)
+  whole = evaluate(probs, labels, num_bins=15)
+  total = None
+  for start in range(0, 103, 16):
+    p, y = probs[start:start + 16], labels[start:start + 16]
+    mask = np.ones(16, np.float32)
+    mask[len(y):] = 0
+    pad = 16 - len(y)
+    p = np.concatenate([p, np.full((pad, 10), 0.1, np.float32)])
+    y = np.concatenate([y, np.zeros(pad, y.dtype)])
+    batch = UncertaintyMetrics.from_model_output(p, y, mask, num_bins=15)
+    total = batch if total is None else total.merge(batch)
+  batched = total.compute()
+  assert batched["count"] == 103
+  for key, value in whole.items():
+    assert batched[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def test_merging_different_bins_fails():
+  a = UncertaintyMetrics.from_model_output(PROBS, LABELS, num_bins=10)
+  b = UncertaintyMetrics.from_model_output(PROBS, LABELS, num_bins=15)
+  with pytest.raises(ValueError, match="different cutoff or num_bins"):
+    a.merge(b)
+
+
+def test_bad_labels_are_rejected():
+  with pytest.raises(ValueError, match="does not match probs shape"):
+    evaluate(PROBS, LABELS[:3])
+  with pytest.raises(TypeError, match="integer class indices"):
+    evaluate(PROBS, LABELS.astype(np.float32))
+
+
+def test_entropy_and_decomposition_hand_examples():
+  assert float(entropy(jnp.array([0.5, 0.5]))) == pytest.approx(math.log(2))
+  assert float(entropy(jnp.array([1.0, 0.0]))) == 0.0
+  disagree = uncertainty_decomposition(jnp.array([[[1.0, 0.0]], [[0.0, 1.0]]]))
+  assert float(disagree["total"][0]) == pytest.approx(math.log(2))
+  assert float(disagree["aleatoric"][0]) == pytest.approx(0.0)
+  assert float(disagree["epistemic"][0]) == pytest.approx(math.log(2))
+  agree = uncertainty_decomposition(jnp.array([[[0.5, 0.5]], [[0.5, 0.5]]]))
+  assert float(agree["epistemic"][0]) == pytest.approx(0.0, abs=1e-7)
+  assert float(agree["aleatoric"][0]) == pytest.approx(math.log(2))
+
+
+def test_reliability_plot_is_written(tmp_path):
+  fig = plot_reliability_diagram(UncertaintyMetrics.from_model_output(PROBS, LABELS))
+  path = tmp_path / "reliability.png"
+  fig.savefig(path)
+  assert path.stat().st_size > 1000
