@@ -18,18 +18,25 @@ from smoothing_jax.models.common import CNN, GAPHead, MLPHead, adaptive_avg_pool
 EXPANSION = {"basic": 1, "bottleneck": 4}
 
 
-class ResNetBlock(CNN):
-  """Post-activation basic/bottleneck block (torchvision layout, stride on the 3×3 conv)."""
+class _Block(CNN):
+  """Fields shared by the residual blocks: output ``channels · expansion``, inner width for groups."""
   channels: int = 64
   stride: int = 1
   block: str = "basic"
   groups: int = 1
   width_per_group: int = 64
 
+  def widths(self):
+    """(inner width of the 3×3 conv, block output channels), as torchvision computes them."""
+    return int(self.channels * (self.width_per_group / 64.0)) * self.groups, self.channels * EXPANSION[self.block]
+
+
+class ResNetBlock(_Block):
+  """Post-activation basic/bottleneck block (torchvision layout, stride on the 3×3 conv)."""
+
   @nn.compact
   def __call__(self, x, train: bool):
-    out_channels = self.channels * EXPANSION[self.block]
-    width = int(self.channels * (self.width_per_group / 64.0)) * self.groups
+    width, out_channels = self.widths()
     skip = x
     if self.stride != 1 or x.shape[-1] != out_channels:
       skip = conv(out_channels, 1, self.stride, dtype=self.dtype, name="shortcut_0")(x)
@@ -46,18 +53,12 @@ class ResNetBlock(CNN):
     return nn.relu(skip + y)
 
 
-class PreActBlock(CNN):
+class PreActBlock(_Block):
   """Pre-activation basic/bottleneck block; the 1×1 shortcut (no BN) sees BN-ReLU(x)."""
-  channels: int = 64
-  stride: int = 1
-  block: str = "basic"
-  groups: int = 1
-  width_per_group: int = 64
 
   @nn.compact
   def __call__(self, x, train: bool):
-    out_channels = self.channels * EXPANSION[self.block]
-    width = int(self.channels * (self.width_per_group / 64.0)) * self.groups
+    width, out_channels = self.widths()
     pre = nn.relu(self.bn(train, "bn1")(x))
     if self.stride != 1 or x.shape[-1] != out_channels:
       skip = conv(out_channels, 1, self.stride, dtype=self.dtype, name="shortcut_0")(pre)
