@@ -1,0 +1,55 @@
+"""Infrastructure defaults shared by every experiment config (the recipes live in ``configs/``)."""
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Keys every config has; an experiment's ``get_config()`` fills in its recipe and locks it."""
+  config = ml_collections.ConfigDict()
+  # Model: a registry name plus module options; None means the family's default
+  # (stem defaults to the dataset's geometry).
+  config.model = "resnet_mcdo_smoothing_18"
+  config.model_kwargs = ml_collections.ConfigDict(
+      {"temperature": 10.0, "blur_size": 2, "blur_same": False, "classifier": None, "width": None})
+  config.num_classes = -1           # -1: from the dataset
+  # Data.
+  config.dataset = "cifar10"
+  config.data_dir = None            # TFDS data_dir (None: TFDS default)
+  config.download = True            # let TFDS download missing datasets
+  config.seed = 0
+  config.num_devices = -1           # -1: all devices of all hosts
+  # Optimisation (recipe values are set by each config).
+  config.batch_size = 128           # global batch
+  config.base_batch_size = 128      # batch of the recipe's learning rate (linear scaling)
+  config.learning_rate = 0.1
+  config.momentum = 0.9
+  config.nesterov = False
+  config.weight_decay = 5e-4
+  config.num_epochs = 200
+  config.warmup_epochs = 1
+  config.lr_milestones = (60, 130, 160)
+  config.lr_decay = 0.2
+  config.num_train_steps = -1       # -1: (warmup_epochs + num_epochs) × steps per epoch
+  # Logging, evaluation and checkpoints.
+  config.log_every_steps = 100
+  config.eval_every_epochs = 10
+  config.eval_batch_size = 500
+  config.ece_bins = 10
+  config.checkpoint_every_steps = 1000
+  config.keep_checkpoints = 3
+  # Final evaluation: MC ensemble sizes (deterministic models use N = 1).
+  config.ensemble_sizes = (1, 2, 3, 4, 5, 10, 20, 50)
+  config.eval_chunk_size = 10       # samples evaluated together (bounds memory)
+  return config
+
+
+def shrink_for_cpu(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The ``runlocal`` variant: a narrow model and a few steps, for CPU smoke runs."""
+  config.model_kwargs.width = 8
+  config.batch_size = 32
+  config.num_train_steps = 20
+  config.log_every_steps = 5
+  config.eval_every_epochs = 1000
+  config.checkpoint_every_steps = 10
+  config.eval_batch_size = 256
+  config.ensemble_sizes = (1, 2, 5)
+  return config

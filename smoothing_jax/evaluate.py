@@ -1,0 +1,188 @@
+"""Evaluation of trained checkpoints: ensemble-size tables and corruption robustness.
+
+* ``evaluate_ensemble_sizes``: clean test metrics for MC ensembles of size N
+  (nested: the first N of N_max samples drawn in one ``mc_predict`` call), or for
+  deep ensembles of the first M of several workdirs; JSON, CSV and a plot of
+  NLL / accuracy / ECE against N (paper Fig. 3 layout) plus a reliability diagram.
+* ``evaluate_corruptions``: per-(type, severity) NLL / accuracy / ECE on the
+  corruption sets and the aggregates of paper Eqs. 34–36 against a baseline table.
+"""
+from __future__ import annotations
+
+import csv
+import functools
+import json
+import os
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from smoothing_jax.data import CORRUPTIONS, NUM_CLASSES, create_pipeline
+from smoothing_jax.inference import ensemble_predict, mc_predict, stack_variables
+from smoothing_jax.metrics import UncertaintyMetrics, plot_reliability_diagram
+from smoothing_jax.train import create_mesh, create_model, load_checkpoint, shard_batch
+
+METRIC_COLUMNS = ("nll", "acc", "ece", "top5", "brier", "acc90", "unc90", "freq90", "iou", "iou90", "ecse")
+
+
+def _nested_metrics(sample_probs, labels, mask, sizes, num_bins):
+  """Metrics of the mean of the first n samples, for each n in ``sizes``."""
+  cumulative = jnp.cumsum(sample_probs, axis=0)
+  return tuple(UncertaintyMetrics.from_model_output(cumulative[n - 1] / n, labels, mask, num_bins=num_bins)
+               for n in sizes)
+
+
+def _write_table(rows: list, path_stem: str):
+  with open(path_stem + ".json", "w") as f:
+    json.dump(rows, f, indent=2)
+  with open(path_stem + ".csv", "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def plot_ensemble_sizes(rows: list, title: str = ""):
+  """NLL, accuracy and ECE against ensemble size (paper Fig. 3 layout); returns the Figure."""
+  import matplotlib.pyplot as plt
+  sizes = [r["ensemble_size"] for r in rows]
+  fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+  for ax, (key, label, scale) in zip(axes, (("nll", "NLL", 1), ("acc", "Accuracy (%)", 100),
+                                            ("ece", "ECE (%)", 100))):
+    ax.plot(sizes, [scale * r[key] for r in rows], "o-")
+    ax.set_xscale("log")
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xlabel("ensemble size")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+  fig.suptitle(title)
+  fig.tight_layout()
+  return fig
+
+
+def evaluate_ensemble_sizes(workdirs: Sequence[str], output_dir: str, config=None,
+                            sizes: Optional[Sequence[int]] = None, seed: int = 0) -> list:
+  """Test metrics against ensemble size for one MC-dropout workdir or several deep-ensemble workdirs.
+
+  Returns one dict per ensemble size; writes ``ensemble_sizes.{json,csv,png}`` and
+  ``reliability.png`` (the largest ensemble) into ``output_dir``.
+  """
+  os.makedirs(output_dir, exist_ok=True)
+  members = [load_checkpoint(w, config) for w in workdirs]
+  config = members[0][0]
+  pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir, config.download)
+  num_classes = config.num_classes if config.num_classes > 0 else NUM_CLASSES.get(
+      pipeline.spec.base, int(pipeline.train_labels.max()) + 1)
+  model = create_model(config, num_classes, pipeline.spec.geometry)
+  mesh = create_mesh(config.num_devices)
+  replicated, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  rng = jax.random.key(seed)
+
+  if len(members) > 1:  # deep ensemble: sizes 1..M, one sample per member
+    sizes = list(range(1, len(members) + 1))
+    variables = stack_variables([m[2] for m in members])
+
+    def predict(v, images, key):
+      return ensemble_predict(model, v, images, rng=key).sample_probs
+  else:
+    sizes = sorted(set(sizes or config.ensemble_sizes)) if model.dropout_rate > 0 else [1]
+    variables = members[0][2]
+
+    def predict(v, images, key):
+      return mc_predict(model, v, images, num_samples=max(sizes), rng=key,
+                        chunk_size=config.eval_chunk_size).sample_probs
+
+  @functools.partial(jax.jit, in_shardings=(replicated, data_sharding, replicated), out_shardings=replicated)
+  def step(v, batch, key):
+    return _nested_metrics(predict(v, batch["image"], key), batch["label"], batch["mask"], sizes, config.ece_bins)
+
+  totals = None
+  for i, batch in enumerate(pipeline.eval_batches(config.eval_batch_size)):
+    stats = step(variables, shard_batch(batch, data_sharding), jax.random.fold_in(rng, i))
+    totals = stats if totals is None else tuple(a.merge(b) for a, b in zip(totals, stats))
+  rows = [{"ensemble_size": n, **{k: m[k] for k in ("count",) + METRIC_COLUMNS}}
+          for n, m in zip(sizes, (t.compute() for t in totals))]
+  _write_table(rows, os.path.join(output_dir, "ensemble_sizes"))
+  kind = "deep ensemble" if len(members) > 1 else config.model
+  plot_ensemble_sizes(rows, f"{kind} on {config.dataset}").savefig(os.path.join(output_dir, "ensemble_sizes.png"))
+  plot_reliability_diagram(totals[-1], f"{kind}, N={sizes[-1]}: ECE {100 * rows[-1]['ece']:.2f}%").savefig(
+      os.path.join(output_dir, "reliability.png"))
+  return rows
+
+
+def read_corruption_table(path: str) -> dict:
+  """Per-(type, severity) ``{"nll", "err", "ece"}`` from a CSV with columns type, severity, NLL, Acc, ECE.
+
+  This is the reference's ``*_corrupted.csv`` layout; accuracies and ECEs given in
+  percent (any value above 1) are converted to fractions.
+  """
+  with open(path, newline="") as f:
+    rows = list(csv.DictReader(f))
+  if not rows or not {"type", "severity", "NLL", "Acc", "ECE"} <= set(rows[0]):
+    raise ValueError(f"{path}: need columns type, severity, NLL, Acc, ECE; got {list(rows[0]) if rows else []}.")
+  percent = any(float(r["Acc"]) > 1 for r in rows)
+  scale = 100.0 if percent else 1.0
+  return {(r["type"], int(float(r["severity"]))): {
+      "nll": float(r["NLL"]), "err": 1.0 - float(r["Acc"]) / scale, "ece": float(r["ECE"]) / scale} for r in rows}
+
+
+def corruption_aggregates(table: dict, baseline: Optional[dict] = None,
+                          corruptions: Sequence[str] = CORRUPTIONS) -> dict:
+  """Paper Eqs. 34–36: per corruption Σ_s value(c, s) / Σ_s baseline(c, s), averaged over corruptions.
+
+  ``table`` and ``baseline`` map ``(type, severity)`` to ``{"nll", "err", "ece"}``.
+  Always returns the unnormalised means (``mean_err``, ``mean_nll``, ``mean_ece``);
+  with a baseline also ``mCE``, ``mCNLL`` and ``mCECE``.
+  """
+  out = {f"mean_{k}": float(np.mean([v[k] for v in table.values()])) for k in ("err", "nll", "ece")}
+  if baseline is not None:
+    for key, name in (("err", "mCE"), ("nll", "mCNLL"), ("ece", "mCECE")):
+      ratios = []
+      for c in corruptions:
+        severities = sorted(s for (t, s) in table if t == c)
+        missing = [s for s in severities if (c, s) not in baseline]
+        if not severities or missing:
+          raise ValueError(f"Corruption {c!r}: results for severities {severities}, baseline lacks {missing}.")
+        ratios.append(sum(table[(c, s)][key] for s in severities) / sum(baseline[(c, s)][key] for s in severities))
+      out[name] = float(np.mean(ratios))
+  return out
+
+
+def evaluate_corruptions(workdir: str, output_dir: str, baseline_csv: Optional[str] = None, num_samples: int = 1,
+                         config=None, corruptions: Sequence[str] = CORRUPTIONS, seed: int = 0) -> dict:
+  """NLL / accuracy / ECE on every (corruption, severity 1–5); writes ``corruptions.{json,csv}``."""
+  os.makedirs(output_dir, exist_ok=True)
+  config, _, variables = load_checkpoint(workdir, config)
+  pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir, config.download)
+  num_classes = config.num_classes if config.num_classes > 0 else NUM_CLASSES[pipeline.spec.base]
+  model = create_model(config, num_classes, pipeline.spec.geometry)
+  mesh = create_mesh(config.num_devices)
+  replicated, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  num_samples = num_samples if model.dropout_rate > 0 else 1
+
+  @functools.partial(jax.jit, in_shardings=(replicated, data_sharding, replicated), out_shardings=replicated)
+  def step(v, batch, key):
+    pred = mc_predict(model, v, batch["image"], num_samples=num_samples, rng=key, chunk_size=config.eval_chunk_size)
+    return UncertaintyMetrics.from_model_output(pred.mean_probs, batch["label"], batch["mask"],
+                                                num_bins=config.ece_bins)
+
+  rows, table = [], {}
+  for corruption in corruptions:
+    for severity in range(1, 6):
+      images, labels = pipeline.corrupted_arrays(corruption, severity)
+      total = None
+      for i, batch in enumerate(pipeline.eval_batches(config.eval_batch_size, images, labels)):
+        stats = step(variables, shard_batch(batch, data_sharding), jax.random.fold_in(jax.random.key(seed), i))
+        total = stats if total is None else total.merge(stats)
+      m = total.compute()
+      table[(corruption, severity)] = {"nll": m["nll"], "err": 1.0 - m["acc"], "ece": m["ece"]}
+      rows.append({"type": corruption, "severity": severity, "NLL": m["nll"], "Acc": m["acc"], "ECE": m["ece"],
+                   "count": m["count"]})
+  _write_table(rows, os.path.join(output_dir, "corruptions"))
+  baseline = read_corruption_table(baseline_csv) if baseline_csv else None
+  aggregates = corruption_aggregates(table, baseline, corruptions)
+  with open(os.path.join(output_dir, "corruption_aggregates.json"), "w") as f:
+    json.dump(aggregates, f, indent=2)
+  return aggregates

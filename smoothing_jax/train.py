@@ -1,0 +1,257 @@
+"""Data-parallel training and evaluation loop (in the style of the Flax ImageNet example).
+
+``train_and_evaluate(config, workdir)`` reads top to bottom: build the input
+pipeline and model, ``create_train_state``, restore the latest checkpoint, then
+loop ``train_step`` with periodic logging, evaluation (``eval_step``) and
+checkpoints.  Data parallelism is ``jax.jit`` over a 1-D ``Mesh`` with axis
+``data``: the batch is sharded over all devices (and hosts), parameters and
+optimizer state are replicated, and BatchNorm statistics are computed over the
+*global* batch (XLA inserts the cross-device reductions).
+
+Weight decay is the reference's (PyTorch SGD's) coupled L2: ``wd · w`` is added
+to the gradient before momentum (``optax.add_decayed_weights``), i.e. the
+gradient of ``wd/2 · ‖w‖²`` in the loss, on every parameter.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+from typing import Any, Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from absl import logging
+from clu import metric_writers, periodic_actions
+from flax.training import train_state
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from smoothing_jax.data import NUM_CLASSES, create_pipeline
+from smoothing_jax.inference import mc_predict
+from smoothing_jax.metrics import UncertaintyMetrics
+from smoothing_jax.models import get_model
+
+
+class TrainState(train_state.TrainState):
+  batch_stats: Any
+
+
+def create_mesh(num_devices: int = -1) -> Mesh:
+  """1-D mesh over all devices (``num_devices`` > 0: the first ``num_devices``)."""
+  devices = jax.devices() if num_devices <= 0 else jax.devices()[:num_devices]
+  return Mesh(np.asarray(devices), ("data",))
+
+
+def create_model(config, num_classes: int, geometry: str):
+  overrides = {k: v for k, v in config.model_kwargs.items() if v is not None}
+  overrides.setdefault("stem", geometry)
+  return get_model(config.model, num_classes, **overrides)
+
+
+def create_learning_rate_schedule(config, steps_per_epoch: int) -> optax.Schedule:
+  """Linear warm-up from 0 for ``warmup_epochs``, then × ``lr_decay`` at each milestone epoch.
+
+  The base rate is scaled linearly with ``batch_size / base_batch_size``;
+  milestones count epochs after the warm-up (the reference's extra warm-up epoch).
+  """
+  lr = config.learning_rate * config.batch_size / config.base_batch_size
+  main = optax.piecewise_constant_schedule(
+      lr, {int(m * steps_per_epoch): config.lr_decay for m in config.lr_milestones})
+  warmup_steps = int(config.warmup_epochs * steps_per_epoch)
+  if warmup_steps == 0:
+    return main
+  return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup_steps), main], [warmup_steps])
+
+
+def create_optimizer(config, schedule) -> optax.GradientTransformation:
+  return optax.chain(optax.add_decayed_weights(config.weight_decay),
+                     optax.sgd(schedule, momentum=config.momentum, nesterov=config.nesterov))
+
+
+def create_train_state(config, model, rng, image_shape, schedule) -> TrainState:
+  """Initialise parameters and BatchNorm statistics; attach the optimizer."""
+  variables = jax.jit(model.init)({"params": rng, "dropout": rng}, jnp.zeros((1,) + tuple(image_shape)))
+  return TrainState.create(apply_fn=model.apply, params=variables["params"],
+                           batch_stats=variables.get("batch_stats", {}), tx=create_optimizer(config, schedule))
+
+
+def train_step(model, schedule, state: TrainState, batch, dropout_rng):
+  """One SGD step on a (global) batch; the dropout key is ``fold_in(dropout_rng, step)``."""
+  rng = jax.random.fold_in(dropout_rng, state.step)
+
+  def loss_fn(params):
+    logits, updates = model.apply({"params": params, "batch_stats": state.batch_stats}, batch["image"],
+                                  train=True, mutable=["batch_stats"], rngs={"dropout": rng})
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["label"]).mean()
+    return loss, (logits, updates)
+
+  (loss, (logits, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  new_state = state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
+  metrics = {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"]),
+             "learning_rate": schedule(state.step)}
+  return new_state, metrics
+
+
+def eval_step(model, num_samples: int, num_bins: int, variables, batch, rng) -> UncertaintyMetrics:
+  """Metrics of the N-sample predictive on one padded, masked batch."""
+  pred = mc_predict(model, variables, batch["image"], num_samples=num_samples, rng=rng)
+  return UncertaintyMetrics.from_model_output(pred.mean_probs, batch["label"], batch["mask"], num_bins=num_bins)
+
+
+def shard_batch(batch: dict, sharding) -> dict:
+  """Assemble global arrays from this process's part of the batch."""
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
+
+
+def evaluate_batches(eval_fn, variables, batches, sharding, rng) -> dict:
+  """Run ``eval_fn`` over batches and merge the statistics exactly; returns the metric dict."""
+  total = None
+  for batch in batches:
+    stats = eval_fn(variables, shard_batch(batch, sharding), rng)
+    total = stats if total is None else total.merge(stats)
+  return total.compute()
+
+
+def _variables(state: TrainState) -> dict:
+  return {"params": state.params, "batch_stats": state.batch_stats}
+
+
+class _Preemption:
+  """Turns SIGTERM into a flag the loop checks between steps (checkpoint, then exit)."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+
+  def __enter__(self):
+    try:
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # not the main thread
+      self._previous = None
+    return self
+
+  def _handle(self, signum, frame):
+    logging.warning("SIGTERM received: saving a checkpoint before exiting.")
+    self.requested = True
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+def _check_finite(pending: list, last_good_step: int, checkpoint_dir: str):
+  """Raise ``FloatingPointError`` naming the first step whose loss is not finite."""
+  for step, loss in pending:
+    loss = float(loss)
+    if not np.isfinite(loss):
+      raise FloatingPointError(
+          f"Non-finite training loss ({loss}) at step {step}. Training stopped; the last good checkpoint "
+          f"(step {last_good_step}) is kept in {checkpoint_dir}.")
+  pending.clear()
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       stop_after_steps: Optional[int] = None) -> TrainState:
+  """Train ``config.model`` on ``config.dataset``, writing checkpoints and metrics to ``workdir``.
+
+  Resumes from the latest checkpoint in ``workdir/checkpoints``.  ``stop_after_steps``
+  ends this run early (after a checkpoint), as a preemption would.
+  """
+  os.makedirs(workdir, exist_ok=True)
+  writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
+  mesh = create_mesh(config.num_devices)
+  if config.batch_size % mesh.size:
+    raise ValueError(f"batch_size {config.batch_size} is not divisible by the {mesh.size} devices.")
+  replicated, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+  pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir, config.download)
+  num_classes = config.num_classes if config.num_classes > 0 else NUM_CLASSES.get(
+      pipeline.spec.base, int(pipeline.train_labels.max()) + 1)
+  model = create_model(config, num_classes, pipeline.spec.geometry)
+  steps_per_epoch = pipeline.steps_per_epoch
+  if steps_per_epoch == 0:
+    raise ValueError(f"batch_size {config.batch_size} is larger than the training set ({pipeline.num_train}).")
+  num_steps = config.num_train_steps if config.num_train_steps > 0 else int(
+      (config.warmup_epochs + config.num_epochs) * steps_per_epoch)
+  schedule = create_learning_rate_schedule(config, steps_per_epoch)
+
+  init_rng, dropout_rng, eval_rng = jax.random.split(jax.random.key(config.seed), 3)
+  state = jax.device_put(create_train_state(config, model, init_rng, pipeline.image_shape, schedule), replicated)
+
+  checkpoint_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
+  manager = ocp.CheckpointManager(checkpoint_dir, options=ocp.CheckpointManagerOptions(
+      max_to_keep=config.keep_checkpoints, create=True))
+  if manager.latest_step() is not None:
+    state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
+    logging.info("Resumed from step %d of %s", int(state.step), checkpoint_dir)
+  start_step = int(state.step)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+
+  p_train_step = jax.jit(functools.partial(train_step, model, schedule),
+                         in_shardings=(replicated, data_sharding, replicated),
+                         out_shardings=(replicated, replicated), donate_argnums=(0,))
+  p_eval_step = jax.jit(functools.partial(eval_step, model, 1, config.ece_bins),
+                        in_shardings=(replicated, data_sharding, replicated), out_shardings=replicated)
+
+  report_progress = periodic_actions.ReportProgress(num_train_steps=num_steps, writer=writer)
+  eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))
+  stop_at = num_steps if stop_after_steps is None else min(num_steps, start_step + stop_after_steps)
+  train_metrics, pending_losses = [], []
+  last_good = start_step
+  logging.info("Training %s on %s: %d steps (%d per epoch), global batch %d on %d devices.",
+               config.model, config.dataset, num_steps, steps_per_epoch, config.batch_size, mesh.size)
+
+  batches = pipeline.train_iterator(start_step)
+  with _Preemption() as preemption:
+    for step in range(start_step + 1, stop_at + 1):
+      with jax.profiler.StepTraceAnnotation("train", step_num=step):
+        state, metrics = p_train_step(state, shard_batch(next(batches), data_sharding), dropout_rng)
+      train_metrics.append(metrics)
+      pending_losses.append((step, metrics["loss"]))
+      report_progress(step)
+
+      is_last = step == stop_at or preemption.requested
+      if step % config.log_every_steps == 0 or is_last:
+        _check_finite(pending_losses, last_good, checkpoint_dir)
+        summary = {f"train_{k}": float(v) for k, v in jax.tree.map(
+            lambda *xs: np.mean(np.stack(xs)), *jax.device_get(train_metrics)).items()}
+        writer.write_scalars(step, summary)
+        train_metrics = []
+      if step % eval_every == 0 or step == num_steps:
+        with report_progress.timed("eval"):
+          results = evaluate_batches(p_eval_step, _variables(state), pipeline.eval_batches(config.eval_batch_size),
+                                     data_sharding, eval_rng)
+        writer.write_scalars(step, {f"eval_{k}": v for k, v in results.items() if k in ("nll", "acc", "ece")})
+      if step % config.checkpoint_every_steps == 0 or is_last:
+        _check_finite(pending_losses, last_good, checkpoint_dir)
+        manager.save(step, args=ocp.args.StandardSave(state))
+        last_good = step
+      writer.flush()
+      if preemption.requested:
+        logging.warning("Stopped at step %d after SIGTERM; rerun the same command to resume.", step)
+        break
+  manager.wait_until_finished()
+  manager.close()
+  writer.close()
+  return state
+
+
+def load_checkpoint(workdir: str, config: Optional[ml_collections.ConfigDict] = None):
+  """Model and variables of the latest checkpoint in ``workdir`` (config from ``workdir/config.json``)."""
+  if config is None:
+    with open(os.path.join(workdir, "config.json")) as f:
+      config = ml_collections.ConfigDict(json.load(f))
+  checkpoint_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
+  with ocp.CheckpointManager(checkpoint_dir, options=ocp.CheckpointManagerOptions(read_only=True)) as manager:
+    step = manager.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"No checkpoint in {checkpoint_dir}.")
+    restored = manager.restore(step, args=ocp.args.StandardRestore())
+  return config, step, {"params": restored["params"], "batch_stats": restored["batch_stats"]}
