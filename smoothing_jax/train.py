@@ -104,6 +104,17 @@ def eval_step(model, num_samples: int, num_bins: int, variables, batch, rng) -> 
   return UncertaintyMetrics.from_model_output(pred.mean_probs, batch["label"], batch["mask"], num_bins=num_bins)
 
 
+def compile_steps(model, schedule, mesh: Mesh, num_bins: int):
+  """``(train_step, eval_step)`` jitted over ``mesh``: batch sharded on ``data``, state replicated and donated."""
+  replicated, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  p_train_step = jax.jit(functools.partial(train_step, model, schedule),
+                         in_shardings=(replicated, data_sharding, replicated),
+                         out_shardings=(replicated, replicated), donate_argnums=(0,))
+  p_eval_step = jax.jit(functools.partial(eval_step, model, 1, num_bins),
+                        in_shardings=(replicated, data_sharding, replicated), out_shardings=replicated)
+  return p_train_step, p_eval_step
+
+
 def shard_batch(batch: dict, sharding) -> dict:
   """Assemble global arrays from this process's part of the batch."""
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
@@ -143,6 +154,11 @@ class _Preemption:
   def __exit__(self, *exc):
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
+
+
+@jax.jit
+def _all_finite(state: TrainState):
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves((state.params, state.batch_stats))]))
 
 
 def _check_finite(pending: list, last_good_step: int, checkpoint_dir: str):
@@ -194,11 +210,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
 
-  p_train_step = jax.jit(functools.partial(train_step, model, schedule),
-                         in_shardings=(replicated, data_sharding, replicated),
-                         out_shardings=(replicated, replicated), donate_argnums=(0,))
-  p_eval_step = jax.jit(functools.partial(eval_step, model, 1, config.ece_bins),
-                        in_shardings=(replicated, data_sharding, replicated), out_shardings=replicated)
+  p_train_step, p_eval_step = compile_steps(model, schedule, mesh, config.ece_bins)
 
   report_progress = periodic_actions.ReportProgress(num_train_steps=num_steps, writer=writer)
   eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))
@@ -209,37 +221,43 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                config.model, config.dataset, num_steps, steps_per_epoch, config.batch_size, mesh.size)
 
   batches = pipeline.train_iterator(start_step)
-  with _Preemption() as preemption:
-    for step in range(start_step + 1, stop_at + 1):
-      with jax.profiler.StepTraceAnnotation("train", step_num=step):
-        state, metrics = p_train_step(state, shard_batch(next(batches), data_sharding), dropout_rng)
-      train_metrics.append(metrics)
-      pending_losses.append((step, metrics["loss"]))
-      report_progress(step)
+  try:
+    with _Preemption() as preemption:
+      for step in range(start_step + 1, stop_at + 1):
+        with jax.profiler.StepTraceAnnotation("train", step_num=step):
+          state, metrics = p_train_step(state, shard_batch(next(batches), data_sharding), dropout_rng)
+        train_metrics.append(metrics)
+        pending_losses.append((step, metrics["loss"]))
+        report_progress(step)
 
-      is_last = step == stop_at or preemption.requested
-      if step % config.log_every_steps == 0 or is_last:
-        _check_finite(pending_losses, last_good, checkpoint_dir)
-        summary = {f"train_{k}": float(v) for k, v in jax.tree.map(
-            lambda *xs: np.mean(np.stack(xs)), *jax.device_get(train_metrics)).items()}
-        writer.write_scalars(step, summary)
-        train_metrics = []
-      if step % eval_every == 0 or step == num_steps:
-        with report_progress.timed("eval"):
-          results = evaluate_batches(p_eval_step, _variables(state), pipeline.eval_batches(config.eval_batch_size),
-                                     data_sharding, eval_rng)
-        writer.write_scalars(step, {f"eval_{k}": v for k, v in results.items() if k in ("nll", "acc", "ece")})
-      if step % config.checkpoint_every_steps == 0 or is_last:
-        _check_finite(pending_losses, last_good, checkpoint_dir)
-        manager.save(step, args=ocp.args.StandardSave(state))
-        last_good = step
-      writer.flush()
-      if preemption.requested:
-        logging.warning("Stopped at step %d after SIGTERM; rerun the same command to resume.", step)
-        break
-  manager.wait_until_finished()
-  manager.close()
-  writer.close()
+        is_last = step == stop_at or preemption.requested
+        if step % config.log_every_steps == 0 or is_last:
+          _check_finite(pending_losses, last_good, checkpoint_dir)
+          summary = {f"train_{k}": float(v) for k, v in jax.tree.map(
+              lambda *xs: np.mean(np.stack(xs)), *jax.device_get(train_metrics)).items()}
+          writer.write_scalars(step, summary)
+          train_metrics = []
+        if step % eval_every == 0 or step == num_steps:
+          with report_progress.timed("eval"):
+            results = evaluate_batches(p_eval_step, _variables(state), pipeline.eval_batches(config.eval_batch_size),
+                                       data_sharding, eval_rng)
+          writer.write_scalars(step, {f"eval_{k}": v for k, v in results.items() if k in ("nll", "acc", "ece")})
+        if step % config.checkpoint_every_steps == 0 or is_last:
+          _check_finite(pending_losses, last_good, checkpoint_dir)
+          if not bool(_all_finite(state)):
+            raise FloatingPointError(
+                f"Non-finite parameters after step {step}. Training stopped; the last good checkpoint "
+                f"(step {last_good}) is kept in {checkpoint_dir}.")
+          manager.save(step, args=ocp.args.StandardSave(state))
+          last_good = step
+        writer.flush()
+        if preemption.requested:
+          logging.warning("Stopped at step %d after SIGTERM; rerun the same command to resume.", step)
+          break
+  finally:
+    manager.wait_until_finished()  # commits any checkpoint still being written
+    manager.close()
+    writer.close()
   return state
 
 
