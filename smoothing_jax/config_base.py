@@ -1,5 +1,6 @@
 """Infrastructure defaults shared by every experiment config (the recipes live in ``configs/``)."""
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -9,11 +10,12 @@ def base_config() -> ml_collections.ConfigDict:
   # (stem defaults to the dataset's geometry).
   config.model = "resnet_mcdo_smoothing_18"
   config.model_kwargs = ml_collections.ConfigDict(
-      {"temperature": 10.0, "blur_size": 2, "blur_same": False, "classifier": None, "width": None})
+      {"temperature": 10.0, "blur_size": 2, "blur_same": False,
+       "classifier": placeholder(str), "width": placeholder(int)})
   config.num_classes = -1           # -1: from the dataset
   # Data.
   config.dataset = "cifar10"
-  config.data_dir = None            # TFDS data_dir (None: TFDS default)
+  config.data_dir = placeholder(str)  # TFDS data_dir (None: TFDS default)
   config.download = True            # let TFDS download missing datasets
   config.seed = 0
   config.num_devices = -1           # -1: all devices of all hosts

@@ -8,7 +8,6 @@ import math
 from typing import Optional
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -94,12 +93,13 @@ class Blur(nn.Module):
       return x
     before, after = blur_padding(self.kernel_size, self.same, self.pad_mode)
     x = jnp.pad(x, ((0, 0), (before, after), (before, after), (0, 0)), mode=PAD_MODES[self.pad_mode])
-    channels = x.shape[-1]
-    kernel = jnp.asarray(blur_kernel(self.kernel_size), x.dtype)
-    kernel = jnp.broadcast_to(kernel[:, :, None, None], kernel.shape + (1, channels))
-    return jax.lax.conv_general_dilated(
-        x, kernel, window_strides=(1, 1), padding="VALID",
-        dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=channels)
+    # The kernel is separable, k ⊗ k / ‖k‖₁²: weighted sums of shifted views along H, then W.
+    # (Cheaper than a grouped convolution, and XLA fuses it with the surrounding element-wise ops.)
+    taps = np.asarray(BLUR_FILTERS[self.kernel_size]) / np.sum(BLUR_FILTERS[self.kernel_size])
+    n = self.kernel_size
+    h, w = x.shape[1] - n + 1, x.shape[2] - n + 1
+    x = sum(float(t) * x[:, i:i + h] for i, t in enumerate(taps))
+    return sum(float(t) * x[:, :, j:j + w] for j, t in enumerate(taps))
 
 
 class Smooth(nn.Module):

@@ -1,0 +1,104 @@
+"""Benchmark: train-step throughput with and without spatial smoothing, and the input pipeline alone.
+
+Prints one JSON object, all measured in the same run on the same devices:
+  * images/s of a jitted, data-parallel ``train_step`` for each model (default
+    ``resnet_dnn_18``, ``resnet_dnn_smoothing_18``, ``resnet_mcdo_smoothing_18``,
+    and the smoothing model with the size-preserving ``blur_same=True``);
+  * each model's compiled FLOPs (XLA cost analysis) and its step-time and FLOP
+    ratios against the first model, so the smoothing overhead can be read as
+    "beyond what its larger feature maps cost" = time ratio / FLOP ratio;
+  * images/s of the training input pipeline alone (augmentation + batching).
+
+  python experiments/bench_train.py                       # CIFAR, batch 128
+  python experiments/bench_train.py --steps 3 --width 16  # quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from smoothing_jax import train
+from smoothing_jax.config_base import base_config
+from smoothing_jax.data import create_pipeline
+from smoothing_jax.models import get_model
+
+DEFAULT_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "cifar10")
+
+
+def time_train_steps(name, overrides, config, batch, steps):
+  model = get_model(name, 10, **overrides)
+  mesh = train.create_mesh()
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  schedule = train.create_learning_rate_schedule(config, steps_per_epoch=100)
+  state = jax.device_put(train.create_train_state(config, model, jax.random.key(0), batch["image"].shape[1:],
+                                                  schedule), replicated)
+  step_fn, _ = train.compile_steps(model, schedule, mesh, 10)
+  batch = train.shard_batch(batch, data)
+  rng = jax.random.key(1)
+  flops = step_fn.lower(state, batch, rng).compile().cost_analysis()
+  flops = (flops[0] if isinstance(flops, list) else flops).get("flops", float("nan"))
+  state, metrics = step_fn(state, batch, rng)  # compile + warm up
+  jax.block_until_ready(metrics)
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    state, metrics = step_fn(state, batch, rng)
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), flops
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--models", nargs="+",
+                      default=["resnet_dnn_18", "resnet_dnn_smoothing_18", "resnet_mcdo_smoothing_18",
+                               "resnet_dnn_smoothing_18:same"])
+  parser.add_argument("--batch-size", type=int, default=128)
+  parser.add_argument("--steps", type=int, default=10, help="timed steps per model (median reported)")
+  parser.add_argument("--width", type=int, default=None, help="override the model width (quick runs)")
+  parser.add_argument("--dataset", default=f"npz:{DEFAULT_DATA}" if os.path.isdir(DEFAULT_DATA) else "digits",
+                      help="dataset for the input-pipeline measurement")
+  parser.add_argument("--pipeline-batches", type=int, default=50)
+  args = parser.parse_args(argv)
+
+  config = base_config()  # the CIFAR SGD recipe's defaults; values do not affect timing
+  rng = np.random.default_rng(0)
+  batch = {"image": rng.normal(size=(args.batch_size, 32, 32, 3)).astype(np.float32),
+           "label": rng.integers(0, 10, args.batch_size).astype(np.int32)}
+  results, base = [], None
+  for entry in args.models:
+    name, _, variant = entry.partition(":")
+    overrides = {} if args.width is None else {"width": args.width}
+    if variant == "same":
+      overrides["blur_same"] = True
+    seconds, flops = time_train_steps(name, overrides, config, batch, args.steps)
+    base = base or (seconds, flops)
+    row = {"model": entry, "step_seconds": seconds, "images_per_s": args.batch_size / seconds, "flops": flops,
+           "time_ratio": seconds / base[0], "flop_ratio": flops / base[1],
+           "overhead_beyond_flops": (seconds / base[0]) / (flops / base[1]) - 1.0}
+    results.append(row)
+    print(json.dumps(row), flush=True)
+
+  pipeline = create_pipeline(args.dataset, args.batch_size, seed=0)
+  iterator = pipeline.train_iterator()
+  next(iterator)
+  start = time.perf_counter()
+  for _ in range(args.pipeline_batches):
+    next(iterator)
+  pipeline_ips = args.pipeline_batches * args.batch_size / (time.perf_counter() - start)
+  print(json.dumps({
+      "benchmark": "train_step_smoothing_overhead", "batch_size": args.batch_size, "width": args.width,
+      "device": str(jax.devices()[0]), "num_devices": jax.device_count(), "models": results,
+      "pipeline_dataset": args.dataset, "pipeline_images_per_s": pipeline_ips,
+      "pipeline_vs_fastest_step": pipeline_ips / max(r["images_per_s"] for r in results)}, indent=2))
+
+
+if __name__ == "__main__":
+  main()
