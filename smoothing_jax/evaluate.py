@@ -20,12 +20,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from smoothing_jax.data import CORRUPTIONS, NUM_CLASSES, create_pipeline
+from smoothing_jax.data import CORRUPTIONS, create_pipeline
 from smoothing_jax.inference import ensemble_predict, mc_predict, stack_variables
 from smoothing_jax.metrics import UncertaintyMetrics, plot_reliability_diagram
 from smoothing_jax.train import create_mesh, create_model, load_checkpoint, shard_batch
 
 METRIC_COLUMNS = ("nll", "acc", "ece", "top5", "brier", "acc90", "unc90", "freq90", "iou", "iou90", "ecse")
+
+
+def _evaluation_setup(config):
+  """Input pipeline, model and (replicated, batch-sharded) shardings for a checkpoint's config."""
+  pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir, config.download)
+  mesh = create_mesh(config.num_devices)
+  return pipeline, create_model(config, pipeline), NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
 
 def _nested_metrics(sample_probs, labels, mask, sizes, num_bins):
@@ -72,12 +79,7 @@ def evaluate_ensemble_sizes(workdirs: Sequence[str], output_dir: str, config=Non
   os.makedirs(output_dir, exist_ok=True)
   members = [load_checkpoint(w, config) for w in workdirs]
   config = members[0][0]
-  pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir, config.download)
-  num_classes = config.num_classes if config.num_classes > 0 else NUM_CLASSES.get(
-      pipeline.spec.base, int(pipeline.train_labels.max()) + 1)
-  model = create_model(config, num_classes, pipeline.spec.geometry)
-  mesh = create_mesh(config.num_devices)
-  replicated, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  pipeline, model, replicated, data_sharding = _evaluation_setup(config)
   rng = jax.random.key(seed)
 
   if len(members) > 1:  # deep ensemble: sizes 1..M, one sample per member
@@ -155,11 +157,7 @@ def evaluate_corruptions(workdir: str, output_dir: str, baseline_csv: Optional[s
   """NLL / accuracy / ECE on every (corruption, severity 1–5); writes ``corruptions.{json,csv}``."""
   os.makedirs(output_dir, exist_ok=True)
   config, _, variables = load_checkpoint(workdir, config)
-  pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir, config.download)
-  num_classes = config.num_classes if config.num_classes > 0 else NUM_CLASSES[pipeline.spec.base]
-  model = create_model(config, num_classes, pipeline.spec.geometry)
-  mesh = create_mesh(config.num_devices)
-  replicated, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  pipeline, model, replicated, data_sharding = _evaluation_setup(config)
   num_samples = num_samples if model.dropout_rate > 0 else 1
 
   @functools.partial(jax.jit, in_shardings=(replicated, data_sharding, replicated), out_shardings=replicated)
@@ -171,9 +169,9 @@ def evaluate_corruptions(workdir: str, output_dir: str, baseline_csv: Optional[s
   rows, table = [], {}
   for corruption in corruptions:
     for severity in range(1, 6):
-      images, labels = pipeline.corrupted_arrays(corruption, severity)
       total = None
-      for i, batch in enumerate(pipeline.eval_batches(config.eval_batch_size, images, labels)):
+      name = f"{pipeline.spec.base}_corrupted/{corruption}_{severity}"
+      for i, batch in enumerate(pipeline.eval_batches(config.eval_batch_size, name)):
         stats = step(variables, shard_batch(batch, data_sharding), jax.random.fold_in(jax.random.key(seed), i))
         total = stats if total is None else total.merge(stats)
       m = total.compute()

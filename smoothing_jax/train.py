@@ -48,9 +48,12 @@ def create_mesh(num_devices: int = -1) -> Mesh:
   return Mesh(np.asarray(devices), ("data",))
 
 
-def create_model(config, num_classes: int, geometry: str):
+def create_model(config, pipeline):
+  """``config.model`` for ``pipeline``'s classes (``config.num_classes`` > 0 overrides) and geometry."""
+  num_classes = config.num_classes if config.num_classes > 0 else NUM_CLASSES.get(
+      pipeline.spec.base, int(pipeline.train_labels.max()) + 1)
   overrides = {k: v for k, v in config.model_kwargs.items() if v is not None}
-  overrides.setdefault("stem", geometry)
+  overrides.setdefault("stem", pipeline.spec.geometry)
   return get_model(config.model, num_classes, **overrides)
 
 
@@ -187,9 +190,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   replicated, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
   pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir, config.download)
-  num_classes = config.num_classes if config.num_classes > 0 else NUM_CLASSES.get(
-      pipeline.spec.base, int(pipeline.train_labels.max()) + 1)
-  model = create_model(config, num_classes, pipeline.spec.geometry)
+  model = create_model(config, pipeline)
   steps_per_epoch = pipeline.steps_per_epoch
   if steps_per_epoch == 0:
     raise ValueError(f"batch_size {config.batch_size} is larger than the training set ({pipeline.num_train}).")

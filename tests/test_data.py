@@ -127,3 +127,16 @@ def test_digits_source_is_offline_and_split():
   assert (pipeline.num_train, pipeline.num_eval) == (1797 - 360, 360)
   assert pipeline.train_images.shape[1:] == (32, 32, 3)
   assert set(np.unique(pipeline.eval_labels)) == set(range(10))
+
+
+def test_imagenet_preprocessing_shapes():
+  from smoothing_jax.data.input_pipeline import imagenet_eval_preprocess, imagenet_train_augment
+  image = np.random.default_rng(3).integers(0, 256, (300, 400, 3), dtype=np.uint8)
+  train = imagenet_train_augment(image, np.array([1, 2], np.int64)).numpy()
+  assert train.shape == (224, 224, 3)
+  evaluated = imagenet_eval_preprocess(image).numpy()
+  assert evaluated.shape == (224, 224, 3)
+  # Resize 256 on the short side (300 -> 256, 400 -> 341), then the centre 224×224.
+  import tensorflow as tf
+  resized = tf.image.resize(image, (256, 341), method="bilinear").numpy()
+  np.testing.assert_allclose(evaluated, resized[16:240, 58:282], rtol=1e-5, atol=1e-3)

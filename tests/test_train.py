@@ -141,3 +141,41 @@ def test_eight_devices_match_one_device_on_the_same_global_batch():
   np.testing.assert_allclose(l1, l8, rtol=1e-5)
   jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-6), p1, p8)
   jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-6), s1, s8)
+
+
+@pytest.mark.slow
+def test_sigkill_at_any_moment_then_rerun_is_bit_identical(tmp_path):
+  """The CLI killed with SIGKILL mid-run and started again ends with the uninterrupted run's parameters."""
+  import subprocess
+  import sys
+  import time
+  rng = np.random.default_rng(0)
+  data = tmp_path / "data"
+  data.mkdir()
+  for split, n in (("train", 64), ("test", 16)):
+    np.savez(data / f"{split}.npz", images=rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8),
+             labels=rng.integers(0, 10, n))
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+  def command(workdir):
+    return [sys.executable, "-m", "smoothing_jax.main", f"--workdir={workdir}",
+            f"--config={root}/configs/cifar_resnet.py:resnet_mcdo_smoothing_18,npz:{data},runlocal",
+            "--config.model_kwargs.width=4", "--config.batch_size=8", "--config.num_train_steps=16",
+            "--config.checkpoint_every_steps=4", "--config.ensemble_sizes=(1,)", "--config.eval_batch_size=16"]
+
+  env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", CUDA_VISIBLE_DEVICES="")
+  subprocess.run(command(tmp_path / "full"), check=True, env=env, cwd=root, capture_output=True)
+  victim = subprocess.Popen(command(tmp_path / "killed"), env=env, cwd=root, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+  checkpoints = tmp_path / "killed" / "checkpoints"
+  deadline = time.time() + 300
+  while not (checkpoints / "8").exists() and victim.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  victim.kill()  # SIGKILL, possibly in the middle of writing the next checkpoint
+  victim.wait()
+  assert (checkpoints / "8").exists()
+  subprocess.run(command(tmp_path / "killed"), check=True, env=env, cwd=root, capture_output=True)
+  _, step_full, full = train.load_checkpoint(str(tmp_path / "full"))
+  _, step_killed, killed = train.load_checkpoint(str(tmp_path / "killed"))
+  assert step_full == step_killed == 16
+  jax.tree.map(np.testing.assert_array_equal, killed, full)

@@ -276,21 +276,25 @@ class Pipeline:
       yield from tfds.as_numpy(self.train_dataset(epoch, step_in_epoch))
       epoch, step_in_epoch = epoch + 1, 0
 
-  def eval_batches(self, batch_size: Optional[int] = None, images=None, labels=None) -> Iterator[dict]:
+  def eval_batches(self, batch_size: Optional[int] = None, dataset: Optional[str] = None) -> Iterator[dict]:
     """Evaluation batches ``{"image", "label", "mask"}``; the last one is zero-padded, nothing is dropped.
 
-    ``images``/``labels`` (this process's shard) default to the evaluation split.
-    Every process yields the same number of batches (padding the shorter shards).
+    ``dataset`` (e.g. ``"cifar10_corrupted/fog_3"``) defaults to this dataset's
+    evaluation split.  Every process yields the same number of batches (padding
+    the shorter shards); ImageNet-sized sets are streamed, the others held in memory.
     """
     batch = (batch_size or self.global_batch_size) // jax.process_count()
-    if images is not None:
-      ds, num_global = tf.data.Dataset.from_tensor_slices((images, labels)), len(images) * jax.process_count()
-    elif self.eval_images is not None:
-      ds, num_global = tf.data.Dataset.from_tensor_slices((self.eval_images, self.eval_labels)), self.num_eval
-    else:  # streaming ImageNet validation
-      ds = tfds_split(self.spec, self.spec.eval_split, self.data_dir, self.download).map(
-          lambda ex: (ex["image"], ex["label"]))
+    spec = self.spec if dataset is None else parse_dataset(dataset)
+    if spec == self.spec and self.eval_images is not None:
+      ds = tf.data.Dataset.from_tensor_slices((self.eval_images, self.eval_labels))
       num_global = self.num_eval
+    elif spec.geometry == "imagenet":
+      ds = tfds_split(spec, spec.eval_split, self.data_dir, self.download).map(lambda ex: (ex["image"], ex["label"]))
+      num_global = _tfds_builder(spec, self.data_dir, False).info.splits[spec.eval_split].num_examples
+    else:
+      images, labels = load_arrays(spec, spec.eval_split, self.data_dir, self.download)
+      ds = tf.data.Dataset.from_tensor_slices((images, labels))
+      num_global = len(images) * jax.process_count()
     num_batches = -(-(-(-num_global // jax.process_count())) // batch)
     mean, std = self.mean, self.std
     preprocess = imagenet_eval_preprocess if self.spec.geometry == "imagenet" else (lambda x: x)
@@ -305,11 +309,6 @@ class Pipeline:
       if n:
         out["image"][:n], out["label"][:n], out["mask"][:n] = x, y, 1.0
       yield out
-
-  def corrupted_arrays(self, corruption: str, severity: int):
-    """This process's shard of ``<base>_corrupted/<corruption>_<severity>`` as numpy arrays."""
-    spec = parse_dataset(f"{self.spec.base}_corrupted/{corruption}_{severity}")
-    return load_arrays(spec, spec.eval_split, self.data_dir, self.download)
 
 
 def create_pipeline(dataset: str, global_batch_size: int, seed: int, data_dir: Optional[str] = None,
