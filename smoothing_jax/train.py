@@ -136,6 +136,10 @@ def _variables(state: TrainState) -> dict:
   return {"params": state.params, "batch_stats": state.batch_stats}
 
 
+class Preempted(SystemExit):
+  """Raised after the checkpoint that a SIGTERM asked for has been written."""
+
+
 class _Preemption:
   """Turns SIGTERM into a flag the loop checks between steps (checkpoint, then exit)."""
 
@@ -217,7 +221,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))
   stop_at = num_steps if stop_after_steps is None else min(num_steps, start_step + stop_after_steps)
   train_metrics, pending_losses = [], []
-  last_good = start_step
+  last_good, preempted = start_step, False
   logging.info("Training %s on %s: %d steps (%d per epoch), global batch %d on %d devices.",
                config.model, config.dataset, num_steps, steps_per_epoch, config.batch_size, mesh.size)
 
@@ -231,7 +235,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         pending_losses.append((step, metrics["loss"]))
         report_progress(step)
 
-        is_last = step == stop_at or preemption.requested
+        preempted = preemption.requested  # read once: the save and the exit below must agree
+        is_last = step == stop_at or preempted
         if step % config.log_every_steps == 0 or is_last:
           _check_finite(pending_losses, last_good, checkpoint_dir)
           summary = {f"train_{k}": float(v) for k, v in jax.tree.map(
@@ -252,13 +257,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
           manager.save(step, args=ocp.args.StandardSave(state))
           last_good = step
         writer.flush()
-        if preemption.requested:
-          logging.warning("Stopped at step %d after SIGTERM; rerun the same command to resume.", step)
+        if preempted:
           break
   finally:
     manager.wait_until_finished()  # commits any checkpoint still being written
     manager.close()
     writer.close()
+  if preempted:
+    raise Preempted(f"Stopped at step {step} after SIGTERM (checkpoint saved in {checkpoint_dir}); "
+                    "rerun the same command to resume.")
   return state
 
 

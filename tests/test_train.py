@@ -144,8 +144,9 @@ def test_eight_devices_match_one_device_on_the_same_global_batch():
 
 
 @pytest.mark.slow
-def test_sigkill_at_any_moment_then_rerun_is_bit_identical(tmp_path):
-  """The CLI killed with SIGKILL mid-run and started again ends with the uninterrupted run's parameters."""
+def test_sigterm_and_sigkill_then_rerun_is_bit_identical(tmp_path):
+  """The CLI stopped by SIGTERM (checkpoint, exit) and by SIGKILL (at any moment), each time started
+  again with the same command, ends with the uninterrupted run's parameters."""
   import subprocess
   import sys
   import time
@@ -160,22 +161,30 @@ def test_sigkill_at_any_moment_then_rerun_is_bit_identical(tmp_path):
   def command(workdir):
     return [sys.executable, "-m", "smoothing_jax.main", f"--workdir={workdir}",
             f"--config={root}/configs/cifar_resnet.py:resnet_mcdo_smoothing_18,npz:{data},runlocal",
-            "--config.model_kwargs.width=4", "--config.batch_size=8", "--config.num_train_steps=16",
+            "--config.model_kwargs.width=4", "--config.batch_size=8", "--config.num_train_steps=24",
             "--config.checkpoint_every_steps=4", "--config.ensemble_sizes=(1,)", "--config.eval_batch_size=16"]
 
   env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", CUDA_VISIBLE_DEVICES="")
+  checkpoints = tmp_path / "stopped" / "checkpoints"
+
+  def start_and_signal(after_checkpoint, sig):
+    victim = subprocess.Popen(command(tmp_path / "stopped"), env=env, cwd=root, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (checkpoints / str(after_checkpoint)).exists() and victim.poll() is None and time.time() < deadline:
+      time.sleep(0.05)
+    victim.send_signal(sig)
+    _, stderr = victim.communicate(timeout=300)
+    assert (checkpoints / str(after_checkpoint)).exists()
+    return victim.returncode, stderr
+
   subprocess.run(command(tmp_path / "full"), check=True, env=env, cwd=root, capture_output=True)
-  victim = subprocess.Popen(command(tmp_path / "killed"), env=env, cwd=root, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-  checkpoints = tmp_path / "killed" / "checkpoints"
-  deadline = time.time() + 300
-  while not (checkpoints / "8").exists() and victim.poll() is None and time.time() < deadline:
-    time.sleep(0.05)
-  victim.kill()  # SIGKILL, possibly in the middle of writing the next checkpoint
-  victim.wait()
-  assert (checkpoints / "8").exists()
-  subprocess.run(command(tmp_path / "killed"), check=True, env=env, cwd=root, capture_output=True)
+  code, stderr = start_and_signal(4, signal.SIGTERM)
+  assert code != 0 and "after SIGTERM" in stderr
+  code, _ = start_and_signal(12, signal.SIGKILL)  # possibly in the middle of writing a checkpoint
+  assert code == -signal.SIGKILL
+  subprocess.run(command(tmp_path / "stopped"), check=True, env=env, cwd=root, capture_output=True)
   _, step_full, full = train.load_checkpoint(str(tmp_path / "full"))
-  _, step_killed, killed = train.load_checkpoint(str(tmp_path / "killed"))
-  assert step_full == step_killed == 16
-  jax.tree.map(np.testing.assert_array_equal, killed, full)
+  _, step_stopped, stopped = train.load_checkpoint(str(tmp_path / "stopped"))
+  assert step_full == step_stopped == 24
+  jax.tree.map(np.testing.assert_array_equal, stopped, full)
