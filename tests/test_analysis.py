@@ -1,0 +1,134 @@
+"""Hessian tools against an explicit Hessian; Fourier Δlog-amplitude against an explicit DFT."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+from smoothing_jax.analysis import (delta_log_amplitude, eigenvalue_density, hessian_trace, hvp, min_eigenvalue,
+                                    top_eigenvalues)
+from smoothing_jax.layers import Blur
+
+
+class SmallNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(8)(x)
+    x = nn.BatchNorm(use_running_average=True)(x)
+    return nn.Dense(3)(jnp.tanh(x))
+
+
+@pytest.fixture(scope="module")
+def problem():
+  """Cross-entropy of a 115-parameter net with BatchNorm (inference mode) on a fixed batch."""
+  model = SmallNet()
+  x = jax.random.normal(jax.random.key(0), (32, 8))
+  y = jnp.arange(32) % 3
+  variables = model.init(jax.random.key(1), x)
+  stats = jax.tree.map(lambda s: s + 0.3 * jnp.abs(jax.random.normal(jax.random.key(2), s.shape)),
+                       variables["batch_stats"])
+  params = jax.tree.map(lambda p: p + 0.5 * jax.random.normal(jax.random.key(3), p.shape), variables["params"])
+
+  def loss_fn(p):
+    logits = model.apply({"params": p, "batch_stats": stats}, x)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+  flat, unravel = ravel_pytree(params)
+  hessian = np.asarray(jax.hessian(lambda f: loss_fn(unravel(f)))(flat), np.float64)
+  assert flat.shape[0] >= 100
+  return loss_fn, params, unravel, (hessian + hessian.T) / 2
+
+
+def test_hvp_equals_explicit_hessian_product(problem):
+  loss_fn, params, unravel, hessian = problem
+  v = jax.random.normal(jax.random.key(4), (hessian.shape[0],))
+  got = ravel_pytree(hvp(loss_fn, params, unravel(v)))[0]
+  np.testing.assert_allclose(got, hessian @ np.asarray(v), rtol=1e-4, atol=1e-5)
+
+
+def test_top3_eigenvalues_match_eigh(problem):
+  loss_fn, params, _, hessian = problem
+  true_values, true_vectors = np.linalg.eigh(hessian)
+  order = np.argsort(-np.abs(true_values))
+  eigenvalues, eigenvectors = top_eigenvalues(loss_fn, params, k=3, max_iters=1000, tol=1e-6,
+                                              rng=jax.random.key(5))
+  np.testing.assert_allclose(eigenvalues, true_values[order[:3]], rtol=1e-3)
+  for vector, index in zip(eigenvectors, order[:3]):
+    assert abs(np.dot(ravel_pytree(vector)[0], true_vectors[:, index])) > 0.99
+
+
+def test_top_eigenvalue_with_pyhessian_defaults_reports_iterations(problem):
+  loss_fn, params, _, hessian = problem
+  result = top_eigenvalues(loss_fn, params)
+  assert 1 <= int(result.iterations[0]) <= 100
+  top = np.max(np.abs(np.linalg.eigvalsh(hessian)))
+  assert abs(float(result.eigenvalues[0])) == pytest.approx(top, rel=2e-2)
+
+
+def test_min_eigenvalue_matches_eigh(problem):
+  loss_fn, params, _, hessian = problem
+  true_values = np.linalg.eigvalsh(hessian)
+  assert true_values[0] < 0  # a non-convex point: the shifted power iteration is needed
+  value, _ = min_eigenvalue(loss_fn, params, max_iters=2000, tol=1e-7, rng=jax.random.key(6))
+  assert float(value) == pytest.approx(true_values[0], abs=1e-2 * (true_values[-1] - true_values[0]))
+
+
+def test_hutchinson_trace_within_its_standard_error(problem):
+  loss_fn, params, _, hessian = problem
+  estimate, samples = hessian_trace(loss_fn, params, num_samples=2000, rng=jax.random.key(7))
+  off_diagonal = hessian - np.diag(np.diag(hessian))
+  std_error = np.sqrt(2 * np.sum(off_diagonal ** 2) / 2000)  # Var(vᵀHv) = 2 Σ_{i≠j} H_ij² for Rademacher v
+  assert samples.shape == (2000,)
+  assert abs(float(estimate) - np.trace(hessian)) < 4 * std_error
+
+
+def test_slq_density_integrates_to_one_and_covers_the_spectrum(problem):
+  loss_fn, params, _, hessian = problem
+  true_values = np.linalg.eigvalsh(hessian)
+  density = eigenvalue_density(loss_fn, params, num_iters=100, num_runs=2, rng=jax.random.key(8))
+  np.testing.assert_allclose(density.weights.sum(axis=1), 1.0, rtol=1e-5)
+  span = true_values[-1] - true_values[0]
+  assert density.nodes.max() == pytest.approx(true_values[-1], abs=1e-2 * span)
+  assert density.nodes.min() == pytest.approx(true_values[0], abs=1e-2 * span)
+  grid, values = density.on_grid(sigma_squared=1e-4)
+  assert np.sum(values) * (grid[1] - grid[0]) == pytest.approx(1.0, rel=1e-6)
+  assert grid[0] <= true_values[0] and grid[-1] >= true_values[-1]
+
+
+def numpy_delta_log_amplitude(maps):
+  """Explicit DFT matrices, centring by rolling half the size, half diagonal minus its DC value."""
+  n = maps.shape[1]
+  dft = np.exp(-2j * np.pi * np.outer(np.arange(n), np.arange(n)) / n)
+  amplitude = np.zeros((n, n))
+  for b in range(maps.shape[0]):
+    for c in range(maps.shape[3]):
+      amplitude += np.log(np.abs(dft @ maps[b, :, :, c] @ dft.T) + 1e-6)
+  amplitude = np.roll(amplitude / (maps.shape[0] * maps.shape[3]), (n // 2, n // 2), axis=(0, 1))
+  curve = np.array([amplitude[i, i] for i in range(n // 2, n)])
+  return curve - curve[0]
+
+
+@pytest.mark.parametrize("size", [8, 9])
+def test_delta_log_amplitude_matches_explicit_dft(size):
+  maps = np.random.default_rng(0).normal(size=(2, size, size, 3))
+  got = delta_log_amplitude(jnp.asarray(maps, jnp.float32))
+  assert got.shape == (size - size // 2,) and float(got[0]) == 0.0
+  np.testing.assert_allclose(got, numpy_delta_log_amplitude(maps), rtol=1e-4, atol=1e-3)
+
+
+def test_low_frequency_falls_high_frequency_rises_blur_lowers_high_frequency():
+  i, j = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
+  smooth = (2.0 + np.cos(2 * np.pi * i / 16) + 0.01 * np.sin(2 * np.pi * j / 16))[None, :, :, None]
+  # Highest frequency on the half diagonal: (7/8)π in both axes (HV's "1.0π" point for 16×16 maps).
+  checker = (np.cos(2 * np.pi * 7 * i / 16) * np.cos(2 * np.pi * 7 * j / 16) + 0.01)[None, :, :, None]
+  assert float(delta_log_amplitude(smooth)[-1]) < -5
+  assert float(delta_log_amplitude(checker)[-1]) > 2  # log(64) − log(2.56)
+  noise = jax.random.normal(jax.random.key(0), (4, 16, 16, 8))
+  blurred = Blur(3).apply({}, noise)
+  assert float(delta_log_amplitude(blurred)[-1]) < float(delta_log_amplitude(noise)[-1]) - 1.0
+
+
+def test_non_square_maps_are_rejected():
+  with pytest.raises(ValueError, match="square NHWC"):
+    delta_log_amplitude(jnp.zeros((1, 8, 6, 2)))
