@@ -132,3 +132,51 @@ def test_low_frequency_falls_high_frequency_rises_blur_lowers_high_frequency():
 def test_non_square_maps_are_rejected():
   with pytest.raises(ValueError, match="square NHWC"):
     delta_log_amplitude(jnp.zeros((1, 8, 6, 2)))
+
+
+from smoothing_jax.analysis.features import feature_maps, feature_variance, fourier_by_depth  # noqa: E402
+from smoothing_jax.analysis.spectrum import max_eigenvalue_spectrum, spectrum_summary, training_loss  # noqa: E402
+from smoothing_jax.models import get_model  # noqa: E402
+
+
+def test_spectrum_summary_hand_worked():
+  summary = spectrum_summary(np.array([[3.0, -1.0], [-2.0, 1.0], [5.0, 2.0]]))
+  assert summary["mean_positive_max_eigenvalue"] == pytest.approx(4.0)
+  assert summary["negative_fraction"] == pytest.approx(2 / 6)
+
+
+def test_max_eigenvalue_spectrum_per_batch(tiny_mcdo, images):
+  model, variables = tiny_mcdo
+  batches = [{"image": images, "label": jnp.array([0, 1, 2])}, {"image": -images, "label": jnp.array([3, 4, 0])}]
+  result = max_eigenvalue_spectrum(model, variables, batches, k=2, max_iters=20, rng=jax.random.key(1))
+  assert result["eigenvalues"].shape == (2, 2)
+  # Batch 0 by hand: the same loss (same dropout key derivation) through top_eigenvalues.
+  dropout_key, power_key = jax.random.split(jax.random.fold_in(jax.random.key(1), 0))
+  loss = lambda p: training_loss(model, 5e-4, variables["batch_stats"], dropout_key, images, batches[0]["label"], p)
+  expected = top_eigenvalues(loss, variables["params"], 2, 20, 1e-3, power_key)[0]
+  np.testing.assert_allclose(result["eigenvalues"][0], expected, rtol=1e-4)
+
+
+def test_feature_taps_follow_execution_order_and_smoothing_sizes(tiny_mcdo, images):
+  model, variables = tiny_mcdo
+  maps = feature_maps(model, variables, images)
+  names = list(maps)
+  assert names[:3] == ["layer1_0", "layer1_1", "smooth1_0"] and names[-1] == "smooth4_0"
+  assert maps["layer1_1"].shape[1] == 16 and maps["smooth1_0"].shape[1] == 17
+  curves = fourier_by_depth(model, variables, images)
+  assert list(curves) == names and curves["smooth1_0"].shape == (17 - 17 // 2,)
+
+
+def test_feature_variance_model_part_is_zero_without_dropout(images):
+  model = get_model("resnet_dnn_smoothing_18", 5, width=4)
+  variables = jax.jit(model.init)(jax.random.key(0), images[:1])
+  deterministic = feature_variance(model, variables, images, num_samples=3)
+  assert all(v["model"] <= 1e-10 * v["data"] for v in deterministic.values())  # zero up to rounding
+  x = np.asarray(feature_maps(model, variables, images)["layer2_0"])
+  assert deterministic["layer2_0"]["data"] == pytest.approx(float(np.mean(np.var(x, axis=(1, 2), ddof=1))), rel=1e-5)
+
+
+def test_feature_variance_model_part_is_positive_with_mc_dropout(tiny_mcdo, images):
+  model, variables = tiny_mcdo
+  stochastic = feature_variance(model, variables, images, num_samples=3)
+  assert all(v["model"] > 0 for v in stochastic.values())

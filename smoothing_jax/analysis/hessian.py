@@ -16,12 +16,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
+from jax.tree_util import Partial
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def hvp(loss_fn: Callable, params, vector):
-  """Hessian-vector product ``∇²L(params) · vector`` (pytrees of the same structure), jitted."""
+def _as_pytree(loss_fn) -> Partial:
+  """``loss_fn`` as a ``jax.tree_util.Partial``: a jit argument whose bound arrays (e.g. the batch)
+  are traced, so a new batch with the same function reuses the compiled code."""
+  return loss_fn if isinstance(loss_fn, Partial) else Partial(loss_fn)
+
+
+@jax.jit
+def _hvp(loss_fn, params, vector):
   return jax.jvp(jax.grad(loss_fn), (params,), (vector,))[1]
+
+
+def hvp(loss_fn: Callable, params, vector):
+  """Hessian-vector product ``∇²L(params) · vector`` (pytrees of the same structure), jitted.
+
+  Forward-over-reverse: ``jax.jvp`` of ``jax.grad(loss_fn)``; memory of about two gradients.
+  """
+  return _hvp(_as_pytree(loss_fn), params, vector)
 
 
 def _flat_hvp(loss_fn, params):
@@ -34,7 +48,7 @@ def _normalize(v):
   return v / (jnp.linalg.norm(v) + 1e-12)
 
 
-@functools.partial(jax.jit, static_argnames=("loss_fn", "max_iters"))
+@functools.partial(jax.jit, static_argnames=("max_iters",))
 def _power_iteration(loss_fn, params, v0, basis, shift, tol, max_iters):
   """Largest-magnitude eigenpair of ``H − shift·I`` restricted to the complement of ``basis`` rows."""
   matvec = _flat_hvp(loss_fn, params)
@@ -94,6 +108,7 @@ def top_eigenvalues(loss_fn: Callable, params, k: int = 1, max_iters: int = 100,
   pytrees shaped like ``params``.
   """
   _check_args(k, max_iters, tol)
+  loss_fn = _as_pytree(loss_fn)
   flat, unravel = ravel_pytree(params)
   rng = jax.random.key(0) if rng is None else rng
   basis = jnp.zeros((k, flat.shape[0]), flat.dtype)
@@ -116,6 +131,7 @@ def min_eigenvalue(loss_fn: Callable, params, max_iters: int = 100, tol: float =
   Returns ``(λ_min, eigenvector pytree)``.
   """
   _check_args(1, max_iters, tol)
+  loss_fn = _as_pytree(loss_fn)
   rng = jax.random.key(0) if rng is None else rng
   top_key, key = jax.random.split(rng)
   if top is None:
@@ -127,7 +143,7 @@ def min_eigenvalue(loss_fn: Callable, params, max_iters: int = 100, tol: float =
   return shifted + shift, unravel(vector)
 
 
-@functools.partial(jax.jit, static_argnames=("loss_fn", "num_samples"))
+@functools.partial(jax.jit, static_argnames=("num_samples",))
 def _hutchinson(loss_fn, params, rng, num_samples):
   flat, _ = ravel_pytree(params)
   matvec = _flat_hvp(loss_fn, params)
@@ -140,11 +156,11 @@ def _hutchinson(loss_fn, params, rng, num_samples):
 
 def hessian_trace(loss_fn: Callable, params, num_samples: int = 100, rng: Optional[jax.Array] = None):
   """Hutchinson's estimator tr(H) ≈ mean_i vᵢᵀ H vᵢ with Rademacher vᵢ; returns ``(mean, samples)``."""
-  samples = _hutchinson(loss_fn, params, jax.random.key(0) if rng is None else rng, num_samples)
+  samples = _hutchinson(_as_pytree(loss_fn), params, jax.random.key(0) if rng is None else rng, num_samples)
   return jnp.mean(samples), samples
 
 
-@functools.partial(jax.jit, static_argnames=("loss_fn", "num_iters"))
+@functools.partial(jax.jit, static_argnames=("num_iters",))
 def _lanczos(loss_fn, params, v0, num_iters):
   """Lanczos tridiagonalisation with full reorthogonalisation; returns (alphas [m], betas [m-1])."""
   matvec = _flat_hvp(loss_fn, params)
@@ -191,6 +207,7 @@ def eigenvalue_density(loss_fn: Callable, params, num_iters: int = 100, num_runs
   Each run's tridiagonal matrix T has eigenvalues θ_j (nodes) and eigenvectors
   whose first components squared are the quadrature weights (they sum to 1).
   """
+  loss_fn = _as_pytree(loss_fn)
   flat, _ = ravel_pytree(params)
   num_iters = min(num_iters, flat.shape[0])
   nodes, weights = [], []

@@ -1,0 +1,67 @@
+"""Feature-map probes by depth: Fourier Δlog-amplitude and feature-map variance (paper Fig. 5, HV Fig. 2/9).
+
+Feature maps are tapped with Flax ``capture_intermediates`` (no model copies):
+by default the outputs of every block (residual, VGG, AlexNet, WRN blocks) and
+smoothing layer of the network, in execution order; stem convolutions and
+BatchNorm layers on their own are not taps.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from smoothing_jax.analysis.fourier import delta_log_amplitude
+from smoothing_jax.layers import Smooth
+from smoothing_jax.models.common import CNN
+
+def _is_block(module, method_name: str) -> bool:
+  path = module.scope.path if module.scope is not None else ()
+  return method_name == "__call__" and len(path) == 1 and isinstance(module, (CNN, Smooth))
+
+
+def feature_maps(model, variables, images, rng=None, filter_fn: Callable = _is_block) -> dict:
+  """``{block name: NHWC output}`` in execution order for one forward pass (eval mode, dropout key ``rng``)."""
+  rngs = {"dropout": jax.random.key(0) if rng is None else rng}
+  _, state = model.apply(variables, images, train=False, rngs=rngs, capture_intermediates=filter_fn,
+                         mutable=["intermediates"])
+  return {name: out["__call__"][0] for name, out in state["intermediates"].items() if "__call__" in out}
+
+
+def fourier_by_depth(model, variables, images, rng=None) -> dict:
+  """``{block: Δlog-amplitude curve}`` for every tapped block (square maps)."""
+  return {name: np.asarray(delta_log_amplitude(x)) for name, x in feature_maps(model, variables, images, rng).items()}
+
+
+def feature_variance(model, variables, images, *, num_samples: int = 10, rng: Optional[jax.Array] = None) -> dict:
+  """Data and model uncertainty of feature maps by depth (paper Fig. 5).
+
+  data: spatial variance of each map per sample and channel, averaged (over the
+  first pass); model: variance over ``num_samples`` stochastic passes of every
+  element, averaged.  Returns ``{block: {"data": float, "model": float}}``.
+  """
+  rng = jax.random.key(0) if rng is None else rng
+  passes = [feature_maps(model, variables, images, key) for key in jax.random.split(rng, num_samples)]
+  out = {}
+  for name in passes[0]:
+    stacked = jnp.stack([p[name] for p in passes])                      # [N, B, H, W, C]
+    out[name] = {"data": float(jnp.mean(jnp.var(stacked[0], axis=(1, 2), ddof=1))),
+                 "model": float(jnp.mean(jnp.var(stacked, axis=0)))}
+  return out
+
+
+def plot_by_depth(values: dict, ylabel: str, title: str = ""):
+  """Line plot of ``{label: {block: value}}`` against normalised depth; returns the Figure."""
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(5, 3.2))
+  for label, by_block in values.items():
+    depth = np.linspace(0, 1, len(by_block))
+    ax.plot(depth, list(by_block.values()), "o-", label=label)
+  ax.set_xlabel("normalised depth")
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
+  ax.legend()
+  fig.tight_layout()
+  return fig
