@@ -9,7 +9,6 @@ orthogonalisation against the eigenvectors already found.
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable, NamedTuple, Optional
 
 import jax
@@ -48,29 +47,34 @@ def _normalize(v):
   return v / (jnp.linalg.norm(v) + 1e-12)
 
 
-@functools.partial(jax.jit, static_argnames=("max_iters",))
-def _power_iteration(loss_fn, params, v0, basis, shift, tol, max_iters):
-  """Largest-magnitude eigenpair of ``H − shift·I`` restricted to the complement of ``basis`` rows."""
+@jax.jit
+def _power_step(loss_fn, params, v, basis, shift):
+  """One power-iteration step on ``H − shift·I`` deflated by the rows of ``basis`` (zero rows: no-op).
+
+  Returns the Rayleigh quotient of the deflated unit vector and the normalised image.
+  """
   matvec = _flat_hvp(loss_fn, params)
+  v = _normalize(v - basis.T @ (basis @ v))
+  hv = matvec(v) - shift * v
+  return jnp.vdot(hv, v), _normalize(hv)
 
-  def deflate(v):  # zero rows of ``basis`` (not yet found) have no effect
-    return v - basis.T @ (basis @ v)
 
-  def cond(carry):
-    _, _, it, converged = carry
-    return jnp.logical_and(it < max_iters, jnp.logical_not(converged))
+def _power_iteration(loss_fn, params, v0, basis, shift, tol, max_iters):
+  """Largest-magnitude eigenpair of the deflated, shifted Hessian (PyHessian's stopping rule).
 
-  def body(carry):
-    v, eigenvalue, it, _ = carry
-    v = _normalize(deflate(v))
-    hv = matvec(v) - shift * v
-    new = jnp.vdot(hv, v)
-    converged = jnp.logical_and(it > 0, jnp.abs(new - eigenvalue) / (jnp.abs(eigenvalue) + 1e-6) < tol)
-    return _normalize(hv), new, it + 1, converged
-
-  v, eigenvalue, iterations, _ = jax.lax.while_loop(
-      cond, body, (v0, jnp.zeros((), v0.dtype), jnp.zeros((), jnp.int32), jnp.zeros((), bool)))
-  return eigenvalue, _normalize(deflate(v)), iterations
+  A Python loop over a jitted step: XLA runs convolutions inside ``lax.while_loop``
+  bodies markedly slower on CPU, and one scalar per step is a negligible sync.
+  """
+  v, eigenvalue = v0, None
+  for iteration in range(1, max_iters + 1):
+    new, v = _power_step(loss_fn, params, v, basis, shift)
+    new = float(new)
+    if eigenvalue is not None and abs(new - eigenvalue) / (abs(eigenvalue) + 1e-6) < tol:
+      eigenvalue = new
+      break
+    eigenvalue = new
+  v = _normalize(v - basis.T @ (basis @ v))
+  return jnp.asarray(eigenvalue, v0.dtype), v, iteration
 
 
 class Eigenpairs(tuple):
@@ -143,45 +147,44 @@ def min_eigenvalue(loss_fn: Callable, params, max_iters: int = 100, tol: float =
   return shifted + shift, unravel(vector)
 
 
-@functools.partial(jax.jit, static_argnames=("num_samples",))
-def _hutchinson(loss_fn, params, rng, num_samples):
+@jax.jit
+def _hutchinson_probe(loss_fn, params, key):
   flat, _ = ravel_pytree(params)
-  matvec = _flat_hvp(loss_fn, params)
-
-  def one(key):
-    v = jax.random.rademacher(key, flat.shape, flat.dtype)
-    return jnp.vdot(v, matvec(v))
-  return jax.lax.map(one, jax.random.split(rng, num_samples))
+  v = jax.random.rademacher(key, flat.shape, flat.dtype)
+  return jnp.vdot(v, _flat_hvp(loss_fn, params)(v))
 
 
 def hessian_trace(loss_fn: Callable, params, num_samples: int = 100, rng: Optional[jax.Array] = None):
   """Hutchinson's estimator tr(H) ≈ mean_i vᵢᵀ H vᵢ with Rademacher vᵢ; returns ``(mean, samples)``."""
-  samples = _hutchinson(_as_pytree(loss_fn), params, jax.random.key(0) if rng is None else rng, num_samples)
+  loss_fn = _as_pytree(loss_fn)
+  keys = jax.random.split(jax.random.key(0) if rng is None else rng, num_samples)
+  samples = jnp.stack([_hutchinson_probe(loss_fn, params, key) for key in keys])
   return jnp.mean(samples), samples
 
 
-@functools.partial(jax.jit, static_argnames=("num_iters",))
+@jax.jit
+def _lanczos_step(loss_fn, params, basis, i, v, v_prev, beta_prev):
+  """One Lanczos step with full reorthogonalisation against the rows of ``basis`` (zero rows: no-op)."""
+  basis = basis.at[i].set(v)
+  w = _flat_hvp(loss_fn, params)(v) - beta_prev * v_prev
+  alpha = jnp.vdot(w, v)
+  w = w - alpha * v
+  w = w - basis.T @ (basis @ w)
+  beta = jnp.linalg.norm(w)
+  return basis, w / (beta + 1e-12), alpha, beta
+
+
 def _lanczos(loss_fn, params, v0, num_iters):
-  """Lanczos tridiagonalisation with full reorthogonalisation; returns (alphas [m], betas [m-1])."""
-  matvec = _flat_hvp(loss_fn, params)
-  n = v0.shape[0]
-  basis = jnp.zeros((num_iters, n), v0.dtype)
-  v = _normalize(v0)
-
-  def body(i, carry):
-    basis, v, v_prev, beta_prev, alphas, betas = carry
-    basis = basis.at[i].set(v)
-    w = matvec(v) - beta_prev * v_prev
-    alpha = jnp.vdot(w, v)
-    w = w - alpha * v
-    w = w - basis.T @ (basis @ w)  # full reorthogonalisation (unfilled rows are zero)
-    beta = jnp.linalg.norm(w)
-    return basis, w / (beta + 1e-12), v, beta, alphas.at[i].set(alpha), betas.at[i].set(beta)
-
-  init = (basis, v, jnp.zeros_like(v), jnp.zeros((), v0.dtype), jnp.zeros((num_iters,), v0.dtype),
-          jnp.zeros((num_iters,), v0.dtype))
-  _, _, _, _, alphas, betas = jax.lax.fori_loop(0, num_iters, body, init)
-  return alphas, betas[:-1]
+  """Lanczos tridiagonalisation; returns (alphas [m], betas [m-1]) as numpy arrays."""
+  basis = jnp.zeros((num_iters, v0.shape[0]), v0.dtype)
+  v, v_prev, beta = _normalize(v0), jnp.zeros_like(v0), jnp.zeros((), v0.dtype)
+  alphas, betas = [], []
+  for i in range(num_iters):
+    basis, v_next, alpha, beta = _lanczos_step(loss_fn, params, basis, i, v, v_prev, beta)
+    v_prev, v = v, v_next
+    alphas.append(alpha)
+    betas.append(beta)
+  return np.asarray(jnp.stack(alphas), np.float64), np.asarray(jnp.stack(betas[:-1]), np.float64)
 
 
 class SpectralDensity(NamedTuple):
@@ -213,8 +216,7 @@ def eigenvalue_density(loss_fn: Callable, params, num_iters: int = 100, num_runs
   nodes, weights = [], []
   for key in jax.random.split(jax.random.key(0) if rng is None else rng, num_runs):
     alphas, betas = _lanczos(loss_fn, params, jax.random.rademacher(key, flat.shape, flat.dtype), num_iters)
-    tridiagonal = np.diag(np.asarray(alphas, np.float64)) + np.diag(np.asarray(betas, np.float64), 1) + \
-        np.diag(np.asarray(betas, np.float64), -1)
+    tridiagonal = np.diag(alphas) + np.diag(betas, 1) + np.diag(betas, -1)
     theta, vectors = np.linalg.eigh(tridiagonal)
     nodes.append(theta)
     weights.append(vectors[0] ** 2)
