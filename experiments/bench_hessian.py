@@ -25,19 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import Partial
 
+from timing import median_seconds
+
 from smoothing_jax.analysis.hessian import hvp, top_eigenvalues
 from smoothing_jax.analysis.spectrum import training_loss
 from smoothing_jax.models import get_model
-
-
-def median_seconds(fn, repeats):
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def torch_hvp_seconds(width, images, labels, repeats):

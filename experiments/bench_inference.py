@@ -13,24 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from timing import median_seconds
+
 from smoothing_jax.inference import mc_predict
 from smoothing_jax.models import get_model
-
-
-def median_seconds(fn, repeats: int) -> float:
-  jax.block_until_ready(fn())  # compile + warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def main(argv=None):
