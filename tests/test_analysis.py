@@ -180,3 +180,61 @@ def test_feature_variance_model_part_is_positive_with_mc_dropout(tiny_mcdo, imag
   model, variables = tiny_mcdo
   stochastic = feature_variance(model, variables, images, num_samples=3)
   assert all(v["model"] > 0 for v in stochastic.values())
+
+
+from smoothing_jax.analysis.landscape import loss_surface, plot_surface, random_direction  # noqa: E402
+from smoothing_jax.analysis.robustness import ensemble_nll, fgsm, pgd  # noqa: E402
+
+
+def test_filter_normalised_directions(problem):
+  _, params, _, _ = problem
+  d = random_direction(params, jax.random.key(0), "filter")
+  kernel, direction = np.asarray(params["Dense_0"]["kernel"]), np.asarray(d["Dense_0"]["kernel"])
+  np.testing.assert_allclose(np.linalg.norm(direction, axis=0), np.linalg.norm(kernel, axis=0), rtol=1e-5)
+  assert np.all(np.asarray(d["Dense_0"]["bias"]) == 0) and np.all(np.asarray(d["BatchNorm_0"]["scale"]) == 0)
+  ref = random_direction(params, jax.random.key(0), "reference")
+  direction = np.asarray(ref["Dense_0"]["kernel"])  # torch dim 0 = output axis: one norm per input row
+  np.testing.assert_allclose(np.linalg.norm(direction, axis=1), np.linalg.norm(kernel, axis=1), rtol=1e-5)
+
+
+def test_loss_surface_centre_is_the_plain_loss(problem, tmp_path):
+  loss_fn, params, _, _ = problem
+  d1 = random_direction(params, jax.random.key(1))
+  d2 = random_direction(params, jax.random.key(2))
+  surface = loss_surface(loss_fn, params, d1, d2, np.linspace(-1, 1, 5), np.linspace(-1, 1, 3),
+                         weight_decay=0.1, chunk_size=4)
+  assert surface["loss"].shape == (5, 3)
+  assert surface["loss"][2, 1] == pytest.approx(float(loss_fn(params)), rel=1e-5)
+  l2 = float(sum(jnp.sum(p ** 2) for p in jax.tree.leaves(params)))
+  assert surface["loss_l2"][2, 1] == pytest.approx(float(loss_fn(params)) + 0.05 * l2, rel=1e-5)
+  shifted = jax.tree.map(lambda p, a: p + a, params, d1)
+  assert surface["loss"][4, 1] == pytest.approx(float(loss_fn(shifted)), rel=1e-4)
+  plot_surface(surface).savefig(tmp_path / "surface.png")
+
+
+def test_fgsm_on_a_linear_model_matches_the_closed_form():
+  rng = np.random.default_rng(0)
+  w, b = rng.normal(size=(6, 3)), rng.normal(size=3)
+  x, y = rng.uniform(0.2, 0.8, size=(4, 6)), np.array([0, 1, 2, 1])
+
+  def loss(pixels, labels):
+    logits = pixels @ w + b
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
+  # ∂/∂x of mean CE = (softmax(xW + b) − onehot(y)) Wᵀ / B.
+  logits = x @ w + b
+  p = np.exp(logits - logits.max(1, keepdims=True))
+  p /= p.sum(1, keepdims=True)
+  expected = np.clip(x + 0.1 * np.sign((p - np.eye(3)[y]) @ w.T), 0, 1)
+  np.testing.assert_allclose(fgsm(loss, jnp.asarray(x), jnp.asarray(y), 0.1), expected, rtol=1e-6)
+
+
+def test_pgd_stays_in_the_ball_and_raises_the_ensemble_loss(tiny_mcdo):
+  model, variables = tiny_mcdo
+  pixels = jax.random.uniform(jax.random.key(0), (3, 16, 16, 3))
+  labels = jnp.array([0, 1, 2])
+  keys = jax.random.split(jax.random.key(1), 2)
+  loss = lambda x, y: ensemble_nll(model, variables, keys, lambda z: (z - 0.5) / 0.25, x, y)
+  adversarial = pgd(loss, pixels, labels, eps=8 / 255, steps=3, rng=jax.random.key(2))
+  assert float(jnp.max(jnp.abs(adversarial - pixels))) <= 8 / 255 + 1e-6
+  assert float(adversarial.min()) >= 0.0 and float(adversarial.max()) <= 1.0
+  assert float(loss(adversarial, labels)) > float(loss(pixels, labels))

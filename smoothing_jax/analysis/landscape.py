@@ -1,0 +1,90 @@
+"""Loss landscapes (Li et al. 2018; SS/HV reference): L(θ + α·d₁ + β·d₂) on a grid.
+
+Directions are Gaussian, normalised per weight tensor so that the surface is
+comparable across networks:
+  * ``"filter"`` (Li et al.): each output filter of d gets the norm of the same
+    filter of θ (Flax kernels keep the output axis last);
+  * ``"reference"`` (SS/HV code, ``torch.norm(w, dim=0)``): normalised along the
+    output-channel axis, separately for every (input, kh, kw) position.
+1-D tensors (biases, BatchNorm scale/offset) get zero direction in both.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+NORMALIZATIONS = ("filter", "reference")
+
+
+def _normalize_direction(d, w, normalization):
+  if w.ndim <= 1:
+    return jnp.zeros_like(d)
+  if normalization == "filter":  # norms over everything but the output (last) axis
+    axes = tuple(range(w.ndim - 1))
+  else:  # reference: over the output axis only
+    axes = (w.ndim - 1,)
+  w_norm = jnp.sqrt(jnp.sum(w ** 2, axis=axes, keepdims=True))
+  d_norm = jnp.sqrt(jnp.sum(d ** 2, axis=axes, keepdims=True))
+  return d * w_norm / (d_norm + 1e-10)
+
+
+def random_direction(params, rng, normalization: str = "filter"):
+  """A Gaussian direction pytree shaped like ``params``, normalised as described above."""
+  if normalization not in NORMALIZATIONS:
+    raise ValueError(f"Unknown normalization {normalization!r}; choose one of {NORMALIZATIONS}.")
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(rng, len(leaves))
+  directions = [_normalize_direction(jax.random.normal(k, w.shape, w.dtype), w, normalization)
+                for k, w in zip(keys, leaves)]
+  return jax.tree.unflatten(treedef, directions)
+
+
+def loss_surface(loss_fn: Callable, params, d1, d2, alphas, betas, *, weight_decay: float = 0.0,
+                 chunk_size: int = 16) -> dict:
+  """``loss_fn`` on the grid θ + α·d₁ + β·d₂, ``chunk_size`` grid points per vmapped call.
+
+  Returns ``{"alphas", "betas", "loss" [len(alphas), len(betas)], "loss_l2"}`` where
+  ``loss_l2`` adds ``weight_decay/2 · ‖θ‖²`` at each point (the training objective).
+  """
+  alphas, betas = np.asarray(alphas, np.float32), np.asarray(betas, np.float32)
+  grid = np.stack(np.meshgrid(alphas, betas, indexing="ij"), axis=-1).reshape(-1, 2)
+
+  @jax.jit
+  def evaluate(coords):
+    def at(c):
+      point = jax.tree.map(lambda p, a, b: p + c[0] * a + c[1] * b, params, d1, d2)
+      return loss_fn(point), optax.tree_utils.tree_l2_norm(point, squared=True)
+    return jax.vmap(at)(coords)
+
+  losses, norms = [], []
+  for start in range(0, len(grid), chunk_size):
+    coords = grid[start:start + chunk_size]
+    pad = chunk_size - len(coords)
+    loss, norm = evaluate(jnp.asarray(np.concatenate([coords, np.zeros((pad, 2), np.float32)])))
+    losses.append(np.asarray(loss)[:len(coords)])
+    norms.append(np.asarray(norm)[:len(coords)])
+  loss = np.concatenate(losses).reshape(len(alphas), len(betas))
+  l2 = np.concatenate(norms).reshape(len(alphas), len(betas))
+  return {"alphas": alphas, "betas": betas, "loss": loss, "loss_l2": loss + 0.5 * weight_decay * l2}
+
+
+def plot_surface(surface: dict, key: str = "loss", title: Optional[str] = None):
+  """Contour and 3-D plots of ``surface[key]``; returns the Figure."""
+  import matplotlib.pyplot as plt
+  a, b = np.meshgrid(surface["alphas"], surface["betas"], indexing="ij")
+  z = surface[key]
+  fig = plt.figure(figsize=(9, 3.8))
+  ax = fig.add_subplot(1, 2, 1)
+  contour = ax.contour(a, b, z, levels=20)
+  ax.clabel(contour, fontsize=6)
+  ax.set_xlabel("α")
+  ax.set_ylabel("β")
+  ax3 = fig.add_subplot(1, 2, 2, projection="3d")
+  ax3.plot_surface(a, b, z, cmap="viridis")
+  fig.suptitle(title or key)
+  fig.tight_layout()
+  return fig
