@@ -238,3 +238,33 @@ def test_pgd_stays_in_the_ball_and_raises_the_ensemble_loss(tiny_mcdo):
   assert float(jnp.max(jnp.abs(adversarial - pixels))) <= 8 / 255 + 1e-6
   assert float(adversarial.min()) >= 0.0 and float(adversarial.max()) <= 1.0
   assert float(loss(adversarial, labels)) > float(loss(pixels, labels))
+
+
+from smoothing_jax.analysis.frequency_noise import accuracy_vs_frequency, band_limited_noise, \
+    frequency_band_mask  # noqa: E402
+
+
+@pytest.mark.parametrize("center", [0.0, 0.5, 1.0])
+def test_band_limited_noise_lives_in_its_band(center):
+  noise = np.asarray(band_limited_noise(jax.random.key(0), (2, 16, 16, 3), center))
+  spectrum = np.abs(np.fft.fft2(noise, axes=(1, 2)))
+  mask = frequency_band_mask(16, center)[None, :, :, None] > 0
+  assert mask.any()
+  assert spectrum[np.broadcast_to(~mask, spectrum.shape)].max() < 1e-4
+  assert spectrum[np.broadcast_to(mask, spectrum.shape)].mean() > 0.1
+
+
+def test_band_mask_by_hand():
+  # size 4: |fftfreq|·2 = [0, .5, 1, .5]; L∞ radius 0.5 ± 0.05 selects the ring around DC, not DC or π.
+  mask = frequency_band_mask(4, 0.5)
+  expected = np.array([[0, 1, 0, 1], [1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 0, 1]], np.float32)
+  np.testing.assert_array_equal(mask, expected)
+
+
+def test_accuracy_vs_frequency_with_a_fixed_classifier():
+  images = jnp.concatenate([jnp.full((4, 8, 8, 1), -1.0), jnp.full((4, 8, 8, 1), 1.0)])
+  labels = jnp.array([0] * 4 + [1] * 4)
+  predict = lambda x: jnp.stack([-x.mean((1, 2, 3)), x.mean((1, 2, 3))], -1)  # sign of the mean pixel
+  # Noise away from DC does not move the mean; strong DC noise does.
+  assert list(accuracy_vs_frequency(predict, images, labels, [0.5, 1.0], std=10.0)) == [1.0, 1.0]
+  assert accuracy_vs_frequency(predict, images, labels, [0.0], std=10.0)[0] < 1.0
