@@ -15,7 +15,6 @@ import argparse
 import json
 
 import jax
-import jax.numpy as jnp
 
 from timing import median_seconds
 

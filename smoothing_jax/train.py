@@ -20,7 +20,6 @@ import os
 import signal
 from typing import Any, Optional
 
-import flax
 import jax
 import jax.numpy as jnp
 import ml_collections

@@ -5,7 +5,6 @@ import os
 import signal
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
