@@ -268,3 +268,62 @@ def test_accuracy_vs_frequency_with_a_fixed_classifier():
   # Noise away from DC does not move the mean; strong DC noise does.
   assert list(accuracy_vs_frequency(predict, images, labels, [0.5, 1.0], std=10.0)) == [1.0, 1.0]
   assert accuracy_vs_frequency(predict, images, labels, [0.0], std=10.0)[0] < 1.0
+
+
+from smoothing_jax.analysis.perturbation import (consistency, cross_entropy_consistency,  # noqa: E402
+                                                 load_cifar10_p, perturbation_metrics, relative_confidence,
+                                                 sequence_predictions, translate_sequences)
+
+
+def test_consistency_and_cec_hand_worked():
+  # One sequence of 3 frames, 2 classes: argmax 0, 0, 1 -> consistency 1/2.
+  p = np.array([[[0.9, 0.1], [0.6, 0.4], [0.2, 0.8]]])
+  assert consistency(p) == 0.5
+  paper = -((0.9 * np.log(0.6) + 0.1 * np.log(0.4)) + (0.6 * np.log(0.2) + 0.4 * np.log(0.8))) / 2
+  reference = -((0.6 * np.log(0.9) + 0.4 * np.log(0.1)) / 2 + (0.2 * np.log(0.6) + 0.8 * np.log(0.4)) / 2) / 2
+  np.testing.assert_allclose(cross_entropy_consistency(p), paper, rtol=1e-12)
+  np.testing.assert_allclose(cross_entropy_consistency(p, "reference"), reference, rtol=1e-12)
+  with pytest.raises(ValueError, match="CEC variant"):
+    cross_entropy_consistency(p, "sum")
+  with pytest.raises(ValueError, match="T>=2"):
+    consistency(p[:, :1])
+
+
+def test_relative_confidence_is_one_iff_correct():
+  p = np.array([[0.7, 0.2, 0.1], [0.5, 0.4, 0.1]])
+  np.testing.assert_allclose(relative_confidence(p, np.array([0, 1])), [1.0, 0.8])
+
+
+def test_translated_sequences_shift_by_one_pixel_per_frame():
+  rng = np.random.default_rng(0)
+  images = rng.random((5, 12, 12, 3)).astype(np.float32)
+  videos = translate_sequences(images, length=7, max_shift=3)
+  assert videos.shape == (5, 7, 12, 12, 3)
+  np.testing.assert_array_equal(videos[:, 3], images)  # the middle frame is unshifted
+  for i in range(5):
+    # Consecutive frames are one-pixel translations: their interiors agree after undoing the shift.
+    matches = [np.array_equal(np.roll(videos[i, 3], (dy, dx), (0, 1))[3:-3, 3:-3], videos[i, 4, 3:-3, 3:-3])
+               for dy in (-1, 0, 1) for dx in (-1, 0, 1) if (dy, dx) != (0, 0)]
+    assert sum(matches) == 1
+  with pytest.raises(ValueError, match="max_shift"):
+    translate_sequences(images, max_shift=12)
+
+
+def test_perturbation_metrics_of_a_translation_invariant_classifier():
+  images = np.random.default_rng(1).random((4, 8, 8, 1)).astype(np.float32)
+  videos = translate_sequences(images, length=5, max_shift=2)
+  predict = lambda x: jax.nn.softmax(jnp.stack([jnp.sum(x, (1, 2, 3)) * 0, jnp.max(x, (1, 2, 3))], -1))
+  probs = sequence_predictions(predict, videos, batch_size=3)
+  assert probs.shape == (4, 5, 2)
+  metrics = perturbation_metrics(probs, np.ones(4, int))
+  assert metrics["consistency"] == 1.0  # the max pixel survives reflection-padded translation
+  assert metrics["relative_confidence"] == 1.0
+
+
+def test_missing_cifar10_p_file_names_the_way_out(tmp_path):
+  with pytest.raises(FileNotFoundError, match="translate_sequences"):
+    load_cifar10_p(str(tmp_path), "translate")
+  with pytest.raises(ValueError, match="Unknown CIFAR-10-P perturbation"):
+    load_cifar10_p(str(tmp_path), "shift")
+  np.save(tmp_path / "translate.npy", np.zeros((2, 3, 8, 8, 3), np.uint8))
+  assert load_cifar10_p(str(tmp_path), "translate").shape == (2, 3, 8, 8, 3)
