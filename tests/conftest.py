@@ -32,3 +32,36 @@ def tiny_mcdo():
 @pytest.fixture(scope="session")
 def images():
   return jax.random.normal(jax.random.key(42), (3, 16, 16, 3))
+
+
+@pytest.fixture(scope="session")
+def analysis_workdirs(tmp_path_factory):
+  """Two briefly trained 16×16 workdirs, MC dropout without and with smoothing, on a small ``npz:`` set.
+
+  Structured images (class = which quadrant is bright) so that the models learn a little.
+  """
+  import numpy as np
+
+  from configs import cifar_resnet
+  from smoothing_jax import train
+
+  root = tmp_path_factory.mktemp("analysis")
+  rng = np.random.default_rng(0)
+  for split, n in (("train", 64), ("test", 32)):
+    labels = rng.integers(0, 4, n)
+    images = rng.integers(0, 96, (n, 16, 16, 3))
+    for i, c in enumerate(labels):
+      images[i, 8 * (c // 2):8 * (c // 2) + 8, 8 * (c % 2):8 * (c % 2) + 8] += 128
+    np.savez(root / f"{split}.npz", images=images.astype(np.uint8), labels=labels)
+  workdirs = {}
+  for label, name in (("MC dropout", "resnet_mcdo_18"), ("MC dropout + smoothing", "resnet_mcdo_smoothing_18")):
+    config = cifar_resnet.get_config(f"{name},npz:{root},runlocal")
+    config.unlock()
+    config.model_kwargs.width = 4
+    config.batch_size = 16
+    config.num_train_steps = 4
+    config.checkpoint_every_steps = 4
+    config.lock()
+    workdirs[label] = str(root / name)
+    train.train_and_evaluate(config, workdirs[label])
+  return workdirs

@@ -22,12 +22,36 @@ def _is_block(module, method_name: str) -> bool:
   return method_name == "__call__" and len(path) == 1 and isinstance(module, (CNN, Smooth))
 
 
-def feature_maps(model, variables, images, rng=None, filter_fn: Callable = _is_block) -> dict:
-  """``{block name: NHWC output}`` in execution order for one forward pass (eval mode, dropout key ``rng``)."""
-  rngs = {"dropout": jax.random.key(0) if rng is None else rng}
-  _, state = model.apply(variables, images, train=False, rngs=rngs, capture_intermediates=filter_fn,
+def _captured(model, filter_fn, variables, images, rng) -> dict:
+  _, state = model.apply(variables, images, train=False, rngs={"dropout": rng}, capture_intermediates=filter_fn,
                          mutable=["intermediates"])
   return {name: out["__call__"][0] for name, out in state["intermediates"].items() if "__call__" in out}
+
+
+_captured_jit = jax.jit(_captured, static_argnums=(0, 1))
+_ORDER: dict = {}
+
+
+def _execution_order(model, filter_fn, variables, images, rng) -> list:
+  """Tap names in execution order (jit returns dicts sorted by key), traced once per model and shape."""
+  key = (model, filter_fn, images.shape)
+  if key not in _ORDER:
+    names = []
+
+    def trace(v, x, r):
+      maps = _captured(model, filter_fn, v, x, r)
+      names.extend(maps)  # insertion order of capture_intermediates = execution order
+      return maps
+    jax.eval_shape(trace, variables, images, rng)
+    _ORDER[key] = names
+  return _ORDER[key]
+
+
+def feature_maps(model, variables, images, rng=None, filter_fn: Callable = _is_block) -> dict:
+  """``{block name: NHWC output}`` in execution order for one forward pass (eval mode, dropout key ``rng``)."""
+  rng = jax.random.key(0) if rng is None else rng
+  maps = _captured_jit(model, filter_fn, variables, images, rng)
+  return {name: maps[name] for name in _execution_order(model, filter_fn, variables, images, rng)}
 
 
 def fourier_by_depth(model, variables, images, rng=None) -> dict:
@@ -63,5 +87,23 @@ def plot_by_depth(values: dict, ylabel: str, title: str = ""):
   ax.set_ylabel(ylabel)
   ax.set_title(title)
   ax.legend()
+  fig.tight_layout()
+  return fig
+
+
+def plot_delta_log_amplitude(curves: dict, title: str = "", ax=None):
+  """Δlog-amplitude from 0 to π for each block, ``{block: curve}``, coloured by depth (HV Fourier plot).
+
+  Draws on ``ax`` if given; returns the Figure.
+  """
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(5, 3.2)) if ax is None else (ax.figure, ax)
+  colors = plt.cm.plasma(np.linspace(0, 0.9, len(curves)))
+  for color, (block, curve) in zip(colors, curves.items()):
+    ax.plot(np.linspace(0, 1, len(curve)), curve, color=color, label=block)
+  ax.set_xlabel("frequency (×π)")
+  ax.set_ylabel("Δ log amplitude")
+  ax.set_title(title)
+  ax.legend(fontsize=6, ncol=2)
   fig.tight_layout()
   return fig

@@ -39,3 +39,17 @@ def accuracy_vs_frequency(predict: Callable, images, labels, frequencies: Sequen
     noisy = images + band_limited_noise(jax.random.fold_in(rng, i), images.shape, f, width, std)
     accuracies.append(float(jnp.mean(jnp.argmax(predict(noisy), -1) == labels)))
   return np.asarray(accuracies)
+
+
+def plot_accuracy_vs_frequency(results: dict, title: str = ""):
+  """Accuracy against noise frequency, ``{label: (frequencies, accuracies)}`` (paper Fig. 6c)."""
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(5, 3.2))
+  for label, (freqs, acc) in results.items():
+    ax.plot(freqs, 100 * np.asarray(acc), "o-", label=label)
+  ax.set_xlabel("noise frequency (×π)")
+  ax.set_ylabel("accuracy (%)")
+  ax.set_title(title)
+  ax.legend()
+  fig.tight_layout()
+  return fig

@@ -40,3 +40,20 @@ def pgd(loss_fn: Callable, pixels, labels, eps: float, step_size: float = 2 / 25
     x = x + step_size * jnp.sign(grad_fn(x, labels))
     return jnp.clip(jnp.clip(x, pixels - eps, pixels + eps), 0.0, 1.0), None
   return jax.lax.scan(step, x, None, length=steps)[0]
+
+
+def plot_attack_accuracy(results: dict, title: str = ""):
+  """Accuracy against ε (pixels ×255) per attack, ``{label: [{"attack", "eps", "accuracy"}, …]}``."""
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(5, 3.2))
+  for label, rows in results.items():
+    for attack, style in (("fgsm", "o--"), ("pgd", "s-")):
+      picked = [r for r in rows if r["attack"] == attack]
+      ax.plot([255 * r["eps"] for r in picked], [100 * r["accuracy"] for r in picked], style,
+              label=f"{label} ({attack.upper()})")
+  ax.set_xlabel("ε (×1/255)")
+  ax.set_ylabel("accuracy (%)")
+  ax.set_title(title)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  return fig

@@ -174,10 +174,11 @@ def _normalize(image, mean, std):
   return (tf.cast(image, tf.float32) / 255.0 - tf.constant(mean, tf.float32)) / tf.constant(std, tf.float32)
 
 
-def cifar_train_augment(image, seed, image_size: int = 32, padding: int = 4):
-  """Random ``image_size`` crop of the zero-padded image, then a random horizontal flip."""
+def cifar_train_augment(image, seed, padding: int = 4):
+  """Random crop of the zero-padded image back to its size (32×32 for CIFAR), then a random horizontal flip."""
+  shape = tf.shape(image)
   image = tf.pad(image, [[padding, padding], [padding, padding], [0, 0]])
-  image = tf.image.stateless_random_crop(image, (image_size, image_size, 3), seed=seed)
+  image = tf.image.stateless_random_crop(image, shape, seed=seed)
   return tf.image.stateless_random_flip_left_right(image, seed=seed + 1)
 
 

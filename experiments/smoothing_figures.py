@@ -1,0 +1,165 @@
+"""Regenerate the spatial-smoothing paper's analysis figures from trained workdirs.
+
+  python experiments/smoothing_figures.py --out results/figures \
+      --workdir "MC dropout=workdirs/resnet_mcdo_18" \
+      --workdir "MC dropout + smoothing=workdirs/resnet_mcdo_smoothing_18"
+
+Figures (``--figures``, default all): ``spectra`` (Fig. 8), ``fourier`` (Fig. 6b),
+``variance`` (Fig. 5), ``landscape`` (Fig. 7), ``frequency_noise`` (Fig. 6c),
+``consistency`` (Table E.3 / Fig. E.3), ``adversarial``.  Each writes
+``<figure>.png`` and ``<figure>.json`` under ``--out``; the script prints one JSON
+summary comparing every workdir with the first (the baseline) in the direction the
+paper predicts for smoothing, e.g. ``"spectra": {"smaller_max_eigenvalue": true}``.
+Sizes default to a CPU-scale run; ``--full`` uses the paper's sizes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import numpy as np  # noqa: E402
+
+from smoothing_jax.analysis import trained as studies  # noqa: E402
+from smoothing_jax.analysis.features import plot_by_depth, plot_delta_log_amplitude  # noqa: E402
+from smoothing_jax.analysis.frequency_noise import plot_accuracy_vs_frequency  # noqa: E402
+from smoothing_jax.analysis.landscape import plot_surface  # noqa: E402
+from smoothing_jax.analysis.perturbation import plot_relative_confidence  # noqa: E402
+from smoothing_jax.analysis.robustness import plot_attack_accuracy  # noqa: E402
+from smoothing_jax.analysis.spectrum import plot_spectra  # noqa: E402
+
+FIGURES = ("spectra", "fourier", "variance", "landscape", "frequency_noise", "consistency", "adversarial")
+CPU_SIZES = dict(num_batches=8, batch_size=128, max_iters=20, num_images=256, num_samples=5, grid=11,
+                 frequencies=11, sequences=100)
+PAPER_SIZES = dict(num_batches=100, batch_size=128, max_iters=100, num_images=1000, num_samples=50, grid=21,
+                   frequencies=21, sequences=1000)
+
+
+def _jsonable(x):
+  if isinstance(x, dict):
+    return {str(k): _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if isinstance(x, (np.ndarray, np.generic)):
+    return np.asarray(x).tolist()
+  return x
+
+
+def run_figure(name: str, models: dict, sizes: dict, out: str) -> dict:
+  """Compute one figure for every model, save PNG + JSON, return the per-model summary numbers."""
+  results, summary = {}, {}
+  for label, model in models.items():
+    if name == "spectra":
+      r = studies.hessian_spectrum_study(model, num_batches=sizes["num_batches"], batch_size=sizes["batch_size"],
+                                         max_iters=sizes["max_iters"])
+      summary[label] = r["mean_positive_max_eigenvalue"]
+    elif name == "fourier":
+      r = studies.fourier_study(model, num_images=sizes["num_images"])
+      summary[label] = float(np.mean([curve[-1] for curve in r.values()]))  # mean π-value over depth
+    elif name == "variance":
+      r = studies.variance_study(model, num_images=sizes["num_images"] // 2, num_samples=sizes["num_samples"])
+      summary[label] = {"data": float(np.mean([v["data"] for v in r.values()])),
+                        "model": float(np.mean([v["model"] for v in r.values()]))}
+    elif name == "landscape":
+      r = studies.landscape_study(model, num_points=sizes["grid"], batch_size=4 * sizes["batch_size"])
+      centre = r["loss"][len(r["alphas"]) // 2, len(r["betas"]) // 2]
+      summary[label] = float(np.mean(r["loss"]) - centre)  # mean rise over the grid: smaller = flatter
+    elif name == "frequency_noise":
+      r = studies.frequency_noise_study(model, tuple(np.linspace(0, 1, sizes["frequencies"])),
+                                        num_images=4 * sizes["num_images"], num_samples=sizes["num_samples"])
+      high = r["frequencies"] >= 0.5
+      summary[label] = float(np.mean(r["accuracy"][high]))  # accuracy under high-frequency noise
+    elif name == "consistency":
+      r = studies.consistency_study(model, num_images=sizes["sequences"], num_samples=sizes["num_samples"])
+      summary[label] = {k: r[k] for k in ("consistency", "cec", "relative_confidence")}
+    elif name == "adversarial":
+      r = studies.adversarial_study(model, num_images=sizes["num_images"], num_samples=sizes["num_samples"])
+      summary[label] = float(np.mean([row["accuracy"] for row in r["attacks"]]))
+    results[label] = r
+  with open(os.path.join(out, f"{name}.json"), "w") as f:
+    json.dump(_jsonable(results), f, indent=1)
+  _plot(name, results).savefig(os.path.join(out, f"{name}.png"), dpi=120)
+  return summary
+
+
+def _plot(name: str, results: dict):
+  import matplotlib.pyplot as plt
+  if name == "spectra":
+    return plot_spectra({label: r["max_eigenvalues"] for label, r in results.items()})
+  if name == "fourier":
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.2), squeeze=False)
+    for ax, (label, curves) in zip(axes[0], results.items()):
+      plot_delta_log_amplitude(curves, label, ax=ax)
+    fig.tight_layout()
+    return fig
+  if name == "variance":
+    return plot_by_depth({f"{label} ({kind})": {b: v[kind] for b, v in r.items()}
+                          for label, r in results.items() for kind in ("data", "model")}, "feature-map variance")
+  if name == "landscape":
+    fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 3.8))
+    for ax, (label, r) in zip(np.atleast_1d(axes), results.items()):
+      a, b = np.meshgrid(r["alphas"], r["betas"], indexing="ij")
+      ax.clabel(ax.contour(a, b, r["loss"], levels=15), fontsize=6)
+      ax.set_title(f"{label}: NLL")
+    fig.tight_layout()
+    return fig
+  if name == "frequency_noise":
+    return plot_accuracy_vs_frequency({label: (r["frequencies"], r["accuracy"]) for label, r in results.items()})
+  if name == "consistency":
+    return plot_relative_confidence({label: r["relative_confidence_curve"] for label, r in results.items()})
+  return plot_attack_accuracy({label: r["attacks"] for label, r in results.items()})
+
+
+def orderings(summaries: dict) -> dict:
+  """Does each model differ from the first in the direction the paper reports for smoothing?"""
+  checks = {"spectra": ("smaller_mean_max_eigenvalue", lambda s, b: s < b),
+            "fourier": ("lower_high_frequency_amplitude", lambda s, b: s < b),
+            "variance": ("lower_feature_variance", lambda s, b: s["data"] < b["data"] and s["model"] <= b["model"]),
+            "landscape": ("flatter_landscape", lambda s, b: s < b),
+            "frequency_noise": ("more_robust_to_high_frequency_noise", lambda s, b: s > b),
+            "consistency": ("more_consistent", lambda s, b: s["consistency"] > b["consistency"]),
+            "adversarial": ("more_adversarially_robust", lambda s, b: s > b)}
+  out = {}
+  for name, per_model in summaries.items():
+    key, holds = checks[name]
+    base_label, *others = list(per_model)
+    out[name] = {label: {key: bool(holds(per_model[label], per_model[base_label]))} for label in others}
+  return out
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--workdir", action="append", required=True, metavar="LABEL=DIR",
+                      help="a trained workdir; the first one is the baseline")
+  parser.add_argument("--figures", default=",".join(FIGURES), help="comma-separated subset of " + ", ".join(FIGURES))
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--full", action="store_true", help="the paper's sizes instead of CPU-scale ones")
+  parser.add_argument("--size", action="append", default=[], metavar="KEY=INT",
+                      help="override one size (" + ", ".join(CPU_SIZES) + ")")
+  args = parser.parse_args(argv)
+  figures = args.figures.split(",")
+  unknown = set(figures) - set(FIGURES)
+  if unknown:
+    parser.error(f"unknown figures {sorted(unknown)}; choose from {', '.join(FIGURES)}")
+  pairs = [w.split("=", 1) if "=" in w else (os.path.basename(w.rstrip("/")), w) for w in args.workdir]
+  models = {label: studies.load_trained(path) for label, path in pairs}
+  os.makedirs(args.out, exist_ok=True)
+  sizes = dict(PAPER_SIZES if args.full else CPU_SIZES)
+  for item in args.size:
+    key, _, value = item.partition("=")
+    if key not in sizes or not value.isdigit():
+      parser.error(f"--size {item!r}: expected KEY=INT with KEY one of {', '.join(sizes)}")
+    sizes[key] = int(value)
+  summaries = {name: run_figure(name, models, sizes, args.out) for name in figures}
+  report = {"summary": summaries, "orderings": orderings(summaries),
+            "checkpoints": {label: {"workdir": m.workdir, "step": m.step} for label, m in models.items()}}
+  with open(os.path.join(args.out, "summary.json"), "w") as f:
+    json.dump(_jsonable(report), f, indent=1)
+  print(json.dumps(_jsonable(report), indent=1))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,175 @@
+"""The analyses of the papers' figures, run on a trained workdir.
+
+``load_trained(workdir)`` restores a checkpoint with its config; each ``*_study``
+function computes the data of one figure and returns plain arrays/dicts that the
+matching ``plot_*`` function (or a notebook) draws:
+
+* ``hessian_spectrum_study``   Hessian max-eigenvalue spectrum (SS Fig. 8, App. A.3)
+* ``fourier_study``            Δlog-amplitude of feature maps by depth (SS Fig. 6b)
+* ``variance_study``           feature-map variance by depth (SS Fig. 5)
+* ``landscape_study``          2-D loss landscape (SS Fig. 7)
+* ``frequency_noise_study``    accuracy under band-limited noise (SS Fig. 6c)
+* ``consistency_study``        consistency / CEC / relative confidence (SS Table E.3)
+* ``adversarial_study``        FGSM / PGD accuracy against the MC prediction
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.tree_util import Partial
+
+from smoothing_jax.analysis.features import feature_variance, fourier_by_depth
+from smoothing_jax.analysis.frequency_noise import accuracy_vs_frequency
+from smoothing_jax.analysis.landscape import loss_surface, random_direction
+from smoothing_jax.analysis.perturbation import perturbation_metrics, sequence_predictions, translate_sequences
+from smoothing_jax.analysis.robustness import ensemble_nll, fgsm, pgd
+from smoothing_jax.analysis.spectrum import max_eigenvalue_spectrum, training_loss
+from smoothing_jax.data import create_pipeline
+from smoothing_jax.data.input_pipeline import Pipeline
+from smoothing_jax.inference import mc_predict
+from smoothing_jax.train import create_model, load_checkpoint
+
+
+@dataclasses.dataclass
+class TrainedModel:
+  """A restored checkpoint: its config, model, variables and input pipeline."""
+  workdir: str
+  config: ml_collections.ConfigDict
+  step: int
+  model: object
+  variables: dict
+  pipeline: Pipeline
+
+  @property
+  def stochastic(self) -> bool:
+    return getattr(self.model, "dropout_rate", 0.0) > 0
+
+  def normalize(self, pixels):
+    """Pixels in [0, 1], NHWC → the model's normalised input."""
+    return (pixels * 255.0 - jnp.asarray(self.pipeline.mean)) / jnp.asarray(self.pipeline.std)
+
+  def predict(self, images, num_samples: int = 1, rng: Optional[jax.Array] = None, batch_size: int = 500):
+    """Mean predictive ``[B, C]`` (numpy) of normalised ``images`` over ``num_samples`` MC samples."""
+    rng = jax.random.key(0) if rng is None else rng
+    num_samples = num_samples if self.stochastic else 1
+    out = [np.asarray(_mean_probs(self.model, self.variables, jnp.asarray(images[i:i + batch_size]), rng,
+                                  num_samples)) for i in range(0, len(images), batch_size)]
+    return np.concatenate(out)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _mean_probs(model, variables, images, rng, num_samples):
+  return mc_predict(model, variables, images, num_samples=num_samples, rng=rng).mean_probs
+
+
+def load_trained(workdir: str) -> TrainedModel:
+  """Restore the latest checkpoint of ``workdir`` (its ``config.json`` picks model and data)."""
+  config, step, variables = load_checkpoint(workdir)
+  pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir, False)
+  return TrainedModel(workdir, config, step, create_model(config, pipeline), variables, pipeline)
+
+
+def eval_pixels(trained: TrainedModel, num_images: int):
+  """The first ``num_images`` evaluation images as pixels in [0, 1] float32, and their labels."""
+  if trained.pipeline.eval_images is None:
+    raise ValueError("The analyses need an in-memory evaluation split (CIFAR, npz or digits datasets).")
+  images = trained.pipeline.eval_images[:num_images]
+  return images.astype(np.float32) / 255.0, trained.pipeline.eval_labels[:num_images].astype(np.int32)
+
+
+def train_batches(trained: TrainedModel, num_batches: int, batch_size: Optional[int] = None) -> list:
+  """``num_batches`` augmented training batches as in training (epoch 0 of the seeded pipeline)."""
+  pipeline = trained.pipeline
+  if batch_size is not None:
+    pipeline = dataclasses.replace(pipeline, global_batch_size=batch_size)
+  return list(itertools.islice(pipeline.train_iterator(), num_batches))
+
+
+def hessian_spectrum_study(trained: TrainedModel, *, num_batches: int = 10, batch_size: Optional[int] = None,
+                           k: int = 1, max_iters: int = 100, tol: float = 1e-3, seed: int = 0) -> dict:
+  """Top-``k`` Hessian eigenvalues of NLL + L2 on each of ``num_batches`` training batches."""
+  return max_eigenvalue_spectrum(trained.model, trained.variables, train_batches(trained, num_batches, batch_size),
+                                 k=k, weight_decay=trained.config.weight_decay, max_iters=max_iters, tol=tol,
+                                 rng=jax.random.key(seed))
+
+
+def fourier_study(trained: TrainedModel, *, num_images: int = 256, seed: int = 0) -> dict:
+  """``{block: Δlog-amplitude curve from 0 to π}`` on test images; one stochastic pass."""
+  pixels, _ = eval_pixels(trained, num_images)
+  return fourier_by_depth(trained.model, trained.variables, trained.normalize(pixels), jax.random.key(seed))
+
+
+def variance_study(trained: TrainedModel, *, num_images: int = 128, num_samples: int = 10, seed: int = 0) -> dict:
+  """``{block: {"data", "model"}}`` feature-map variances on test images."""
+  pixels, _ = eval_pixels(trained, num_images)
+  return feature_variance(trained.model, trained.variables, trained.normalize(pixels), num_samples=num_samples,
+                          rng=jax.random.key(seed))
+
+
+def landscape_study(trained: TrainedModel, *, num_points: int = 21, scale: float = 1.0,
+                    normalization: str = "filter", batch_size: int = 512, seed: int = 0) -> dict:
+  """Training loss (NLL and NLL+L2) on a ``num_points²`` grid over [−scale, scale]² (one augmented batch,
+  one fixed dropout key)."""
+  batch = train_batches(trained, 1, batch_size)[0]
+  key_d1, key_d2, dropout_key = jax.random.split(jax.random.key(seed), 3)
+  params = trained.variables["params"]
+  loss_fn = Partial(functools.partial(training_loss, trained.model, 0.0), trained.variables.get("batch_stats", {}),
+                    dropout_key, jnp.asarray(batch["image"]), jnp.asarray(batch["label"]))
+  axis = np.linspace(-scale, scale, num_points)
+  return loss_surface(loss_fn, params, random_direction(params, key_d1, normalization),
+                      random_direction(params, key_d2, normalization), axis, axis,
+                      weight_decay=trained.config.weight_decay)
+
+
+def frequency_noise_study(trained: TrainedModel, frequencies: Sequence[float] = tuple(np.arange(0, 1.01, 0.1)), *,
+                          std: float = 0.1, num_images: int = 1000, num_samples: int = 1, seed: int = 0) -> dict:
+  """Accuracy under Gaussian noise of pixel std ``std`` band-limited around each frequency (units of π)."""
+  pixels, labels = eval_pixels(trained, num_images)
+  predict = functools.partial(trained.predict, num_samples=num_samples, rng=jax.random.key(seed + 1))
+  noisy = accuracy_vs_frequency(lambda x: predict(trained.normalize(jnp.clip(x, 0.0, 1.0))), jnp.asarray(pixels),
+                                labels, frequencies, std=std, rng=jax.random.key(seed))
+  clean = float(np.mean(predict(trained.normalize(pixels)).argmax(-1) == labels))
+  return {"frequencies": np.asarray(frequencies), "accuracy": noisy, "clean_accuracy": clean}
+
+
+def consistency_study(trained: TrainedModel, *, num_images: int = 500, length: int = 31, max_shift: int = 3,
+                      num_samples: int = 1, seed: int = 0) -> dict:
+  """Consistency, CEC and relative confidence on shift-translated sequences of test images.
+
+  Also returns ``relative_confidence_curve`` of the first sequence (SS Fig. E.3).
+  """
+  pixels, labels = eval_pixels(trained, num_images)
+  videos = translate_sequences(pixels, length, max_shift, seed)
+  predict = functools.partial(trained.predict, num_samples=num_samples, rng=jax.random.key(seed))
+  probs = sequence_predictions(lambda x: predict(trained.normalize(x)), videos)
+  first = probs[0, :, labels[0]] / probs[0].max(-1)
+  return {**perturbation_metrics(probs, labels), "relative_confidence_curve": first}
+
+
+def adversarial_study(trained: TrainedModel, epsilons: Sequence[float] = (1 / 255, 2 / 255, 4 / 255, 8 / 255), *,
+                      num_images: int = 256, num_samples: int = 1, pgd_steps: int = 10, seed: int = 0) -> dict:
+  """Accuracy and attack success rate of FGSM and PGD (random start) for each ε in pixel space."""
+  pixels, labels = eval_pixels(trained, num_images)
+  num_samples = num_samples if trained.stochastic else 1
+  keys = jax.random.split(jax.random.key(seed), num_samples)
+  loss = functools.partial(ensemble_nll, trained.model, trained.variables, keys, trained.normalize)
+  predict = functools.partial(trained.predict, num_samples=num_samples, rng=jax.random.key(seed))
+  clean_correct = predict(trained.normalize(pixels)).argmax(-1) == labels
+  x, y = jnp.asarray(pixels), jnp.asarray(labels)
+  attacks = {"fgsm": jax.jit(lambda eps: fgsm(loss, x, y, eps)),
+             "pgd": jax.jit(lambda eps: pgd(loss, x, y, eps, step_size=eps / 4, steps=pgd_steps,
+                                            rng=jax.random.key(seed + 1)))}
+  rows = []
+  for eps in epsilons:
+    for name, attack in attacks.items():
+      correct = predict(trained.normalize(attack(eps))).argmax(-1) == labels
+      success = float(np.sum(clean_correct & ~correct) / max(np.sum(clean_correct), 1))
+      rows.append({"attack": name, "eps": float(eps), "accuracy": float(correct.mean()), "success_rate": success})
+  return {"clean_accuracy": float(clean_correct.mean()), "attacks": rows}

@@ -1,0 +1,57 @@
+"""The figure-regenerating experiment script and the analysis studies on trained workdirs."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from experiments import smoothing_figures
+from smoothing_jax.analysis import trained as studies
+
+TINY_SIZES = ["num_batches=2", "batch_size=16", "max_iters=3", "num_images=8", "num_samples=2", "grid=3",
+              "frequencies=3", "sequences=3"]
+
+
+def test_every_figure_is_written_with_its_ordering(analysis_workdirs, tmp_path, capsys):
+  args = [a for label, path in analysis_workdirs.items() for a in ("--workdir", f"{label}={path}")]
+  args += ["--out", str(tmp_path)] + [a for size in TINY_SIZES for a in ("--size", size)]
+  smoothing_figures.main(args)
+  report = json.loads(capsys.readouterr().out)
+  for name in smoothing_figures.FIGURES:
+    assert os.path.getsize(tmp_path / f"{name}.png") > 1000
+    assert set(json.load(open(tmp_path / f"{name}.json"))) == set(analysis_workdirs)
+    assert list(report["orderings"][name]) == ["MC dropout + smoothing"]
+  spectra = json.load(open(tmp_path / "spectra.json"))["MC dropout"]
+  assert np.asarray(spectra["eigenvalues"]).shape == (2, 1)
+  assert report["checkpoints"]["MC dropout"]["step"] == 4
+
+
+def test_bad_figure_and_size_names_are_rejected(analysis_workdirs, tmp_path):
+  workdir = next(iter(analysis_workdirs.values()))
+  for bad in (["--figures", "spectrum"], ["--size", "grid=big"]):
+    with pytest.raises(SystemExit):
+      smoothing_figures.main(["--workdir", workdir, "--out", str(tmp_path)] + bad)
+
+
+def test_landscape_study_centre_equals_the_training_loss(analysis_workdirs):
+  model = studies.load_trained(analysis_workdirs["MC dropout + smoothing"])
+  surface = studies.landscape_study(model, num_points=3, batch_size=16)
+  assert surface["loss"].shape == (3, 3)
+  # The centre of the grid is θ itself: the NLL of the batch under the study's fixed dropout key.
+  import functools
+  import jax
+  import jax.numpy as jnp
+  from smoothing_jax.analysis.spectrum import training_loss
+  batch = studies.train_batches(model, 1, 16)[0]
+  dropout_key = jax.random.split(jax.random.key(0), 3)[2]
+  nll = functools.partial(training_loss, model.model, 0.0)(model.variables["batch_stats"], dropout_key,
+                                                           jnp.asarray(batch["image"]), jnp.asarray(batch["label"]),
+                                                           model.variables["params"])
+  np.testing.assert_allclose(surface["loss"][1, 1], nll, rtol=1e-4)
+
+
+def test_consistency_study_on_a_trained_model(analysis_workdirs):
+  model = studies.load_trained(analysis_workdirs["MC dropout"])
+  result = studies.consistency_study(model, num_images=4, length=5, max_shift=2, num_samples=2)
+  assert 0.0 <= result["consistency"] <= 1.0 and result["cec"] > 0
+  assert result["relative_confidence_curve"].shape == (5,)
