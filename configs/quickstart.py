@@ -29,5 +29,6 @@ def get_config(arg: str = ""):
   if "runlocal" in arg.split(","):
     config.num_train_steps = 10
     config.model_kwargs.width = 8
+    config.ensemble_sizes = (1, 2)
   config.lock()
   return config

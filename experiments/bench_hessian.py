@@ -40,9 +40,10 @@ def torch_hvp_seconds(width, images, labels, repeats):
     return None
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
   from tests.torch_reference import ResNet, randomize
-  net = randomize(ResNet((2, 2, 2, 2), False, 10, width=width, smoothing=True))
-  x = torch.from_numpy(np.asarray(images).transpose(0, 3, 1, 2))
-  y = torch.from_numpy(np.asarray(labels)).long()
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  net = randomize(ResNet((2, 2, 2, 2), False, 10, width=width, smoothing=True)).to(device).eval()
+  x = torch.from_numpy(np.asarray(images).transpose(0, 3, 1, 2)).to(device)
+  y = torch.from_numpy(np.asarray(labels)).long().to(device)
   params = [p for p in net.parameters()]
   vector = [torch.randn_like(p) for p in params]
 
@@ -50,7 +51,10 @@ def torch_hvp_seconds(width, images, labels, repeats):
     loss = torch.nn.functional.cross_entropy(net(x), y)
     grads = torch.autograd.grad(loss, params, create_graph=True)
     dot = sum((g * v).sum() for g, v in zip(grads, vector))
-    return torch.autograd.grad(dot, params)
+    out = torch.autograd.grad(dot, params)
+    if device == "cuda":
+      torch.cuda.synchronize()
+    return out
 
   run()
   times = []

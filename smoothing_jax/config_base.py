@@ -28,9 +28,22 @@ def base_config() -> ml_collections.ConfigDict:
   config.weight_decay = 5e-4
   config.num_epochs = 200
   config.warmup_epochs = 1
+  config.lr_schedule = "multistep"  # or "flat_linear" (iBNN)
   config.lr_milestones = (60, 130, 160)
   config.lr_decay = 0.2
+  config.lr_final_ratio = 0.01      # flat_linear: final rate / base rate
   config.num_train_steps = -1       # -1: (warmup_epochs + num_epochs) × steps per epoch
+  # iBNN (models with node noise, e.g. vgg_ibnn_16): ELBO and posterior optimiser.
+  config.ibnn = ml_collections.ConfigDict({
+      "num_train_samples": 2,        # S: repeats of each example per step (Algorithm 1)
+      "prior_mean": 1.0,
+      "prior_std": 0.1,              # s of N(1, s²): 0.1 WRN, 0.3 VGG
+      "kl_anneal_epochs": 200,       # β: 0 → 1 linearly per epoch
+      "variational_lr": 2.4,         # constant, no weight decay
+      "eval_samples": 5,             # S at evaluation: K×S predictions
+      "freeze_deterministic": False,  # train only the posterior (with pretrained_workdir)
+      "pretrained_workdir": placeholder(str),  # initialise W from a deterministic run of the same architecture
+  })
   # Logging, evaluation and checkpoints.
   config.log_every_steps = 100
   config.eval_every_epochs = 10

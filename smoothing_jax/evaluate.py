@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from smoothing_jax.data import CORRUPTIONS, create_pipeline
 from smoothing_jax.inference import ensemble_predict, mc_predict, stack_variables
 from smoothing_jax.metrics import UncertaintyMetrics, plot_reliability_diagram
-from smoothing_jax.train import create_mesh, create_model, load_checkpoint, shard_batch
+from smoothing_jax.train import create_mesh, create_model, eval_batch_size, load_checkpoint, shard_batch
 
 METRIC_COLUMNS = ("nll", "acc", "ece", "top5", "brier", "acc90", "unc90", "freq90", "iou", "iou90", "ecse")
 
@@ -101,7 +101,7 @@ def evaluate_ensemble_sizes(workdirs: Sequence[str], output_dir: str, config=Non
     return _nested_metrics(predict(v, batch["image"], key), batch["label"], batch["mask"], sizes, config.ece_bins)
 
   totals = None
-  for i, batch in enumerate(pipeline.eval_batches(config.eval_batch_size)):
+  for i, batch in enumerate(pipeline.eval_batches(eval_batch_size(config, data_sharding.mesh))):
     stats = step(variables, shard_batch(batch, data_sharding), jax.random.fold_in(rng, i))
     totals = stats if totals is None else tuple(a.merge(b) for a, b in zip(totals, stats))
   rows = [{"ensemble_size": n, **{k: m[k] for k in ("count",) + METRIC_COLUMNS}}
@@ -171,7 +171,7 @@ def evaluate_corruptions(workdir: str, output_dir: str, baseline_csv: Optional[s
     for severity in range(1, 6):
       total = None
       name = f"{pipeline.spec.base}_corrupted/{corruption}_{severity}"
-      for i, batch in enumerate(pipeline.eval_batches(config.eval_batch_size, name)):
+      for i, batch in enumerate(pipeline.eval_batches(eval_batch_size(config, data_sharding.mesh), name)):
         stats = step(variables, shard_batch(batch, data_sharding), jax.random.fold_in(jax.random.key(seed), i))
         total = stats if total is None else total.merge(stats)
       m = total.compute()

@@ -23,6 +23,11 @@ class Prediction(NamedTuple):
   mean_probs: jax.Array
 
 
+def sample_rngs(key) -> dict:
+  """One stochastic forward pass's RNG streams: MC dropout (``"dropout"``) and iBNN node noise (``"noise"``)."""
+  return {"dropout": key, "noise": jax.random.fold_in(key, 1)}
+
+
 def _mean_probs(log_probs):
   """Mean of per-sample probabilities, computed as exp(logsumexp − log N)."""
   return jnp.exp(jax.nn.logsumexp(log_probs, axis=0) - jnp.log(log_probs.shape[0]))
@@ -43,7 +48,7 @@ def _map_in_chunks(fn, xs, chunk_size: Optional[int]):
 @functools.partial(jax.jit, static_argnames=("model", "num_samples", "chunk_size"))
 def _mc_log_probs(model, variables, images, rng, num_samples, chunk_size):
   def one_sample(key):
-    logits = model.apply(variables, images, train=False, rngs={"dropout": key})
+    logits = model.apply(variables, images, train=False, rngs=sample_rngs(key))
     return jax.nn.log_softmax(logits.astype(jnp.float32))
   return _map_in_chunks(one_sample, jax.random.split(rng, num_samples), chunk_size)
 

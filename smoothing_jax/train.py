@@ -31,8 +31,9 @@ from clu import metric_writers, periodic_actions
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from smoothing_jax import ibnn
 from smoothing_jax.data import NUM_CLASSES, create_pipeline
-from smoothing_jax.inference import mc_predict
+from smoothing_jax.inference import mc_predict, sample_rngs
 from smoothing_jax.metrics import UncertaintyMetrics
 from smoothing_jax.models import get_model
 
@@ -47,6 +48,11 @@ def create_mesh(num_devices: int = -1) -> Mesh:
   return Mesh(np.asarray(devices), ("data",))
 
 
+def eval_batch_size(config, mesh: Mesh) -> int:
+  """``config.eval_batch_size`` rounded up to a multiple of the mesh size (the padding is masked out)."""
+  return -(-config.eval_batch_size // mesh.size) * mesh.size
+
+
 def create_model(config, pipeline):
   """``config.model`` for ``pipeline``'s classes (``config.num_classes`` > 0 overrides) and geometry."""
   num_classes = config.num_classes if config.num_classes > 0 else NUM_CLASSES.get(
@@ -57,12 +63,20 @@ def create_model(config, pipeline):
 
 
 def create_learning_rate_schedule(config, steps_per_epoch: int) -> optax.Schedule:
-  """Linear warm-up from 0 for ``warmup_epochs``, then × ``lr_decay`` at each milestone epoch.
+  """The base rate, scaled linearly with ``batch_size / base_batch_size``, on ``config.lr_schedule``:
 
-  The base rate is scaled linearly with ``batch_size / base_batch_size``;
-  milestones count epochs after the warm-up (the reference's extra warm-up epoch).
+  * ``"multistep"``: linear warm-up from 0 for ``warmup_epochs``, then × ``lr_decay`` at
+    each milestone epoch (counted after the warm-up: the reference's extra warm-up epoch);
+  * ``"flat_linear"`` (iBNN reference): flat for the first 50% of training, linear
+    down to ``lr_final_ratio`` × the rate at 90%, then flat (per step).
   """
   lr = config.learning_rate * config.batch_size / config.base_batch_size
+  if config.lr_schedule == "flat_linear":
+    total = (config.warmup_epochs + config.num_epochs) * steps_per_epoch
+    return optax.piecewise_interpolate_schedule(
+        "linear", lr, {int(0.5 * total): 1.0, int(0.9 * total): config.lr_final_ratio})
+  if config.lr_schedule != "multistep":
+    raise ValueError(f"Unknown lr_schedule {config.lr_schedule!r}; choose 'multistep' or 'flat_linear'.")
   main = optax.piecewise_constant_schedule(
       lr, {int(m * steps_per_epoch): config.lr_decay for m in config.lr_milestones})
   warmup_steps = int(config.warmup_epochs * steps_per_epoch)
@@ -71,32 +85,55 @@ def create_learning_rate_schedule(config, steps_per_epoch: int) -> optax.Schedul
   return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup_steps), main], [warmup_steps])
 
 
-def create_optimizer(config, schedule) -> optax.GradientTransformation:
+def create_optimizer(config, schedule, model=None) -> optax.GradientTransformation:
+  """SGD with coupled (PyTorch-style) weight decay; iBNN models get the two-learning-rate optimizer."""
+  if getattr(model, "num_components", 0) > 0:
+    return ibnn.create_optimizer(schedule, config.ibnn.variational_lr, config.weight_decay, config.momentum,
+                                 config.ibnn.freeze_deterministic)
   return optax.chain(optax.add_decayed_weights(config.weight_decay),
                      optax.sgd(schedule, momentum=config.momentum, nesterov=config.nesterov))
 
 
+def ibnn_objective(config, model, pipeline) -> Optional[ibnn.Objective]:
+  """The iBNN ELBO settings for node-noise models (None for every other model)."""
+  if getattr(model, "num_components", 0) < 1:
+    return None
+  return ibnn.Objective(model.num_components, config.ibnn.num_train_samples, config.ibnn.prior_mean,
+                        config.ibnn.prior_std, pipeline.num_train, pipeline.steps_per_epoch,
+                        config.ibnn.kl_anneal_epochs).check()
+
+
 def create_train_state(config, model, rng, image_shape, schedule) -> TrainState:
   """Initialise parameters and BatchNorm statistics; attach the optimizer."""
-  variables = jax.jit(model.init)({"params": rng, "dropout": rng}, jnp.zeros((1,) + tuple(image_shape)))
+  variables = jax.jit(model.init)({"params": rng, **sample_rngs(rng)}, jnp.zeros((1,) + tuple(image_shape)))
   return TrainState.create(apply_fn=model.apply, params=variables["params"],
-                           batch_stats=variables.get("batch_stats", {}), tx=create_optimizer(config, schedule))
+                           batch_stats=variables.get("batch_stats", {}), tx=create_optimizer(config, schedule, model))
 
 
-def train_step(model, schedule, state: TrainState, batch, dropout_rng):
-  """One SGD step on a (global) batch; the dropout key is ``fold_in(dropout_rng, step)``."""
+def train_step(model, schedule, objective: Optional[ibnn.Objective], state: TrainState, batch, dropout_rng):
+  """One SGD step on a (global) batch; the dropout/noise key is ``fold_in(dropout_rng, step)``.
+
+  The loss is the cross-entropy, or for iBNN models (``objective`` given) the
+  negative ELBO of :func:`smoothing_jax.ibnn.elbo_loss`.
+  """
   rng = jax.random.fold_in(dropout_rng, state.step)
 
   def loss_fn(params):
+    if objective is not None:
+      loss, aux = ibnn.elbo_loss(model, objective, params, state.batch_stats, batch["image"], batch["label"], rng,
+                                 state.step)
+      return loss, aux
     logits, updates = model.apply({"params": params, "batch_stats": state.batch_stats}, batch["image"],
-                                  train=True, mutable=["batch_stats"], rngs={"dropout": rng})
+                                  train=True, mutable=["batch_stats"], rngs=sample_rngs(rng))
     loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["label"]).mean()
-    return loss, (logits, updates)
+    return loss, {"logits": logits, "labels": batch["label"], "batch_stats": updates.get("batch_stats", {})}
 
-  (loss, (logits, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-  new_state = state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
-  metrics = {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"]),
+  (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  new_state = state.apply_gradients(grads=grads, batch_stats=aux["batch_stats"])
+  metrics = {"loss": loss, "accuracy": jnp.mean(jnp.argmax(aux["logits"], -1) == aux["labels"]),
              "learning_rate": schedule(state.step)}
+  if objective is not None:
+    metrics.update(nll=aux["nll"], kl=aux["kl"], kl_weight=aux["kl_weight"])
   return new_state, metrics
 
 
@@ -106,10 +143,10 @@ def eval_step(model, num_samples: int, num_bins: int, variables, batch, rng) -> 
   return UncertaintyMetrics.from_model_output(pred.mean_probs, batch["label"], batch["mask"], num_bins=num_bins)
 
 
-def compile_steps(model, schedule, mesh: Mesh, num_bins: int):
+def compile_steps(model, schedule, mesh: Mesh, num_bins: int, objective: Optional[ibnn.Objective] = None):
   """``(train_step, eval_step)`` jitted over ``mesh``: batch sharded on ``data``, state replicated and donated."""
   replicated, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-  p_train_step = jax.jit(functools.partial(train_step, model, schedule),
+  p_train_step = jax.jit(functools.partial(train_step, model, schedule, objective),
                          in_shardings=(replicated, data_sharding, replicated),
                          out_shardings=(replicated, replicated), donate_argnums=(0,))
   p_eval_step = jax.jit(functools.partial(eval_step, model, 1, num_bins),
@@ -207,14 +244,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   checkpoint_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
   manager = ocp.CheckpointManager(checkpoint_dir, options=ocp.CheckpointManagerOptions(
       max_to_keep=config.keep_checkpoints, create=True))
+  objective = ibnn_objective(config, model, pipeline)
   if manager.latest_step() is not None:
     state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
     logging.info("Resumed from step %d of %s", int(state.step), checkpoint_dir)
+  elif objective is not None and config.ibnn.pretrained_workdir:
+    _, det_step, det = load_checkpoint(config.ibnn.pretrained_workdir)
+    state = jax.device_put(state.replace(params=ibnn.load_deterministic(state.params, det["params"]),
+                                         batch_stats=ibnn.load_deterministic(state.batch_stats, det["batch_stats"])),
+                           replicated)
+    logging.info("Deterministic weights from step %d of %s", det_step, config.ibnn.pretrained_workdir)
   start_step = int(state.step)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
 
-  p_train_step, p_eval_step = compile_steps(model, schedule, mesh, config.ece_bins)
+  p_train_step, p_eval_step = compile_steps(model, schedule, mesh, config.ece_bins, objective)
 
   report_progress = periodic_actions.ReportProgress(num_train_steps=num_steps, writer=writer)
   eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))
@@ -244,8 +288,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
           train_metrics = []
         if step % eval_every == 0 or step == num_steps:
           with report_progress.timed("eval"):
-            results = evaluate_batches(p_eval_step, _variables(state), pipeline.eval_batches(config.eval_batch_size),
-                                       data_sharding, eval_rng)
+            eval_batches = pipeline.eval_batches(eval_batch_size(config, mesh))
+            results = evaluate_batches(p_eval_step, _variables(state), eval_batches, data_sharding, eval_rng)
           writer.write_scalars(step, {f"eval_{k}": v for k, v in results.items() if k in ("nll", "acc", "ece")})
         if step % config.checkpoint_every_steps == 0 or is_last:
           _check_finite(pending_losses, last_good, checkpoint_dir)

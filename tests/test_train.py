@@ -68,10 +68,12 @@ def test_end_to_end_under_mock_cifar10(trained_workdir):
   assert json.load(open(os.path.join(workdir, "config.json")))["model"] == "resnet_mcdo_smoothing_18"
 
 
-def test_ensemble_size_evaluation_counts_every_test_example(trained_workdir, tmp_path):
+@pytest.mark.parametrize("eval_batch_size", [8, 5])
+def test_ensemble_size_evaluation_counts_every_test_example(trained_workdir, tmp_path, eval_batch_size):
   workdir, _ = trained_workdir
-  with tfds.testing.mock_data(num_examples=13):  # 13 = one full batch of 8 + a padded batch
-    rows = evaluate.evaluate_ensemble_sizes([workdir], str(tmp_path), tiny_config())
+  # 13 = one full batch of 8 + a padded batch; 5 is rounded up to the 8 devices (masked padding).
+  with tfds.testing.mock_data(num_examples=13):
+    rows = evaluate.evaluate_ensemble_sizes([workdir], str(tmp_path), tiny_config(eval_batch_size=eval_batch_size))
   assert [r["ensemble_size"] for r in rows] == [1, 3]
   assert all(r["count"] == 13 for r in rows)
   for name in ("ensemble_sizes.json", "ensemble_sizes.csv", "ensemble_sizes.png", "reliability.png"):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from smoothing_jax.analysis.fourier import delta_log_amplitude
+from smoothing_jax.inference import sample_rngs
 from smoothing_jax.layers import Smooth
 from smoothing_jax.models.common import CNN
 
@@ -23,7 +24,7 @@ def _is_block(module, method_name: str) -> bool:
 
 
 def _captured(model, filter_fn, variables, images, rng) -> dict:
-  _, state = model.apply(variables, images, train=False, rngs={"dropout": rng}, capture_intermediates=filter_fn,
+  _, state = model.apply(variables, images, train=False, rngs=sample_rngs(rng), capture_intermediates=filter_fn,
                          mutable=["intermediates"])
   return {name: out["__call__"][0] for name, out in state["intermediates"].items() if "__call__" in out}
 

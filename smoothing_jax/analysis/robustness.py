@@ -13,11 +13,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from smoothing_jax.inference import sample_rngs
+
 
 def ensemble_nll(model, variables, keys, normalize: Callable, pixels, labels):
   """Mean −log p̄(y | x) of pixel images ``[B,H,W,3]`` under the MC ensemble given by ``keys``."""
   def log_probs(key):
-    return jax.nn.log_softmax(model.apply(variables, normalize(pixels), train=False, rngs={"dropout": key}))
+    return jax.nn.log_softmax(model.apply(variables, normalize(pixels), train=False, rngs=sample_rngs(key)))
   log_mean = jax.nn.logsumexp(jax.vmap(log_probs)(keys), axis=0) - jnp.log(keys.shape[0])
   return -jnp.mean(jnp.take_along_axis(log_mean, labels[:, None], axis=1))
 

@@ -19,12 +19,13 @@ import optax
 from jax.tree_util import Partial
 
 from smoothing_jax.analysis.hessian import top_eigenvalues
+from smoothing_jax.inference import sample_rngs
 
 
 def training_loss(model, weight_decay, batch_stats, dropout_key, images, labels, params):
   """NLL + (weight_decay/2)·‖θ‖² of one batch, BatchNorm with running statistics, fixed dropout key."""
   logits = model.apply({"params": params, "batch_stats": batch_stats}, images, train=False,
-                       rngs={"dropout": dropout_key})
+                       rngs=sample_rngs(dropout_key))
   nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
   return nll + 0.5 * weight_decay * optax.tree_utils.tree_l2_norm(params, squared=True)
 

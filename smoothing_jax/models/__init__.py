@@ -2,7 +2,8 @@
 
 Names follow the reference implementation: ``<family>_<variant>[_<depth>]`` with
 variant ``dnn`` (deterministic), ``mcdo`` (MC dropout), ``dnn_smoothing`` or
-``mcdo_smoothing``.  Every model is called as
+``mcdo_smoothing``; plus the iBNN models ``vgg_ibnn_16`` and ``wideresnet_ibnn_28_10``
+(``num_components=K`` override; they take ``components`` and a ``"noise"`` key).  Every model is called as
 ``model.apply(variables, images_nhwc, train=False, rngs={"dropout": key})``.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ RESNET_STAGES = {18: ((2, 2, 2, 2), "basic"), 34: ((3, 4, 6, 3), "basic"), 50: (
 VARIANTS = ("dnn", "mcdo", "dnn_smoothing", "mcdo_smoothing")
 MCDO_RATE = 0.3
 ALEXNET_MCDO_RATE = 0.1
+IBNN_COMPONENTS = 4
 
 
 def _architectures():
@@ -56,6 +58,10 @@ def _registry():
       registry[pattern.format(variant)] = (cls, dict(
           kwargs, dropout_rate=rate if variant.startswith("mcdo") else 0.0,
           smoothing=variant.endswith("smoothing")))
+  # iBNN (Trinh et al.): node noise is a constructor option of the same families.
+  registry["vgg_ibnn_16"] = (VGG, dict(stage_sizes=VGG_STAGES[16], batch_norm=False, classifier="mlp512",
+                                       num_components=IBNN_COMPONENTS, noise_init_std=0.75))
+  registry["wideresnet_ibnn_28_10"] = (WideResNet, dict(depth=28, widen_factor=10, num_components=IBNN_COMPONENTS))
   return registry
 
 

@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from smoothing_jax.layers import MCDropout, Smooth
+from smoothing_jax.layers.node_noise import NodeNoiseConv, NodeNoiseDense
 
 STEMS = ("cifar", "imagenet")
-CLASSIFIERS = ("gap", "mlp")
+CLASSIFIERS = ("gap", "mlp", "mlp512")
 
 # PyTorch BatchNorm2d defaults: running = 0.9 · running + 0.1 · batch, eps 1e-5.
 batch_norm = functools.partial(nn.BatchNorm, momentum=0.9, epsilon=1e-5)
@@ -107,8 +108,14 @@ class CNN(nn.Module):
     smoothing: insert ``Smooth`` at the end of each stage (``_smoothing`` models).
     prob, temperature, blur_size, blur_same, pad_mode: ``Smooth`` options.
     stem: ``"cifar"`` (32×32 inputs) or ``"imagenet"`` (224×224 inputs).
-    classifier: ``"gap"`` or ``"mlp"`` (None: the family's reference default).
+    classifier: ``"gap"``, ``"mlp"`` or ``"mlp512"`` (None: the family's reference default).
     dtype: computation dtype (parameters stay float32).
+    num_components: iBNN (families that support it: VGG, WRN-28-10): K > 0 puts
+      K-component multiplicative node noise on the input of every conv and dense
+      layer (``smoothing_jax.layers.node_noise``); the models then take
+      ``components`` [B] (default: row r uses component r mod K) and a ``"noise"`` key.
+    noise_init_std: σ₀ of the iBNN mean initialisation μ ~ N(1, σ₀²).
+    bias_noise: iBNN scalar noise on each layer's bias (the reference's default).
   """
   num_classes: int = 10
   dropout_rate: float = 0.0
@@ -121,17 +128,43 @@ class CNN(nn.Module):
   stem: str = "cifar"
   classifier: Optional[str] = None
   dtype: Any = jnp.float32
+  num_components: int = 0
+  noise_init_std: float = 0.5
+  bias_noise: bool = True
 
-  def check_options(self, default_classifier: str) -> str:
-    """Validate the shared options; return the classifier to build."""
+  def check_options(self, default_classifier: str, classifiers=("gap", "mlp"), node_noise: bool = False) -> str:
+    """Validate the shared options against what the family supports; return the classifier to build."""
     if self.stem not in STEMS:
       raise ValueError(f"Unknown stem {self.stem!r}; choose one of {STEMS}.")
     classifier = self.classifier or default_classifier
-    if classifier not in CLASSIFIERS:
-      raise ValueError(f"Unknown classifier {classifier!r}; choose one of {CLASSIFIERS}.")
+    if classifier not in classifiers:
+      raise ValueError(f"Unknown classifier {classifier!r} for {type(self).__name__}; choose one of {classifiers}.")
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate!r}.")
+    if self.num_components < 0:
+      raise ValueError(f"num_components (iBNN K) must be >= 1, or 0 for no node noise; got {self.num_components}.")
+    if self.num_components and not node_noise:
+      raise ValueError(f"{type(self).__name__} has no iBNN variant; node noise is built for VGG and WideResNet.")
     return classifier
+
+  def noise_options(self) -> dict:
+    """The iBNN fields, for passing on to blocks."""
+    return dict(num_components=self.num_components, noise_init_std=self.noise_init_std, bias_noise=self.bias_noise)
+
+  def conv(self, x, components, features, kernel_size, stride=1, padding=0, bias=False, name=None):
+    """A ``conv`` layer applied to ``x``, with iBNN node noise when ``num_components`` > 0."""
+    if self.num_components:
+      return NodeNoiseConv(self.num_components, self.bias_noise, self.noise_init_std, features=features,
+                           kernel_size=kernel_size, stride=stride, padding=padding, use_bias=bias,
+                           dtype=self.dtype, name=name)(x, components)
+    return conv(features, kernel_size, stride, padding, bias=bias, dtype=self.dtype, name=name)(x)
+
+  def dense(self, x, components, features, name=None):
+    """``nn.Dense`` applied to ``x``, with iBNN node noise when ``num_components`` > 0."""
+    if self.num_components:
+      return NodeNoiseDense(self.num_components, self.bias_noise, self.noise_init_std, features=features,
+                            dtype=self.dtype, name=name)(x, components)
+    return nn.Dense(features, dtype=self.dtype, name=name)(x)
 
   def smooth(self, x, name: str):
     """The stage-end smoothing block (identity unless ``smoothing``)."""

@@ -4,6 +4,11 @@ Five conv groups of 3×3 conv-BN-ReLU blocks (pre-activation: BN-ReLU-conv), eac
 group after the first starting with a 2×2 max-pool; MC dropout after every
 block; smoothing after every group, before the next max-pool.  The reference
 head is max-pool + adaptive average pool to 7×7 + a 4096-4096 MLP.
+
+``vgg_ibnn_16`` is the iBNN reference's VGG-16: no BatchNorm (conv biases
+instead), head max-pool + 512-512-C MLP (``classifier="mlp512"``), and iBNN node
+noise on the input of all 13 convs and 3 dense layers: 5,251 noisy input nodes
+per component.
 """
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ from typing import Sequence
 
 import flax.linen as nn
 
-from smoothing_jax.models.common import CNN, GAPHead, MLPHead, adaptive_avg_pool, check_images, conv, max_pool
+from smoothing_jax.models.common import (CLASSIFIERS, CNN, GAPHead, MLPHead, adaptive_avg_pool, check_images,
+                                         max_pool)
 
 VGG_STAGES = {11: (1, 1, 2, 2, 2), 13: (2, 2, 2, 2, 2), 16: (2, 2, 3, 3, 3), 19: (2, 2, 4, 4, 4)}
 
@@ -19,31 +25,35 @@ VGG_STAGES = {11: (1, 1, 2, 2, 2), 13: (2, 2, 2, 2, 2), 16: (2, 2, 3, 3, 3), 19:
 class VGGBlock(CNN):
   features: int = 64
   preact: bool = False
+  batch_norm: bool = True
 
   @nn.compact
-  def __call__(self, x, train: bool):
-    if self.preact:
+  def __call__(self, x, train: bool, components=None):
+    if not self.batch_norm:
+      x = nn.relu(self.conv(x, components, self.features, 3, 1, 1, bias=True, name="conv"))
+    elif self.preact:
       x = nn.relu(self.bn(train, "bn")(x))
-      x = conv(self.features, 3, 1, 1, dtype=self.dtype, name="conv")(x)
+      x = self.conv(x, components, self.features, 3, 1, 1, name="conv")
     else:
-      x = conv(self.features, 3, 1, 1, dtype=self.dtype, name="conv")(x)
+      x = self.conv(x, components, self.features, 3, 1, 1, name="conv")
       x = nn.relu(self.bn(train, "bn")(x))
     return self.dropout(x)
 
 
 class VGG(CNN):
-  """VGG family.  ``__call__(images [B,H,W,3], train) -> logits``.
+  """VGG family.  ``__call__(images [B,H,W,3], train, components=None) -> logits``.
 
   The architecture is the same for CIFAR and ImageNet inputs (``stem`` has no effect).
   """
   stage_sizes: Sequence[int] = VGG_STAGES[16]
   preact: bool = False
+  batch_norm: bool = True
   width: int = 64
 
   @nn.compact
-  def __call__(self, x, train: bool = False):
+  def __call__(self, x, train: bool = False, components=None):
     check_images(x)
-    classifier = self.check_options("mlp")
+    classifier = self.check_options("mlp", CLASSIFIERS, node_noise=True)
     widths = [self.width, 2 * self.width, 4 * self.width, 8 * self.width, 8 * self.width]
     for stage, (num_blocks, features) in enumerate(zip(self.stage_sizes, widths)):
       offset = 0
@@ -51,9 +61,17 @@ class VGG(CNN):
         x = max_pool(x, 2, 2)
         offset = 1  # index 0 of the reference Sequential is the max-pool
       for j in range(num_blocks):
-        x = VGGBlock(features=features, preact=self.preact, dropout_rate=self.dropout_rate,
-                     dtype=self.dtype, name=f"layer{stage}_{j + offset}")(x, train)
+        x = VGGBlock(features=features, preact=self.preact, batch_norm=self.batch_norm,
+                     dropout_rate=self.dropout_rate, dtype=self.dtype, **self.noise_options(),
+                     name=f"layer{stage}_{j + offset}")(x, train, components)
       x = self.smooth(x, f"smooth{stage}_0")
+    if self.num_components and classifier != "mlp512":
+      raise ValueError("iBNN VGG needs classifier='mlp512' (the reference's 512-512-C head).")
+    if classifier == "mlp512":
+      x = max_pool(x, 2, 2).reshape(x.shape[0], -1)
+      for i in (0, 1):
+        x = nn.relu(self.dense(x, components, 8 * self.width, name=f"classifier_{i}"))
+      return self.dense(x, components, self.num_classes, name="classifier_2")
     if classifier == "mlp":
       x = adaptive_avg_pool(max_pool(x, 2, 2), 7)
       return MLPHead(self.num_classes, dtype=self.dtype, name="classifier_2")(x, train)

@@ -4,14 +4,17 @@ Pre-activation BN-ReLU-conv3×3 blocks with conv biases and the stride on the
 second conv; widths 16, 16k, 32k, 64k; a 1×1 shortcut conv on the raw block
 input when the shape changes; final BN-ReLU, global average pool, linear.
 MC dropout sits between the two convs (the reference's dropout position);
-smoothing, as for every pre-activation network, ends stages 1 and 2.
+smoothing, as for every pre-activation network, ends stages 1 and 2.  With
+``num_components`` > 0 (``wideresnet_ibnn_28_10``) every conv — stem, both block
+convs, the 1×1 shortcuts — and the classifier get iBNN node noise: 9,475 noisy
+input nodes per component.
 """
 from __future__ import annotations
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from smoothing_jax.models.common import CNN, check_images, conv
+from smoothing_jax.models.common import CNN, check_images
 
 
 class WideBasic(CNN):
@@ -19,40 +22,41 @@ class WideBasic(CNN):
   stride: int = 1
 
   @nn.compact
-  def __call__(self, x, train: bool):
-    y = conv(self.features, 3, 1, 1, bias=True, dtype=self.dtype, name="conv1")(nn.relu(self.bn(train, "bn1")(x)))
+  def __call__(self, x, train: bool, components=None):
+    y = self.conv(nn.relu(self.bn(train, "bn1")(x)), components, self.features, 3, 1, 1, bias=True, name="conv1")
     y = self.dropout(y)
-    y = conv(self.features, 3, self.stride, 1, bias=True, dtype=self.dtype, name="conv2")(
-        nn.relu(self.bn(train, "bn2")(y)))
+    y = self.conv(nn.relu(self.bn(train, "bn2")(y)), components, self.features, 3, self.stride, 1, bias=True,
+                  name="conv2")
     if self.stride != 1 or x.shape[-1] != self.features:
-      x = conv(self.features, 1, self.stride, bias=True, dtype=self.dtype, name="shortcut")(x)
+      x = self.conv(x, components, self.features, 1, self.stride, bias=True, name="shortcut")
     return x + y
 
 
 class WideResNet(CNN):
-  """WRN-depth-k.  ``__call__(images [B,H,W,3], train) -> logits``.  CIFAR geometry only."""
+  """WRN-depth-k.  ``__call__(images [B,H,W,3], train, components=None) -> logits``.  CIFAR geometry only."""
   depth: int = 28
   widen_factor: int = 10
   width: int = 16
 
   @nn.compact
-  def __call__(self, x, train: bool = False):
+  def __call__(self, x, train: bool = False, components=None):
     check_images(x)
-    classifier = self.check_options("gap")
+    classifier = self.check_options("gap", node_noise=True)
     if (self.depth - 4) % 6 != 0:
       raise ValueError(f"Wide ResNet depth must be 6n + 4, got {self.depth}.")
     if self.stem != "cifar" or classifier != "gap":
       raise ValueError("WRN-28-10 is defined for CIFAR inputs with a GAP classifier only.")
     n = (self.depth - 4) // 6
-    x = conv(self.width, 3, 1, 1, bias=True, dtype=self.dtype, name="conv1")(x)
+    x = self.conv(x, components, self.width, 3, 1, 1, bias=True, name="conv1")
     for stage in range(1, 4):
       features = self.width * self.widen_factor * 2 ** (stage - 1)
       for j in range(n):
         x = WideBasic(features=features, stride=2 if (stage > 1 and j == 0) else 1,
-                      dropout_rate=self.dropout_rate, dtype=self.dtype, name=f"layer{stage}_{j}")(x, train)
+                      dropout_rate=self.dropout_rate, dtype=self.dtype, **self.noise_options(),
+                      name=f"layer{stage}_{j}")(x, train, components)
       if stage < 3:
         x = self.smooth(x, f"smooth{stage}_0")
     # The reference builds this BN with PyTorch momentum 0.9, i.e. Flax momentum 0.1.
     x = nn.relu(self.bn(train, "bn1", momentum=0.1)(x))
     x = jnp.mean(x, axis=(1, 2))
-    return nn.Dense(self.num_classes, dtype=self.dtype, name="linear")(x)
+    return self.dense(x, components, self.num_classes, name="linear")

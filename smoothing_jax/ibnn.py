@@ -1,0 +1,254 @@
+"""iBNN (Trinh et al., "Scalable Bayesian neural networks by layer-wise input augmentation").
+
+Training objective (paper Algorithm 1, Eqs. 22–24), the two-learning-rate
+optimizer, K×S inference, component folding and out-of-distribution curves for
+the node-noise models (``vgg_ibnn_16``, ``wideresnet_ibnn_28_10``; the layers are
+in :mod:`smoothing_jax.layers.node_noise`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from smoothing_jax.inference import Prediction, _mean_probs, sample_rngs
+from smoothing_jax.layers.node_noise import VARIATIONAL_PARAMS
+from smoothing_jax.metrics import uncertainty_decomposition
+
+
+class Objective(NamedTuple):
+  """Static settings of the iBNN ELBO (hashable: a ``jit`` static argument)."""
+  num_components: int       # K
+  num_repeats: int          # S: each example is repeated S times per step
+  prior_mean: float
+  prior_std: float          # s of the prior N(1, s²)
+  num_train: int            # N: the KL is divided by the training-set size
+  steps_per_epoch: int
+  kl_anneal_epochs: int     # β = min(1, epoch / kl_anneal_epochs)
+
+  def check(self):
+    if self.num_components < 1:
+      raise ValueError(f"num_components (K) must be >= 1, got {self.num_components}.")
+    if self.num_repeats < 1:
+      raise ValueError(f"ibnn.num_train_samples (S) must be >= 1, got {self.num_repeats}.")
+    if not self.prior_std > 0:
+      raise ValueError(f"ibnn.prior_std must be > 0, got {self.prior_std}.")
+    return self
+
+
+def _is_variational(path) -> bool:
+  return getattr(path[-1], "key", None) in VARIATIONAL_PARAMS
+
+
+def param_labels(params):
+  """``"variational"`` for z/b means and ρs, ``"deterministic"`` for everything else."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "variational" if _is_variational(path) else "deterministic", params)
+
+
+def noise_layers(params) -> list:
+  """The parameter dicts of every node-noise layer, in order."""
+  found = []
+
+  def visit(tree):
+    if isinstance(tree, (dict, flax.core.FrozenDict)):
+      if "z_mean" in tree:
+        found.append(tree)
+      for value in tree.values():
+        visit(value)
+  visit(params)
+  return found
+
+
+def num_noise_nodes(params) -> int:
+  """Input nodes with noise per component (paper Table 1: 9,475 for WRN-28-10)."""
+  return sum(layer["z_mean"].shape[1] for layer in noise_layers(params))
+
+
+def gaussian_kl(mean, std, prior_mean, prior_std):
+  """KL(N(mean, std²) ‖ N(prior_mean, prior_std²)), elementwise."""
+  return (jnp.log(prior_std / std) + (std ** 2 + (mean - prior_mean) ** 2) / (2 * prior_std ** 2) - 0.5)
+
+
+def kl_divergence(params, prior_std: float, prior_mean: float = 1.0):
+  """Σ over layers and elements of KL(N(mean_k μ_k, (√Σ_k σ_k² / K)²) ‖ N(prior_mean, prior_std²)).
+
+  The Gaussian of the average of the K components (paper Eqs. 22–24, the
+  reference's ``StoLayer.kl``), for the input noise z and the bias noise s.
+  """
+  total = 0.0
+  for layer in noise_layers(params):
+    for mean_name, rho_name in (("z_mean", "z_rho"), ("b_mean", "b_rho")):
+      if mean_name in layer:
+        mean, std = layer[mean_name], jax.nn.softplus(layer[rho_name])
+        k = mean.shape[0]
+        total += jnp.sum(gaussian_kl(mean.mean(0), jnp.sqrt(jnp.sum(std ** 2, 0)) / k, prior_mean, prior_std))
+  return total
+
+
+def kl_weight(step, objective: Objective):
+  """β annealed linearly per epoch: 0 in epoch 0, 1 from epoch ``kl_anneal_epochs`` on."""
+  epoch = step // objective.steps_per_epoch
+  return jnp.minimum(1.0, epoch / max(objective.kl_anneal_epochs, 1))
+
+
+def repeat_batch(images, labels, num_repeats: int, num_components: int):
+  """Algorithm 1's batch: each example repeated S times in a row; row r uses component r mod K."""
+  images = jnp.repeat(images, num_repeats, axis=0)
+  labels = jnp.repeat(labels, num_repeats, axis=0)
+  return images, labels, jnp.arange(images.shape[0]) % num_components
+
+
+def elbo_loss(model, objective: Objective, params, batch_stats, images, labels, rng, step, train: bool = True):
+  """Negative ELBO per example: mean NLL over the B·S rows + β·KL/N.  Returns ``(loss, aux)``."""
+  images, labels, components = repeat_batch(images, labels, objective.num_repeats, objective.num_components)
+  variables = {"params": params, "batch_stats": batch_stats}
+  if train:
+    logits, updates = model.apply(variables, images, train=True, components=components, mutable=["batch_stats"],
+                                  rngs=sample_rngs(rng))
+  else:
+    logits, updates = model.apply(variables, images, train=False, components=components,
+                                  rngs=sample_rngs(rng)), {"batch_stats": batch_stats}
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+  kl = kl_divergence(params, objective.prior_std, objective.prior_mean)
+  beta = kl_weight(step, objective)
+  loss = nll + beta * kl / objective.num_train
+  return loss, {"logits": logits, "labels": labels, "nll": nll, "kl": kl, "kl_weight": beta,
+                "batch_stats": updates["batch_stats"]}
+
+
+def create_optimizer(det_schedule, variational_lr: float, weight_decay: float, momentum: float = 0.9,
+                     freeze_deterministic: bool = False) -> optax.GradientTransformation:
+  """Two learning rates (``optax.multi_transform``): SGD-Nesterov with weight decay and ``det_schedule``
+  for the weights; SGD-Nesterov at the constant ``variational_lr`` without weight decay for the posterior."""
+  deterministic = optax.set_to_zero() if freeze_deterministic else optax.chain(
+      optax.add_decayed_weights(weight_decay), optax.sgd(det_schedule, momentum=momentum, nesterov=True))
+  return optax.multi_transform(
+      {"deterministic": deterministic,
+       "variational": optax.sgd(variational_lr, momentum=momentum, nesterov=True)}, param_labels)
+
+
+def load_deterministic(params, det_params):
+  """``params`` with every deterministic weight replaced by the same path of ``det_params``.
+
+  Raises a ValueError naming the first path whose presence or shape differs.
+  """
+  flat_det = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(det_params)}
+  wanted = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(params)
+            if not _is_variational(p)}
+  for key in sorted(set(wanted) ^ set(flat_det)):
+    where = "the iBNN model" if key in wanted else "the deterministic checkpoint"
+    raise ValueError(f"Deterministic checkpoint does not match the iBNN architecture: {key} is only in {where}.")
+  for key, value in wanted.items():
+    if value.shape != flat_det[key].shape:
+      raise ValueError(f"Deterministic checkpoint does not match the iBNN architecture: {key} has shape "
+                       f"{flat_det[key].shape}, the iBNN model {value.shape}.")
+
+  def pick(path, value):
+    return value if _is_variational(path) else jnp.asarray(flat_det[jax.tree_util.keystr(path)], value.dtype)
+  return jax.tree_util.tree_map_with_path(pick, params)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "num_samples"))
+def _ibnn_log_probs(model, variables, images, rng, num_samples):
+  k = model.num_components
+  keys = jax.random.split(rng, k * num_samples).reshape(k, num_samples)
+
+  def component(args):
+    index, component_keys = args
+    components = jnp.full((images.shape[0],), index)
+
+    def one(key):
+      logits = model.apply(variables, images, train=False, components=components, rngs=sample_rngs(key))
+      return jax.nn.log_softmax(logits.astype(jnp.float32))
+    return jax.vmap(one)(component_keys)
+  log_probs = jax.lax.map(component, (jnp.arange(k), keys))          # [K, S, B, C]
+  return jnp.swapaxes(log_probs, 0, 1).reshape((k * num_samples,) + log_probs.shape[2:])
+
+
+def ibnn_predict(model, variables, images, *, num_samples: int = 5, rng) -> Prediction:
+  """S samples from each of the K components in one jitted call (S vmapped passes per component).
+
+  ``sample_probs`` is ``[S·K, B, C]`` ordered sample-major (rows s·K … s·K+K−1 are
+  one draw of every component); ``mean_probs`` their mean (NLL = −log mean p: log-mean-exp).
+  """
+  if num_samples < 1:
+    raise ValueError(f"num_samples (S) must be >= 1, got {num_samples}.")
+  if getattr(model, "num_components", 0) < 1:
+    raise ValueError("ibnn_predict needs an iBNN model (num_components >= 1), e.g. get_model('vgg_ibnn_16', 10).")
+  log_probs = _ibnn_log_probs(model, variables, images, rng, num_samples)
+  return Prediction(jnp.exp(log_probs), _mean_probs(log_probs))
+
+
+def fold_component(variables, k: int):
+  """Deterministic variables with component k's means folded in (the reference's ``convert2det``).
+
+  W ← W ⊙ μ_k (per input channel), b ← b · m_k; the variational parameters are
+  dropped, so the result loads into the same architecture with ``num_components=0``.
+  """
+  def fold(tree):
+    if not isinstance(tree, (dict, flax.core.FrozenDict)):
+      return tree
+    if "z_mean" not in tree:
+      return {name: fold(value) for name, value in tree.items()}
+    num_components = tree["z_mean"].shape[0]
+    if not 0 <= k < num_components:
+      raise ValueError(f"Component {k} out of range for K={num_components}.")
+    kernel = tree["kernel"]
+    scale = tree["z_mean"][k].reshape((1,) * (kernel.ndim - 2) + (-1, 1))
+    out = {"kernel": kernel * scale}
+    if "bias" in tree:
+      out["bias"] = tree["bias"] * (tree["b_mean"][k] if "b_mean" in tree else 1.0)
+    return out
+  return {**variables, "params": fold(variables["params"])}
+
+
+def gaussian_blend(images, gamma: float, rng):
+  """x̂ = (1 − γ)·x + γ·ε with ε ~ N(0, 1) (in the normalised input space, as the reference)."""
+  return (1.0 - gamma) * images + gamma * jax.random.normal(rng, images.shape, images.dtype)
+
+
+def salt_and_pepper(images, probability: float, rng):
+  """Each input value set to 0 or 1 with probability p/2 each (after normalisation, as the reference)."""
+  u = jax.random.uniform(rng, images.shape)
+  return jnp.where(u < probability / 2, 0.0, jnp.where(u < probability, 1.0, images))
+
+
+def ood_entropy_curves(predict: Callable, images, kind: str = "blend", levels: Optional[Sequence[float]] = None,
+                       rng=None) -> dict:
+  """Mean total / aleatoric / epistemic entropy vs corruption level (paper Fig. 8).
+
+  ``predict(images) -> sample_probs [N, B, C]``; ``kind`` is ``"blend"`` (γ ∈ [0, 1])
+  or ``"salt_pepper"`` (p ∈ [0, 0.5]).
+  """
+  corrupt = {"blend": gaussian_blend, "salt_pepper": salt_and_pepper}
+  if kind not in corrupt:
+    raise ValueError(f"Unknown corruption {kind!r}; choose 'blend' or 'salt_pepper'.")
+  if levels is None:
+    levels = np.linspace(0, 1, 11) if kind == "blend" else np.linspace(0, 0.5, 11)
+  rng = jax.random.key(0) if rng is None else rng
+  curves = {"levels": np.asarray(levels), "total": [], "aleatoric": [], "epistemic": []}
+  for i, level in enumerate(levels):
+    parts = uncertainty_decomposition(predict(corrupt[kind](images, float(level), jax.random.fold_in(rng, i))))
+    for key in ("total", "aleatoric", "epistemic"):
+      curves[key].append(float(jnp.mean(parts[key])))
+  return {k: np.asarray(v) for k, v in curves.items()}
+
+
+def plot_ood_curves(curves: dict, title: str = ""):
+  """Total, aleatoric and epistemic entropy against the corruption level; returns the Figure."""
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(5, 3.2))
+  for key, style in (("total", "k-"), ("aleatoric", "b--"), ("epistemic", "r-.")):
+    ax.plot(curves["levels"], curves[key], style, label=key)
+  ax.set_xlabel("corruption level")
+  ax.set_ylabel("entropy (nats)")
+  ax.set_title(title)
+  ax.legend()
+  fig.tight_layout()
+  return fig
