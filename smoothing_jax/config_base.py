@@ -11,7 +11,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.model = "resnet_mcdo_smoothing_18"
   config.model_kwargs = ml_collections.ConfigDict(
       {"temperature": 10.0, "blur_size": 2, "blur_same": False,
-       "classifier": placeholder(str), "width": placeholder(int)})
+       "classifier": placeholder(str), "width": placeholder(int),
+       "num_components": placeholder(int), "noise_init_std": placeholder(float),
+       "batch_norm": placeholder(bool)})
   config.num_classes = -1           # -1: from the dataset
   # Data.
   config.dataset = "cifar10"

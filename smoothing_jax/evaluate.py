@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from smoothing_jax.data import CORRUPTIONS, create_pipeline
+from smoothing_jax.ibnn import ibnn_predict
 from smoothing_jax.inference import ensemble_predict, mc_predict, stack_variables
 from smoothing_jax.metrics import UncertaintyMetrics, plot_reliability_diagram
 from smoothing_jax.train import create_mesh, create_model, eval_batch_size, load_checkpoint, shard_batch
@@ -71,7 +72,10 @@ def plot_ensemble_sizes(rows: list, title: str = ""):
 
 def evaluate_ensemble_sizes(workdirs: Sequence[str], output_dir: str, config=None,
                             sizes: Optional[Sequence[int]] = None, seed: int = 0) -> list:
-  """Test metrics against ensemble size for one MC-dropout workdir or several deep-ensemble workdirs.
+  """Test metrics against ensemble size for one MC-dropout or iBNN workdir, or several deep-ensemble workdirs.
+
+  iBNN: the first n of the S·K predictions (sample-major, so n = K is one draw of
+  every component), up to all K·S with S = ``config.ibnn.eval_samples``.
 
   Returns one dict per ensemble size; writes ``ensemble_sizes.{json,csv,png}`` and
   ``reliability.png`` (the largest ensemble) into ``output_dir``.
@@ -82,7 +86,14 @@ def evaluate_ensemble_sizes(workdirs: Sequence[str], output_dir: str, config=Non
   pipeline, model, replicated, data_sharding = _evaluation_setup(config)
   rng = jax.random.key(seed)
 
-  if len(members) > 1:  # deep ensemble: sizes 1..M, one sample per member
+  if getattr(model, "num_components", 0) > 0:  # iBNN: S draws of each of the K components
+    total = model.num_components * config.ibnn.eval_samples
+    sizes = sorted({n for n in (sizes or config.ensemble_sizes) if n < total} | {total})
+    variables = members[0][2]
+
+    def predict(v, images, key):
+      return ibnn_predict(model, v, images, num_samples=config.ibnn.eval_samples, rng=key).sample_probs
+  elif len(members) > 1:  # deep ensemble: sizes 1..M, one sample per member
     sizes = list(range(1, len(members) + 1))
     variables = stack_variables([m[2] for m in members])
 
