@@ -11,6 +11,10 @@ Prints one JSON object, all measured in the same run on the same devices:
 
   python experiments/bench_train.py                       # CIFAR, batch 128
   python experiments/bench_train.py --steps 3 --width 16  # quick
+  python experiments/bench_train.py --models vgg_dnn_16:plain vgg_ibnn_16:K4   # iBNN (S=2 rows per image) vs deterministic
+
+Model variants: ``:same`` (blur_same), ``:plain`` (no BatchNorm, 512-512-C head),
+``:K<n>`` (iBNN with n components; its step is the ELBO step on the S-times repeated batch).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import json
 import os
 import statistics
 import time
+import types
 
 import jax
 import numpy as np
@@ -39,7 +44,8 @@ def time_train_steps(name, overrides, config, batch, steps):
   schedule = train.create_learning_rate_schedule(config, steps_per_epoch=100)
   state = jax.device_put(train.create_train_state(config, model, jax.random.key(0), batch["image"].shape[1:],
                                                   schedule), replicated)
-  step_fn, _ = train.compile_steps(model, schedule, mesh, 10)
+  sizes = types.SimpleNamespace(num_train=50000, steps_per_epoch=100)
+  step_fn, _ = train.compile_steps(model, schedule, mesh, 10, train.ibnn_objective(config, model, sizes))
   batch = train.shard_batch(batch, data)
   rng = jax.random.key(1)
   flops = step_fn.lower(state, batch, rng).compile().cost_analysis()
@@ -78,6 +84,10 @@ def main(argv=None):
     overrides = {} if args.width is None else {"width": args.width}
     if variant == "same":
       overrides["blur_same"] = True
+    elif variant == "plain":  # the iBNN reference's VGG: no BatchNorm, 512-512-C head
+      overrides.update(batch_norm=False, classifier="mlp512")
+    elif variant.startswith("K"):  # iBNN components
+      overrides["num_components"] = int(variant[1:])
     seconds, flops = time_train_steps(name, overrides, config, batch, args.steps)
     base = base or (seconds, flops)
     row = {"model": entry, "step_seconds": seconds, "images_per_s": args.batch_size / seconds, "flops": flops,
