@@ -50,6 +50,14 @@ def test_landscape_study_centre_equals_the_training_loss(analysis_workdirs):
   np.testing.assert_allclose(surface["loss"][1, 1], nll, rtol=1e-4)
 
 
+def test_pixels_are_normalised_like_the_input_pipeline(analysis_workdirs):
+  model = studies.load_trained(analysis_workdirs["MC dropout"])
+  pixels, labels = studies.eval_pixels(model, 5)
+  batch = next(model.pipeline.eval_batches(8))
+  np.testing.assert_allclose(model.normalize(pixels), batch["image"][:5], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(labels, batch["label"][:5])
+
+
 def test_consistency_study_on_a_trained_model(analysis_workdirs):
   model = studies.load_trained(analysis_workdirs["MC dropout"])
   result = studies.consistency_study(model, num_images=4, length=5, max_shift=2, num_samples=2)

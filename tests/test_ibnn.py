@@ -160,6 +160,8 @@ def test_bad_settings_are_rejected():
   for key, value, match in (("num_components", 0, "K"), ("num_repeats", 0, "S"), ("prior_std", 0.0, "prior_std")):
     with pytest.raises(ValueError, match=match):
       ibnn.Objective(**{**base, key: value}).check()
+  with pytest.raises(ValueError, match="num_components"):
+    get_model("vgg_ibnn_16", 10, num_components=0)
   with pytest.raises(ValueError, match="no iBNN variant"):
     init(get_model("resnet_dnn_18", 10, num_components=2, width=4))
   with pytest.raises(ValueError, match="iBNN model"):
@@ -173,6 +175,7 @@ def test_ood_curves_rise_with_blending(tiny_vgg):
   curves = ibnn.ood_entropy_curves(predict, images, "salt_pepper", levels=[0.0, 0.5])
   np.testing.assert_allclose(curves["total"], curves["aleatoric"] + curves["epistemic"], rtol=1e-5)
   assert curves["total"].shape == (2,)
+  assert ibnn.plot_ood_curves(curves, "salt and pepper").axes[0].get_ylabel() == "entropy (nats)"
 
 
 def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(tmp_path):

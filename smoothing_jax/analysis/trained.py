@@ -53,7 +53,7 @@ class TrainedModel:
 
   def normalize(self, pixels):
     """Pixels in [0, 1], NHWC → the model's normalised input."""
-    return (pixels * 255.0 - jnp.asarray(self.pipeline.mean)) / jnp.asarray(self.pipeline.std)
+    return (pixels - jnp.asarray(self.pipeline.mean)) / jnp.asarray(self.pipeline.std)
 
   def predict(self, images, num_samples: int = 1, rng: Optional[jax.Array] = None, batch_size: int = 500):
     """Mean predictive ``[B, C]`` (numpy) of normalised ``images`` over ``num_samples`` MC samples."""
