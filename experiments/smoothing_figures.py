@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 
 import matplotlib
 
@@ -48,41 +49,59 @@ def _jsonable(x):
   return x
 
 
+def compute(name: str, model, sizes: dict) -> dict:
+  """One figure's data for one trained model."""
+  if name == "spectra":
+    return studies.hessian_spectrum_study(model, num_batches=sizes["num_batches"], batch_size=sizes["batch_size"],
+                                          max_iters=sizes["max_iters"])
+  if name == "fourier":
+    return studies.fourier_study(model, num_images=sizes["num_images"])
+  if name == "variance":
+    return studies.variance_study(model, num_images=sizes["num_images"] // 2, num_samples=sizes["num_samples"])
+  if name == "landscape":
+    return studies.landscape_study(model, num_points=sizes["grid"], batch_size=4 * sizes["batch_size"])
+  if name == "frequency_noise":
+    return studies.frequency_noise_study(model, tuple(np.linspace(0, 1, sizes["frequencies"])),
+                                         num_images=4 * sizes["num_images"], num_samples=sizes["num_samples"])
+  if name == "consistency":
+    return studies.consistency_study(model, num_images=sizes["sequences"], num_samples=sizes["num_samples"])
+  return studies.adversarial_study(model, num_images=sizes["num_images"], num_samples=sizes["num_samples"])
+
+
+def stage_ends(by_tap: dict) -> list:
+  """Values of the last tap of every stage (taps are named ``layer<s>_<j>`` / ``smooth<s>_0``): what each
+  stage hands to the next, with or without a smoothing layer at its end."""
+  last = {}
+  for tap, value in by_tap.items():
+    last[re.search(r"\d+", tap).group()] = value
+  return list(last.values())
+
+
+def summarize(name: str, r: dict):
+  """The number the paper's ordering is about, for one model's results of figure ``name``."""
+  if name == "spectra":
+    return r["mean_positive_max_eigenvalue"]
+  if name == "fourier":  # Δlog-amplitude at π of each stage's output, averaged over stages
+    return float(np.mean([curve[-1] for curve in stage_ends(r)]))
+  if name == "variance":  # feature-map variance of each stage's output, averaged over stages
+    return {kind: float(np.mean([v[kind] for v in stage_ends(r)])) for kind in ("data", "model")}
+  if name == "landscape":  # mean rise of the NLL over the grid: smaller = flatter
+    loss = np.asarray(r["loss"])
+    return float(loss.mean() - loss[loss.shape[0] // 2, loss.shape[1] // 2])
+  if name == "frequency_noise":  # accuracy under noise at frequencies >= 0.5π
+    return float(np.mean(np.asarray(r["accuracy"])[np.asarray(r["frequencies"]) >= 0.5]))
+  if name == "consistency":
+    return {k: r[k] for k in ("consistency", "cec", "relative_confidence")}
+  return float(np.mean([row["accuracy"] for row in r["attacks"]]))
+
+
 def run_figure(name: str, models: dict, sizes: dict, out: str) -> dict:
   """Compute one figure for every model, save PNG + JSON, return the per-model summary numbers."""
-  results, summary = {}, {}
-  for label, model in models.items():
-    if name == "spectra":
-      r = studies.hessian_spectrum_study(model, num_batches=sizes["num_batches"], batch_size=sizes["batch_size"],
-                                         max_iters=sizes["max_iters"])
-      summary[label] = r["mean_positive_max_eigenvalue"]
-    elif name == "fourier":
-      r = studies.fourier_study(model, num_images=sizes["num_images"])
-      summary[label] = float(np.mean([curve[-1] for curve in r.values()]))  # mean π-value over depth
-    elif name == "variance":
-      r = studies.variance_study(model, num_images=sizes["num_images"] // 2, num_samples=sizes["num_samples"])
-      summary[label] = {"data": float(np.mean([v["data"] for v in r.values()])),
-                        "model": float(np.mean([v["model"] for v in r.values()]))}
-    elif name == "landscape":
-      r = studies.landscape_study(model, num_points=sizes["grid"], batch_size=4 * sizes["batch_size"])
-      centre = r["loss"][len(r["alphas"]) // 2, len(r["betas"]) // 2]
-      summary[label] = float(np.mean(r["loss"]) - centre)  # mean rise over the grid: smaller = flatter
-    elif name == "frequency_noise":
-      r = studies.frequency_noise_study(model, tuple(np.linspace(0, 1, sizes["frequencies"])),
-                                        num_images=4 * sizes["num_images"], num_samples=sizes["num_samples"])
-      high = r["frequencies"] >= 0.5
-      summary[label] = float(np.mean(r["accuracy"][high]))  # accuracy under high-frequency noise
-    elif name == "consistency":
-      r = studies.consistency_study(model, num_images=sizes["sequences"], num_samples=sizes["num_samples"])
-      summary[label] = {k: r[k] for k in ("consistency", "cec", "relative_confidence")}
-    elif name == "adversarial":
-      r = studies.adversarial_study(model, num_images=sizes["num_images"], num_samples=sizes["num_samples"])
-      summary[label] = float(np.mean([row["accuracy"] for row in r["attacks"]]))
-    results[label] = r
+  results = {label: compute(name, model, sizes) for label, model in models.items()}
   with open(os.path.join(out, f"{name}.json"), "w") as f:
     json.dump(_jsonable(results), f, indent=1)
   _plot(name, results).savefig(os.path.join(out, f"{name}.png"), dpi=120)
-  return summary
+  return {label: summarize(name, r) for label, r in results.items()}
 
 
 def _plot(name: str, results: dict):

@@ -63,3 +63,15 @@ def test_consistency_study_on_a_trained_model(analysis_workdirs):
   result = studies.consistency_study(model, num_images=4, length=5, max_shift=2, num_samples=2)
   assert 0.0 <= result["consistency"] <= 1.0 and result["cec"] > 0
   assert result["relative_confidence_curve"].shape == (5,)
+
+
+def test_stage_end_summaries_and_orderings_by_hand():
+  taps = {"layer1_0": 4.0, "layer1_1": 3.0, "smooth1_0": 1.0, "layer2_0": 5.0, "layer2_1": 2.0}
+  assert smoothing_figures.stage_ends(taps) == [1.0, 2.0]
+  plain = {"layer1_0": {"data": 2.0, "model": 0.2}, "layer2_0": {"data": 4.0, "model": 0.4}}
+  smooth = {"layer1_0": {"data": 9.0, "model": 0.9}, "smooth1_0": {"data": 1.0, "model": 0.1},
+            "layer2_0": {"data": 3.0, "model": 0.3}}
+  summaries = {"variance": {"plain": smoothing_figures.summarize("variance", plain),
+                            "smooth": smoothing_figures.summarize("variance", smooth)}}
+  assert summaries["variance"]["smooth"] == {"data": 2.0, "model": pytest.approx(0.2)}
+  assert smoothing_figures.orderings(summaries) == {"variance": {"smooth": {"lower_feature_variance": True}}}

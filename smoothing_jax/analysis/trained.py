@@ -59,13 +59,13 @@ class TrainedModel:
     """Mean predictive ``[B, C]`` (numpy) of normalised ``images`` over ``num_samples`` MC samples."""
     rng = jax.random.key(0) if rng is None else rng
     num_samples = num_samples if self.stochastic else 1
-    out = [np.asarray(_mean_probs(self.model, self.variables, jnp.asarray(images[i:i + batch_size]), rng,
+    out = [np.asarray(_predictive(self.model, self.variables, jnp.asarray(images[i:i + batch_size]), rng,
                                   num_samples)) for i in range(0, len(images), batch_size)]
     return np.concatenate(out)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
-def _mean_probs(model, variables, images, rng, num_samples):
+def _predictive(model, variables, images, rng, num_samples):
   return mc_predict(model, variables, images, num_samples=num_samples, rng=rng).mean_probs
 
 
