@@ -47,6 +47,32 @@ def test_hvp_equals_explicit_hessian_product(problem):
   np.testing.assert_allclose(got, hessian @ np.asarray(v), rtol=1e-4, atol=1e-5)
 
 
+def test_hvp_and_power_iteration_on_an_eight_device_mesh(problem):
+  """The batch sharded over a ``data`` mesh axis (parameters replicated) gives the same operator."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax.tree_util import Partial
+  _, params, unravel, hessian = problem
+  mesh = Mesh(np.asarray(jax.devices()[:8]), ("data",))
+  model = SmallNet()
+  x = jax.random.normal(jax.random.key(0), (32, 8))
+  y = jnp.arange(32) % 3
+  stats = jax.tree.map(lambda s: s + 0.3 * jnp.abs(jax.random.normal(jax.random.key(2), s.shape)),
+                       model.init(jax.random.key(1), x)["batch_stats"])
+
+  def batch_loss(images, labels, p):
+    logits = model.apply({"params": p, "batch_stats": stats}, images)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
+  sharded = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+  assert len(sharded[0].sharding.device_set) == 8
+  loss_fn = Partial(batch_loss, *sharded)
+  replicated = jax.device_put(params, NamedSharding(mesh, P()))
+  v = jax.random.normal(jax.random.key(4), (hessian.shape[0],))
+  got = ravel_pytree(hvp(loss_fn, replicated, unravel(v)))[0]
+  np.testing.assert_allclose(got, hessian @ np.asarray(v), rtol=1e-4, atol=1e-5)
+  top = float(top_eigenvalues(loss_fn, replicated, k=1, max_iters=200, tol=1e-6, rng=jax.random.key(5))[0][0])
+  np.testing.assert_allclose(top, np.linalg.eigvalsh(hessian)[-1], rtol=1e-3)
+
+
 def test_top3_eigenvalues_match_eigh(problem):
   loss_fn, params, _, hessian = problem
   true_values, true_vectors = np.linalg.eigh(hessian)
