@@ -88,8 +88,8 @@ def summarize(name: str, r: dict):
   if name == "landscape":  # mean rise of the NLL over the grid: smaller = flatter
     loss = np.asarray(r["loss"])
     return float(loss.mean() - loss[loss.shape[0] // 2, loss.shape[1] // 2])
-  if name == "frequency_noise":  # accuracy under noise at frequencies >= 0.5π
-    return float(np.mean(np.asarray(r["accuracy"])[np.asarray(r["frequencies"]) >= 0.5]))
+  if name == "frequency_noise":  # accuracy lost to noise at frequencies >= 0.5π
+    return r["clean_accuracy"] - float(np.mean(np.asarray(r["accuracy"])[np.asarray(r["frequencies"]) >= 0.5]))
   if name == "consistency":
     return {k: r[k] for k in ("consistency", "cec", "relative_confidence")}
   return float(np.mean([row["accuracy"] for row in r["attacks"]]))
@@ -138,7 +138,7 @@ def orderings(summaries: dict) -> dict:
             "fourier": ("lower_high_frequency_amplitude", lambda s, b: s < b),
             "variance": ("lower_feature_variance", lambda s, b: s["data"] < b["data"] and s["model"] <= b["model"]),
             "landscape": ("flatter_landscape", lambda s, b: s < b),
-            "frequency_noise": ("more_robust_to_high_frequency_noise", lambda s, b: s > b),
+            "frequency_noise": ("smaller_accuracy_drop_under_high_frequency_noise", lambda s, b: s < b),
             "consistency": ("more_consistent", lambda s, b: s["consistency"] > b["consistency"]),
             "adversarial": ("more_adversarially_robust", lambda s, b: s > b)}
   out = {}
