@@ -18,7 +18,7 @@ from jax.flatten_util import ravel_pytree
 from jax.tree_util import Partial
 
 
-def _as_pytree(loss_fn) -> Partial:
+def as_pytree(loss_fn) -> Partial:
   """``loss_fn`` as a ``jax.tree_util.Partial``: a jit argument whose bound arrays (e.g. the batch)
   are traced, so a new batch with the same function reuses the compiled code."""
   return loss_fn if isinstance(loss_fn, Partial) else Partial(loss_fn)
@@ -34,7 +34,7 @@ def hvp(loss_fn: Callable, params, vector):
 
   Forward-over-reverse: ``jax.jvp`` of ``jax.grad(loss_fn)``; memory of about two gradients.
   """
-  return _hvp(_as_pytree(loss_fn), params, vector)
+  return _hvp(as_pytree(loss_fn), params, vector)
 
 
 def _flat_hvp(loss_fn, params):
@@ -112,7 +112,7 @@ def top_eigenvalues(loss_fn: Callable, params, k: int = 1, max_iters: int = 100,
   pytrees shaped like ``params``.
   """
   _check_args(k, max_iters, tol)
-  loss_fn = _as_pytree(loss_fn)
+  loss_fn = as_pytree(loss_fn)
   flat, unravel = ravel_pytree(params)
   rng = jax.random.key(0) if rng is None else rng
   basis = jnp.zeros((k, flat.shape[0]), flat.dtype)
@@ -135,7 +135,7 @@ def min_eigenvalue(loss_fn: Callable, params, max_iters: int = 100, tol: float =
   Returns ``(λ_min, eigenvector pytree)``.
   """
   _check_args(1, max_iters, tol)
-  loss_fn = _as_pytree(loss_fn)
+  loss_fn = as_pytree(loss_fn)
   rng = jax.random.key(0) if rng is None else rng
   top_key, key = jax.random.split(rng)
   if top is None:
@@ -156,7 +156,7 @@ def _hutchinson_probe(loss_fn, params, key):
 
 def hessian_trace(loss_fn: Callable, params, num_samples: int = 100, rng: Optional[jax.Array] = None):
   """Hutchinson's estimator tr(H) ≈ mean_i vᵢᵀ H vᵢ with Rademacher vᵢ; returns ``(mean, samples)``."""
-  loss_fn = _as_pytree(loss_fn)
+  loss_fn = as_pytree(loss_fn)
   keys = jax.random.split(jax.random.key(0) if rng is None else rng, num_samples)
   samples = jnp.stack([_hutchinson_probe(loss_fn, params, key) for key in keys])
   return jnp.mean(samples), samples
@@ -210,7 +210,7 @@ def eigenvalue_density(loss_fn: Callable, params, num_iters: int = 100, num_runs
   Each run's tridiagonal matrix T has eigenvalues θ_j (nodes) and eigenvectors
   whose first components squared are the quadrature weights (they sum to 1).
   """
-  loss_fn = _as_pytree(loss_fn)
+  loss_fn = as_pytree(loss_fn)
   flat, _ = ravel_pytree(params)
   num_iters = min(num_iters, flat.shape[0])
   nodes, weights = [], []

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from smoothing_jax.analysis.hessian import as_pytree
+
 NORMALIZATIONS = ("filter", "reference")
 
 
@@ -54,7 +56,7 @@ def loss_surface(loss_fn: Callable, params, d1, d2, alphas, betas, *, weight_dec
   grid = np.stack(np.meshgrid(alphas, betas, indexing="ij"), axis=-1).reshape(-1, 2)
 
   @jax.jit
-  def evaluate(coords):
+  def evaluate(loss_fn, params, d1, d2, coords):  # arrays as arguments: no constant folding of the network
     def at(c):
       point = jax.tree.map(lambda p, a, b: p + c[0] * a + c[1] * b, params, d1, d2)
       return loss_fn(point), optax.tree_utils.tree_l2_norm(point, squared=True)
@@ -64,7 +66,8 @@ def loss_surface(loss_fn: Callable, params, d1, d2, alphas, betas, *, weight_dec
   for start in range(0, len(grid), chunk_size):
     coords = grid[start:start + chunk_size]
     pad = chunk_size - len(coords)
-    loss, norm = evaluate(jnp.asarray(np.concatenate([coords, np.zeros((pad, 2), np.float32)])))
+    loss, norm = evaluate(as_pytree(loss_fn), params, d1, d2,
+                          jnp.asarray(np.concatenate([coords, np.zeros((pad, 2), np.float32)])))
     losses.append(np.asarray(loss)[:len(coords)])
     norms.append(np.asarray(norm)[:len(coords)])
   loss = np.concatenate(losses).reshape(len(alphas), len(betas))

@@ -153,23 +153,31 @@ def consistency_study(trained: TrainedModel, *, num_images: int = 500, length: i
   return {**perturbation_metrics(probs, labels), "relative_confidence_curve": first}
 
 
+def _attack(trained: TrainedModel, kind: str, pgd_steps: int, seed: int):
+  """Jitted ``(variables, keys, pixels, labels, eps) -> adversarial pixels`` (arrays as arguments, not
+  constants, so XLA does not constant-fold the network)."""
+  def run(variables, keys, x, y, eps):
+    loss = functools.partial(ensemble_nll, trained.model, variables, keys, trained.normalize)
+    if kind == "fgsm":
+      return fgsm(loss, x, y, eps)
+    return pgd(loss, x, y, eps, step_size=eps / 4, steps=pgd_steps, rng=jax.random.key(seed + 1))
+  return jax.jit(run)
+
+
 def adversarial_study(trained: TrainedModel, epsilons: Sequence[float] = (1 / 255, 2 / 255, 4 / 255, 8 / 255), *,
                       num_images: int = 256, num_samples: int = 1, pgd_steps: int = 10, seed: int = 0) -> dict:
   """Accuracy and attack success rate of FGSM and PGD (random start) for each ε in pixel space."""
   pixels, labels = eval_pixels(trained, num_images)
   num_samples = num_samples if trained.stochastic else 1
   keys = jax.random.split(jax.random.key(seed), num_samples)
-  loss = functools.partial(ensemble_nll, trained.model, trained.variables, keys, trained.normalize)
   predict = functools.partial(trained.predict, num_samples=num_samples, rng=jax.random.key(seed))
   clean_correct = predict(trained.normalize(pixels)).argmax(-1) == labels
   x, y = jnp.asarray(pixels), jnp.asarray(labels)
-  attacks = {"fgsm": jax.jit(lambda eps: fgsm(loss, x, y, eps)),
-             "pgd": jax.jit(lambda eps: pgd(loss, x, y, eps, step_size=eps / 4, steps=pgd_steps,
-                                            rng=jax.random.key(seed + 1)))}
+  attacks = {"fgsm": _attack(trained, "fgsm", pgd_steps, seed), "pgd": _attack(trained, "pgd", pgd_steps, seed)}
   rows = []
   for eps in epsilons:
     for name, attack in attacks.items():
-      correct = predict(trained.normalize(attack(eps))).argmax(-1) == labels
+      correct = predict(trained.normalize(attack(trained.variables, keys, x, y, eps))).argmax(-1) == labels
       success = float(np.sum(clean_correct & ~correct) / max(np.sum(clean_correct), 1))
       rows.append({"attack": name, "eps": float(eps), "accuracy": float(correct.mean()), "success_rate": success})
   return {"clean_accuracy": float(clean_correct.mean()), "attacks": rows}
