@@ -92,9 +92,11 @@ def kl_divergence(params, prior_std: float, prior_mean: float = 1.0):
 
 
 def kl_weight(step, objective: Objective):
-  """β annealed linearly per epoch: 0 in epoch 0, 1 from epoch ``kl_anneal_epochs`` on."""
+  """β annealed linearly per epoch: 0 in epoch 0, 1 from epoch ``kl_anneal_epochs`` on (always 1 if that is 0)."""
+  if objective.kl_anneal_epochs <= 0:
+    return jnp.ones(())
   epoch = step // objective.steps_per_epoch
-  return jnp.minimum(1.0, epoch / max(objective.kl_anneal_epochs, 1))
+  return jnp.minimum(1.0, epoch / objective.kl_anneal_epochs)
 
 
 def repeat_batch(images, labels, num_repeats: int, num_components: int):

@@ -220,3 +220,9 @@ def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(tmp_path):
                  **{"ibnn.pretrained_workdir": str(tmp_path / "det"), "model_kwargs.width": 8})
   with tfds.testing.mock_data(num_examples=16), pytest.raises(ValueError, match="does not match"):
     train.train_and_evaluate(wrong, str(tmp_path / "wrong"))
+
+
+def test_kl_weight_anneals_per_epoch():
+  objective = ibnn.Objective(2, 2, 1.0, 0.1, 100, steps_per_epoch=10, kl_anneal_epochs=4)
+  assert [float(ibnn.kl_weight(s, objective)) for s in (0, 9, 10, 25, 40, 400)] == [0.0, 0.0, 0.25, 0.5, 1.0, 1.0]
+  assert float(ibnn.kl_weight(0, objective._replace(kl_anneal_epochs=0))) == 1.0
