@@ -106,22 +106,17 @@ def repeat_batch(images, labels, num_repeats: int, num_components: int):
   return images, labels, jnp.arange(images.shape[0]) % num_components
 
 
-def elbo_loss(model, objective: Objective, params, batch_stats, images, labels, rng, step, train: bool = True):
-  """Negative ELBO per example: mean NLL over the B·S rows + β·KL/N.  Returns ``(loss, aux)``."""
+def elbo_loss(model, objective: Objective, params, batch_stats, images, labels, rng, step):
+  """Negative ELBO per example (training mode): mean NLL over the B·S rows + β·KL/N.  Returns ``(loss, aux)``."""
   images, labels, components = repeat_batch(images, labels, objective.num_repeats, objective.num_components)
-  variables = {"params": params, "batch_stats": batch_stats}
-  if train:
-    logits, updates = model.apply(variables, images, train=True, components=components, mutable=["batch_stats"],
-                                  rngs=sample_rngs(rng))
-  else:
-    logits, updates = model.apply(variables, images, train=False, components=components,
-                                  rngs=sample_rngs(rng)), {"batch_stats": batch_stats}
+  logits, updates = model.apply({"params": params, "batch_stats": batch_stats}, images, train=True,
+                                components=components, mutable=["batch_stats"], rngs=sample_rngs(rng))
   nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
   kl = kl_divergence(params, objective.prior_std, objective.prior_mean)
   beta = kl_weight(step, objective)
   loss = nll + beta * kl / objective.num_train
   return loss, {"logits": logits, "labels": labels, "nll": nll, "kl": kl, "kl_weight": beta,
-                "batch_stats": updates["batch_stats"]}
+                "batch_stats": updates.get("batch_stats", {})}
 
 
 def create_optimizer(det_schedule, variational_lr: float, weight_decay: float, momentum: float = 0.9,
