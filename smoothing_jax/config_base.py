@@ -10,8 +10,8 @@ def base_config() -> ml_collections.ConfigDict:
   # (stem defaults to the dataset's geometry).
   config.model = "resnet_mcdo_smoothing_18"
   config.model_kwargs = ml_collections.ConfigDict(
-      {"temperature": 10.0, "blur_size": 2, "blur_same": False,
-       "classifier": placeholder(str), "width": placeholder(int),
+      {"temperature": placeholder(float), "blur_size": placeholder(int), "blur_same": placeholder(bool),
+       "classifier": placeholder(str), "width": placeholder(int), "stochastic_depth": placeholder(float),
        "num_components": placeholder(int), "noise_init_std": placeholder(float),
        "batch_norm": placeholder(bool)})
   config.num_classes = -1           # -1: from the dataset

@@ -225,3 +225,113 @@ def randomize(model: nn.Module, seed: int = 0) -> nn.Module:
       else:
         tensor.copy_(0.1 * torch.randn(tensor.shape, generator=gen))
   return model.eval()
+
+
+# ----------------------------------------------------------------------------- HV self-attention models
+
+class Attention(nn.Module):
+  """HV ``Attention1d`` (``mask``: additive logits) / ``Attention2d`` with k=1 on flattened windows."""
+  def __init__(self, dim_in, dim_out, heads, dim_head):
+    super().__init__()
+    self.heads, self.scale = heads, dim_head ** -0.5
+    self.to_qkv = nn.Linear(dim_in, heads * dim_head * 3, bias=False)
+    self.to_out = nn.Linear(heads * dim_head, dim_out)
+
+  def forward(self, x, mask=None):
+    b, n, _ = x.shape
+    q, k, v = (t.reshape(b, n, self.heads, -1).transpose(1, 2) for t in self.to_qkv(x).chunk(3, dim=-1))
+    dots = q @ k.transpose(-1, -2) * self.scale
+    if mask is not None:
+      dots = dots + mask
+    attn = dots.softmax(dim=-1)
+    return self.to_out((attn @ v).transpose(1, 2).reshape(b, n, -1)), attn
+
+
+class LocalAttention(nn.Module):
+  """HV ``LocalAttention`` on NCHW maps: non-overlapping windows + a (2w−1)² relative position table."""
+  def __init__(self, dim_in, dim_out, heads, dim_head, window_size):
+    super().__init__()
+    self.attn, self.p = Attention(dim_in, dim_out, heads, dim_head), window_size
+    i = torch.tensor([[x, y] for x in range(window_size) for y in range(window_size)])
+    self.rel_index = i[None, :, :] - i[:, None, :] + window_size - 1
+    self.pos_embedding = nn.Parameter(torch.randn(2 * window_size - 1, 2 * window_size - 1) * 0.02)
+
+  def forward(self, x):
+    b, c, h, w = x.shape
+    p = self.p
+    mask = self.pos_embedding[self.rel_index[:, :, 0], self.rel_index[:, :, 1]]
+    x = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).reshape(-1, p * p, c)
+    x, _ = self.attn(x, mask)
+    x = x.reshape(b, h // p, w // p, p, p, -1).permute(0, 5, 1, 3, 2, 4).reshape(b, -1, h, w)
+    return x
+
+
+class TransformerBlock(nn.Module):
+  def __init__(self, dim, heads, dim_head, mlp_dim):
+    super().__init__()
+    self.norm1, self.attn = nn.LayerNorm(dim), Attention(dim, dim, heads, dim_head)
+    self.norm2 = nn.LayerNorm(dim)
+    self.ff = nn.Sequential(nn.Linear(dim, mlp_dim), nn.GELU(), nn.Linear(mlp_dim, dim))
+
+  def forward(self, x):
+    x = self.attn(self.norm1(x))[0] + x
+    return self.ff(self.norm2(x)) + x
+
+
+class ViT(nn.Module):
+  """HV ``vit.py``: linear patch embedding ((p1 p2 c) order), CLS token, absolute positions, CLS→LN→Linear."""
+  def __init__(self, image_size, patch_size, num_classes, depth, dim, heads, mlp_dim, dim_head=64):
+    super().__init__()
+    self.p = patch_size
+    self.embedding = nn.Linear(3 * patch_size ** 2, dim)
+    self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+    self.pos_embedding = nn.Parameter(torch.randn(1, (image_size // patch_size) ** 2 + 1, dim) * 0.02)
+    self.transformers = nn.Sequential(*[TransformerBlock(dim, heads, dim_head, mlp_dim) for _ in range(depth)])
+    self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, num_classes)
+
+  def forward(self, x):
+    b, c, h, w = x.shape
+    p = self.p
+    x = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).reshape(b, -1, p * p * c)
+    x = torch.cat([self.cls_token.expand(b, -1, -1), self.embedding(x)], dim=1) + self.pos_embedding
+    return self.head(self.norm(self.transformers(x)[:, 0]))
+
+
+class AttentionBlockB(nn.Module):
+  """HV pre-activation MSA block: BN-GELU → conv1×1 → BN → LocalAttention (+ 1×1 shortcut on a shape change)."""
+  def __init__(self, cin, channels, heads, dim_head, window_size, expansion=4):
+    super().__init__()
+    cout, width = channels * expansion, cin // expansion
+    self.shortcut = nn.Sequential(*([conv(cin, cout, 1)] if cin != cout else []))
+    self.norm1, self.conv, self.norm2 = nn.BatchNorm2d(cin), conv(cin, width, 1), nn.BatchNorm2d(width)
+    self.attn = LocalAttention(width, cout, heads, dim_head, window_size)
+
+  def forward(self, x):
+    pre = nn.functional.gelu(self.norm1(x))
+    skip = self.shortcut(pre) if len(self.shortcut) else x
+    return skip + self.attn(self.norm2(self.conv(pre)))
+
+
+class AlterNet(nn.Module):
+  """HV ``AlterNet`` (StemB without pooling on CIFAR, pre-act Conv blocks, MSA blocks at stage ends, BNGAP)."""
+  def __init__(self, stages, msas, heads, num_classes, bottleneck=True, width=64, dim_head=64, window_size=4):
+    super().__init__()
+    exp = 4 if bottleneck else 1
+    self.layer0 = nn.Sequential(conv(3, width, 3, 1, 1))
+    cin = width
+    for i, (n, m) in enumerate(zip(stages, msas), start=1):
+      channels, blocks = width * 2 ** (i - 1), []
+      for j, alt in enumerate([False] * (n - 2 * m) + [False, True] * m):
+        if alt:
+          blocks.append(AttentionBlockB(cin, channels, heads[i - 1], dim_head, window_size, exp))
+        else:
+          blocks.append(Block(cin, channels, 2 if i > 1 and j == 0 else 1, bottleneck, True))
+        cin = channels * exp
+      setattr(self, f"layer{i}", nn.Sequential(*blocks))
+    self.classifier = nn.Sequential(GAP(cin, num_classes, bn=True))
+
+  def forward(self, x):
+    x = self.layer0(x)
+    for i in range(1, 5):
+      x = getattr(self, f"layer{i}")(x)
+    return self.classifier(x)

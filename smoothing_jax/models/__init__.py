@@ -3,7 +3,8 @@
 Names follow the reference implementation: ``<family>_<variant>[_<depth>]`` with
 variant ``dnn`` (deterministic), ``mcdo`` (MC dropout), ``dnn_smoothing`` or
 ``mcdo_smoothing``; plus the iBNN models ``vgg_ibnn_16`` and ``wideresnet_ibnn_28_10``
-(``num_components=K`` override; they take ``components`` and a ``"noise"`` key).  Every model is called as
+(``num_components=K`` override; they take ``components`` and a ``"noise"`` key); and the
+self-attention models ``vit_{ti,s,b}`` and ``alternet_{18,34,50,101,152}`` (HV).  Every model is called as
 ``model.apply(variables, images_nhwc, train=False, rngs={"dropout": key})``.
 """
 from __future__ import annotations
@@ -15,11 +16,13 @@ import functools
 import flax.linen as nn
 
 from smoothing_jax.models.alexnet import AlexNet
+from smoothing_jax.models.alternet import AlterNet
 from smoothing_jax.models.resnet import ResNet
 from smoothing_jax.models.vgg import VGG, VGG_STAGES
+from smoothing_jax.models.vit import ViT
 from smoothing_jax.models.wideresnet import WideResNet
 
-__all__ = ["AlexNet", "ResNet", "VGG", "WideResNet", "get_model", "list_models"]
+__all__ = ["AlexNet", "AlterNet", "ResNet", "VGG", "ViT", "WideResNet", "get_model", "list_models"]
 
 RESNET_STAGES = {18: ((2, 2, 2, 2), "basic"), 34: ((3, 4, 6, 3), "basic"), 50: ((3, 4, 6, 3), "bottleneck"),
                  101: ((3, 4, 23, 3), "bottleneck"), 152: ((3, 8, 36, 3), "bottleneck")}
@@ -27,6 +30,12 @@ VARIANTS = ("dnn", "mcdo", "dnn_smoothing", "mcdo_smoothing")
 MCDO_RATE = 0.3
 ALEXNET_MCDO_RATE = 0.1
 IBNN_COMPONENTS = 4
+# ViT sizes: (hidden_dim, heads, mlp_dim); depth 12, head width 64 (HV ``vit.py``).
+VIT_SIZES = {"ti": (192, 3, 768), "s": (384, 6, 1536), "b": (768, 12, 3072)}
+# AlterNet: (block, blocks per stage, MSA blocks per stage) (HV ``alternet.py``).
+ALTERNET_STAGES = {18: ("basic", (2, 2, 2, 2), (0, 1, 1, 1)), 34: ("basic", (3, 4, 6, 4), (0, 1, 3, 2)),
+                   50: ("bottleneck", (3, 4, 6, 4), (0, 1, 3, 2)), 101: ("bottleneck", (3, 4, 23, 4), (0, 1, 3, 2)),
+                   152: ("bottleneck", (3, 8, 36, 4), (0, 1, 3, 2))}
 
 
 def _architectures():
@@ -62,6 +71,11 @@ def _registry():
   registry["vgg_ibnn_16"] = (VGG, dict(stage_sizes=VGG_STAGES[16], batch_norm=False, classifier="mlp512",
                                        num_components=IBNN_COMPONENTS, noise_init_std=0.75))
   registry["wideresnet_ibnn_28_10"] = (WideResNet, dict(depth=28, widen_factor=10, num_components=IBNN_COMPONENTS))
+  # MSA as trainable smoothing (HV): ViTs and AlterNets (geometry from ``stem``, like the CNNs).
+  for size, (dim, heads, mlp_dim) in VIT_SIZES.items():
+    registry[f"vit_{size}"] = (ViT, dict(hidden_dim=dim, num_heads=heads, mlp_dim=mlp_dim))
+  for depth, (block, stages, msas) in ALTERNET_STAGES.items():
+    registry[f"alternet_{depth}"] = (AlterNet, dict(block=block, stage_sizes=stages, msa_blocks=msas))
   return registry
 
 

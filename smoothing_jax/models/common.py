@@ -31,6 +31,18 @@ def conv(features, kernel_size, stride=1, padding=0, groups=1, bias=False, name=
                  use_bias=bias, kernel_init=conv_init, dtype=dtype, name=name)
 
 
+def drop_path(branch, rate: float, train: bool, keep=None):
+  """A residual branch under stochastic depth and lesioning: call inside a compact module.
+
+  Training drops the whole branch per example with probability ``rate`` and scales
+  survivors by 1/(1 − rate) (DropPath; ``"dropout"`` RNG); ``keep`` (a scalar, None = 1)
+  multiplies the branch at any time, so ``keep = 0`` removes the unit (lesion study).
+  """
+  if rate > 0:
+    branch = nn.Dropout(rate, broadcast_dims=tuple(range(1, branch.ndim)), deterministic=not train)(branch)
+  return branch if keep is None else branch * jnp.asarray(keep, branch.dtype)
+
+
 def max_pool(x, kernel_size, stride, padding=0):
   """``nn.MaxPool2d`` (floor mode; padding counts as -inf)."""
   return nn.max_pool(x, (kernel_size, kernel_size), (stride, stride),

@@ -13,7 +13,8 @@ from typing import Sequence
 
 import flax.linen as nn
 
-from smoothing_jax.models.common import CNN, GAPHead, MLPHead, adaptive_avg_pool, check_images, conv, max_pool
+from smoothing_jax.models.common import (CNN, GAPHead, MLPHead, adaptive_avg_pool, check_images, conv, drop_path,
+                                         max_pool)
 
 EXPANSION = {"basic": 1, "bottleneck": 4}
 
@@ -25,6 +26,7 @@ class _Block(CNN):
   block: str = "basic"
   groups: int = 1
   width_per_group: int = 64
+  drop_path_rate: float = 0.0
 
   def widths(self):
     """(inner width of the 3×3 conv, block output channels), as torchvision computes them."""
@@ -54,10 +56,13 @@ class ResNetBlock(_Block):
 
 
 class PreActBlock(_Block):
-  """Pre-activation basic/bottleneck block; the 1×1 shortcut (no BN) sees BN-ReLU(x)."""
+  """Pre-activation basic/bottleneck block; the 1×1 shortcut (no BN) sees BN-ReLU(x).
+
+  ``keep`` scales the residual branch (lesion studies); ``drop_path_rate`` is stochastic depth.
+  """
 
   @nn.compact
-  def __call__(self, x, train: bool):
+  def __call__(self, x, train: bool, keep=None):
     width, out_channels = self.widths()
     pre = nn.relu(self.bn(train, "bn1")(x))
     if self.stride != 1 or x.shape[-1] != out_channels:
@@ -74,7 +79,7 @@ class PreActBlock(_Block):
       y = conv(width, 3, self.stride, 1, self.groups, dtype=self.dtype, name="conv2")(y)
       y = self.dropout(nn.relu(self.bn(train, "bn3")(y)))
       y = conv(out_channels, 1, dtype=self.dtype, name="conv3")(y)
-    return skip + y
+    return skip + drop_path(y, self.drop_path_rate, train, keep)
 
 
 class ResNet(CNN):

@@ -1,0 +1,150 @@
+"""Vision Transformer (Dosovitskiy et al.; HV ``models/vit.py``) with global, windowed or convolutional MSA.
+
+Linear patch embedding of p×p patches (p = 2 on 32×32 CIFAR, 16 on 224×224
+ImageNet), a CLS token and absolute position embeddings (init N(0, 0.02²)),
+``depth`` pre-norm units alternating MSA and MLP,
+
+  x ← x + DropPath(MSA(LN(x))),   x ← x + DropPath(MLP(LN(x))),   MLP = Dense-GELU-Dense,
+
+with stochastic-depth rate ``stochastic_depth · i / (depth − 1)`` in encoder block i,
+and a head LN → Dense on the CLS token (``classifier="token"``, the reference)
+or on the mean of the patch tokens (``"gap"``; no CLS token).
+
+Lesion studies: ``block_mask`` [2·depth] scales the residual branch of each unit
+(``units()`` names them), so ``block_mask = 1 − e_i`` removes unit i at test time.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from smoothing_jax.layers.attention import (MultiHeadAttention, WindowAttention, dense_init,
+                                            neighbourhood_mask)
+from smoothing_jax.models.common import STEMS, check_images, drop_path
+
+PATCH_SIZES = {"cifar": 2, "imagenet": 16}
+CLASSIFIERS = ("token", "gap")
+
+
+class TransformerUnit(nn.Module):
+  """One pre-norm residual unit on tokens [B, N, D]: ``kind`` "msa" or "mlp".
+
+  Windowed / convolutional attention treats the N tokens as a ``grid`` (h, w).
+  """
+  kind: str
+  num_heads: int = 3
+  head_dim: int = 64
+  mlp_dim: int = 768
+  dropout_rate: float = 0.0
+  drop_path_rate: float = 0.0
+  window_size: Optional[int] = None
+  kernel_size: Optional[int] = None
+  grid: Optional[tuple] = None
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, train: bool = False, keep=None):
+    y = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype, name="norm")(x)
+    if self.kind == "msa" and self.window_size:
+      b, _, d = y.shape
+      y = WindowAttention(self.window_size, self.num_heads, self.head_dim, dropout_rate=self.dropout_rate,
+                          dtype=self.dtype, name="attention")(y.reshape(b, *self.grid, d), train)
+      y = y.reshape(b, -1, d)
+    elif self.kind == "msa":
+      bias = jnp.asarray(neighbourhood_mask(*self.grid, self.kernel_size)) if self.kernel_size else None
+      y = MultiHeadAttention(self.num_heads, self.head_dim, dropout_rate=self.dropout_rate, dtype=self.dtype,
+                             name="attention")(y, bias, train)
+    else:
+      y = nn.gelu(nn.Dense(self.mlp_dim, kernel_init=dense_init, dtype=self.dtype, name="fc1")(y),
+                  approximate=False)
+      y = nn.Dropout(self.dropout_rate, deterministic=not train)(y)
+      y = nn.Dense(x.shape[-1], kernel_init=dense_init, dtype=self.dtype, name="fc2")(y)
+      y = nn.Dropout(self.dropout_rate, deterministic=not train)(y)
+    return x + drop_path(y, self.drop_path_rate, train, keep)
+
+
+class ViT(nn.Module):
+  """``__call__(images [B, H, W, 3], train, block_mask=None) -> logits [B, num_classes]``.
+
+  Attributes:
+    hidden_dim, depth, num_heads, head_dim, mlp_dim: ViT-Ti 192/12/3/64/768.
+    patch_size: None = 2 for the CIFAR stem, 16 for ImageNet.
+    classifier: "token" (CLS → LN → Dense) or "gap" (mean of tokens → LN → Dense).
+    dropout_rate_train: train-only dropout in MSA/MLP outputs; embedding_dropout_rate after the embedding.
+    stochastic_depth: the last block's DropPath rate (linear in depth).
+    window_size: MSA within non-overlapping windows of the token grid (with a
+      relative position bias); kernel_size: MSA within a k×k neighbourhood.
+      Both need ``classifier="gap"``; None = global MSA.
+  """
+  num_classes: int = 10
+  hidden_dim: int = 192
+  depth: int = 12
+  num_heads: int = 3
+  head_dim: int = 64
+  mlp_dim: int = 768
+  patch_size: Optional[int] = None
+  classifier: str = "token"
+  dropout_rate_train: float = 0.1
+  embedding_dropout_rate: float = 0.1
+  stochastic_depth: float = 0.0
+  window_size: Optional[int] = None
+  kernel_size: Optional[int] = None
+  stem: str = "cifar"
+  dtype: Any = jnp.float32
+  dropout_rate: ClassVar[float] = 0.0  # no MC dropout: test-time predictions are deterministic
+
+  def units(self) -> list:
+    """``[(name, kind)]`` of the residual units in order; kind is "msa" or "mlp"."""
+    return [(f"block{i}_{kind}", kind) for i in range(self.depth) for kind in ("msa", "mlp")]
+
+  def _check(self, x):
+    check_images(x)
+    if self.stem not in STEMS:
+      raise ValueError(f"Unknown stem {self.stem!r}; choose one of {STEMS}.")
+    if self.classifier not in CLASSIFIERS:
+      raise ValueError(f"Unknown classifier {self.classifier!r} for ViT; choose one of {CLASSIFIERS}.")
+    if self.window_size and self.kernel_size:
+      raise ValueError("Give window_size or kernel_size (local MSA), not both.")
+    if (self.window_size or self.kernel_size) and self.classifier != "gap":
+      raise ValueError("Local MSA (window_size / kernel_size) needs classifier='gap' (a CLS token has no position).")
+    p = self.patch_size or PATCH_SIZES[self.stem]
+    if x.shape[1] % p or x.shape[2] % p:
+      raise ValueError(f"Image size {x.shape[1]}×{x.shape[2]} is not divisible by the patch size {p}.")
+    return p
+
+  @nn.compact
+  def __call__(self, x, train: bool = False, block_mask=None):
+    p = self._check(x)
+    b = x.shape[0]
+    grid = (x.shape[1] // p, x.shape[2] // p)
+    # Patches flattened as (row, col, channel), as the reference's (p1 p2 c) rearrange.
+    patches = x.reshape(b, grid[0], p, grid[1], p, x.shape[-1]).transpose(0, 1, 3, 2, 4, 5)
+    tokens = nn.Dense(self.hidden_dim, kernel_init=dense_init, dtype=self.dtype, name="embedding")(
+        patches.reshape(b, grid[0] * grid[1], -1))
+    if self.classifier == "token":
+      cls = self.param("cls_token", nn.initializers.normal(0.02), (1, 1, self.hidden_dim))
+      tokens = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, self.hidden_dim)).astype(tokens.dtype), tokens], 1)
+    tokens = tokens + self.param("pos_embedding", nn.initializers.normal(0.02), (1,) + tokens.shape[1:])
+    tokens = nn.Dropout(self.embedding_dropout_rate, deterministic=not train)(tokens)
+
+    for i, (name, kind) in enumerate(self.units()):
+      rate = self.stochastic_depth * (i // 2) / max(self.depth - 1, 1)
+      tokens = TransformerUnit(kind, self.num_heads, self.head_dim, self.mlp_dim, self.dropout_rate_train, rate,
+                               self.window_size, self.kernel_size, grid, self.dtype, name=name)(
+          tokens, train, None if block_mask is None else block_mask[i])
+
+    pooled = tokens[:, 0] if self.classifier == "token" else jnp.mean(tokens, axis=1)
+    pooled = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype, name="head_norm")(pooled)
+    return nn.Dense(self.num_classes, kernel_init=dense_init, dtype=self.dtype, name="head")(pooled)
+
+
+def tokens_to_map(tokens):
+  """``[B, N, D]`` unit output → ``[B, h, w, D]`` (drops a CLS token when N = h·w + 1; square grids)."""
+  n = tokens.shape[1]
+  side = math.isqrt(n)
+  if side * side != n:
+    tokens, side = tokens[:, 1:], math.isqrt(n - 1)
+  return tokens.reshape(tokens.shape[0], side, side, tokens.shape[-1])

@@ -1,0 +1,280 @@
+"""ViT, AlterNet and the MSA layers (HV): shapes, parameter counts, attention semantics, lesions."""
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from smoothing_jax.layers.attention import (MultiHeadAttention, WindowAttention, neighbourhood_mask,
+                                            relative_position_index, window_partition)
+from smoothing_jax.models import get_model
+from smoothing_jax.models.common import drop_path
+
+TINY_VIT = dict(hidden_dim=16, depth=2, num_heads=2, head_dim=8, mlp_dim=32, patch_size=4)
+TINY_ALTERNET = dict(width=8, stage_sizes=(1, 2, 2, 2), msa_blocks=(0, 1, 1, 1), num_heads=(1, 2, 2, 2),
+                     head_dim=8)
+
+
+def num_params(model, image_size=32):
+  variables = jax.eval_shape(lambda: model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)},
+                                                jnp.zeros((2, image_size, image_size, 3))))
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(variables["params"]))
+
+
+def init(model, x, seed=0):
+  return model.init({"params": jax.random.key(seed), "dropout": jax.random.key(1)}, x)
+
+
+@pytest.fixture(scope="module")
+def images():
+  return jax.random.normal(jax.random.key(3), (4, 16, 16, 3))
+
+
+# ----------------------------------------------------------------------------- counts and shapes
+
+@pytest.mark.parametrize("name, count", [
+    # The reference implementation's counts (HV models/vit.py and alternet.py, CIFAR-100, 32×32,
+    # patch 2, window 4), as built by tests/torch_reference.py; checked below when torch is installed.
+    ("vit_ti", 5_403_172),
+    ("alternet_50", 34_062_538),
+])
+def test_parameter_counts_equal_the_reference(name, count):
+  assert num_params(get_model(name, 100)) == count
+
+
+def test_parameter_counts_equal_the_torch_reference():
+  torch = pytest.importorskip("torch")
+  from tests import torch_reference as ref
+  torch_count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+  assert torch_count(ref.ViT(32, 2, 100, 12, 192, 3, 768)) == num_params(get_model("vit_ti", 100))
+  assert torch_count(ref.AlterNet((3, 4, 6, 4), (0, 1, 3, 2), (3, 6, 12, 24), 100)) == num_params(
+      get_model("alternet_50", 100))
+  del torch
+
+
+def test_shapes_of_the_registered_sizes():
+  for name in ("vit_ti", "alternet_50"):
+    out = jax.eval_shape(lambda x, m=get_model(name, 100): m.init_with_output(
+        {"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)[0], jnp.zeros((2, 32, 32, 3)))
+    assert out.shape == (2, 100)
+  # ImageNet geometry: patch 16 / window 7 from the stem, like the CNNs.
+  vit = get_model("vit_s", 1000, stem="imagenet")
+  variables = jax.eval_shape(lambda: init(vit, jnp.zeros((1, 224, 224, 3))))
+  assert variables["params"]["pos_embedding"].shape == (1, 14 * 14 + 1, 384)
+  alternet = get_model("alternet_50", 1000, stem="imagenet")
+  variables = jax.eval_shape(lambda: init(alternet, jnp.zeros((1, 224, 224, 3))))
+  assert variables["params"]["layer4_3"]["attention"]["relative_position"].shape == (13, 13)
+
+
+def test_alternet_build_up_rule_and_backbone():
+  units = get_model("alternet_50", 10).units()
+  kinds = [k for _, k in units]
+  assert len(units) == 17 and kinds.count("msa") == 6
+  # MSAs close each stage, alternating with Convs: stage 3 is C M C M C M.
+  assert kinds[7:13] == ["conv", "msa"] * 3 and kinds[3:7] == ["conv"] * 3 + ["msa"]
+  assert [k for _, k in get_model("alternet_50", 10, msa_blocks=(0, 0, 0, 0)).units()] == ["conv"] * 17
+
+
+def test_bad_configurations_are_named(images):
+  with pytest.raises(ValueError, match="window_size 3 does not divide the 16×16"):
+    init(get_model("alternet_50", 10, **TINY_ALTERNET, window_size=3), jnp.zeros((1, 32, 32, 3)))
+  with pytest.raises(ValueError, match="at most 1 MSA"):
+    get_model("alternet_50", 10, stage_sizes=(2, 2, 2, 2), msa_blocks=(0, 2, 1, 1)).units()
+  with pytest.raises(ValueError, match="not divisible by the patch size 4"):
+    init(get_model("vit_ti", 10, **TINY_VIT), jnp.zeros((1, 18, 18, 3)))
+  with pytest.raises(ValueError, match="needs classifier='gap'"):
+    init(get_model("vit_ti", 10, **TINY_VIT, window_size=2), images)
+  with pytest.raises(ValueError, match="Unknown option"):
+    get_model("vit_ti", 10, smoothing=True)
+
+
+# ----------------------------------------------------------------------------- attention semantics
+
+def test_attention_rows_are_probabilities(images):
+  model = get_model("vit_ti", 10, **TINY_VIT)
+  variables = init(model, images)
+  _, state = model.apply(variables, images, mutable=["intermediates"])
+  attention = state["intermediates"]["block1_msa"]["attention"]["attention"][0]
+  assert attention.shape == (4, 2, 17, 17)  # [B, heads, CLS + 4×4 patches, ...]
+  assert bool(jnp.all(attention >= 0))
+  np.testing.assert_allclose(attention.sum(-1), 1.0, rtol=1e-5)
+
+
+def test_attention_matches_numpy():
+  x = np.random.default_rng(0).normal(size=(2, 5, 6)).astype(np.float32)
+  layer = MultiHeadAttention(num_heads=2, head_dim=3, out_features=4)
+  params = layer.init(jax.random.key(0), x)["params"]
+  wqkv, wo, bo = (np.asarray(a) for a in (params["qkv"]["kernel"], params["out"]["kernel"], params["out"]["bias"]))
+  heads = []
+  for h in range(2):
+    q, k, v = (x @ wqkv[:, s, h] for s in range(3))           # [B, N, d]
+    logits = q @ k.transpose(0, 2, 1) / np.sqrt(3)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    heads.append((weights / weights.sum(-1, keepdims=True)) @ v)
+  expected = np.einsum("bnhd,hdo->bno", np.stack(heads, 2), wo) + bo
+  np.testing.assert_allclose(layer.apply({"params": params}, x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_window_equal_to_the_map_is_global_msa():
+  x = jax.random.normal(jax.random.key(0), (2, 4, 4, 6))
+  window = WindowAttention(window_size=4, num_heads=2, head_dim=3)
+  params = window.init(jax.random.key(1), x)["params"]
+  params = {**params, "relative_position": jnp.zeros_like(params["relative_position"])}
+  global_msa = MultiHeadAttention(num_heads=2, head_dim=3)
+  expected = global_msa.apply({"params": params["attention"]}, x.reshape(2, 16, 6)).reshape(2, 4, 4, 6)
+  chex.assert_trees_all_close(window.apply({"params": params}, x), expected, rtol=1e-5, atol=1e-5)
+  # ... and a convolutional neighbourhood of 2·4 − 1 covers the map.
+  assert np.all(neighbourhood_mask(4, 4, 7) == 0)
+  chex.assert_trees_all_close(global_msa.apply({"params": params["attention"]}, x.reshape(2, 16, 6),
+                                               jnp.asarray(neighbourhood_mask(4, 4, 7))),
+                              expected.reshape(2, 16, 6), rtol=1e-6)
+
+
+def test_smaller_windows_attend_within_themselves_with_the_relative_bias():
+  x = jax.random.normal(jax.random.key(0), (1, 4, 4, 3))
+  window = WindowAttention(window_size=2, num_heads=1, head_dim=3)
+  params = window.init(jax.random.key(1), x)["params"]
+  table = np.asarray(params["relative_position"])
+  out = np.asarray(window.apply({"params": params}, x))
+  inner = MultiHeadAttention(num_heads=1, head_dim=3)
+  # Explicit bias: key j relative to query i within a 2×2 window, row-major.
+  pos = [(r, c) for r in range(2) for c in range(2)]
+  bias = np.array([[table[pj[0] - pi[0] + 1, pj[1] - pi[1] + 1] for pj in pos] for pi in pos], np.float32)
+  np.testing.assert_array_equal(relative_position_index(2)[0, 3], [2, 2])
+  for r in (0, 2):
+    for c in (0, 2):
+      patch = np.asarray(x)[:, r:r + 2, c:c + 2].reshape(1, 4, 3)
+      expected = inner.apply({"params": params["attention"]}, patch, jnp.asarray(bias))
+      np.testing.assert_allclose(out[:, r:r + 2, c:c + 2].reshape(1, 4, 3), expected, rtol=1e-5, atol=1e-6)
+  assert window_partition(x, 2).shape == (4, 4, 3)
+
+
+def test_neighbourhood_mask_is_a_kxk_window():
+  mask = neighbourhood_mask(5, 5, 3).reshape(5, 5, 5, 5)
+  allowed = np.isfinite(mask[2, 2])
+  np.testing.assert_array_equal(allowed, np.pad(np.ones((3, 3), bool), 1))
+  assert np.isfinite(mask[0, 0]).sum() == 4  # corner: 2×2 of the 3×3 neighbourhood
+
+
+def test_local_vit_runs_and_window_changes_the_output(images):
+  base = dict(TINY_VIT, patch_size=2, classifier="gap")  # 8×8 tokens
+  outputs = []
+  for local in ({}, {"window_size": 8}, {"window_size": 4}, {"kernel_size": 3}):
+    model = get_model("vit_ti", 10, **base, **local)
+    variables = init(model, images)
+    outputs.append(model.apply(variables, images))
+  chex.assert_tree_all_finite(outputs)
+  assert not np.allclose(outputs[2], outputs[3])
+
+
+# ----------------------------------------------------------------------------- stochastic depth and lesions
+
+def test_drop_path_drops_whole_examples():
+  class Branch(nn.Module):
+    @nn.compact
+    def __call__(self, x, train):
+      return drop_path(x, 0.5, train)
+  x = jnp.ones((256, 3, 3, 2))
+  y = Branch().apply({}, x, True, rngs={"dropout": jax.random.key(0)})
+  per_example = np.asarray(y).reshape(256, -1)
+  assert set(np.unique(per_example)) == {0.0, 2.0}
+  assert np.all(per_example.min(1) == per_example.max(1))      # one decision per example
+  assert 0.35 < np.mean(per_example[:, 0] == 0) < 0.65
+  np.testing.assert_array_equal(Branch().apply({}, x, False), x)  # identity at test time
+
+
+@pytest.mark.parametrize("name, kwargs, zero_unit", [
+    ("vit_ti", TINY_VIT, ("block1_msa", "attention", "out")),
+    ("alternet_50", TINY_ALTERNET, ("layer3_1", "attention", "attention", "out")),
+])
+def test_lesion_of_a_zero_unit_changes_nothing(name, kwargs, zero_unit, images):
+  model = get_model(name, 10, **kwargs)
+  x = jax.image.resize(images, (4, 32, 32, 3), "bilinear") if name == "alternet_50" else images
+  variables = jax.tree.map(jnp.asarray, init(model, x))
+  names = [n for n, _ in model.units()]
+  index = names.index(zero_unit[0])
+  # Zero the unit's last projection: its residual branch is then exactly zero.
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, v: jnp.zeros_like(v) if tuple(p.key for p in path[:len(zero_unit)]) == zero_unit else v,
+      variables["params"])
+  variables = {**variables, "params": params}
+  full = model.apply(variables, x)
+  keep_all = jnp.ones(len(names))
+  lesioned = model.apply(variables, x, block_mask=keep_all.at[index].set(0.0))
+  np.testing.assert_allclose(lesioned, full, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(model.apply(variables, x, block_mask=keep_all), full, rtol=1e-6)
+  # Removing a unit that does something changes the logits.
+  other = model.apply(variables, x, block_mask=keep_all.at[index - 1].set(0.0))
+  assert not np.allclose(other, full, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- parity with the reference
+
+def _vit_params_from_torch(t, depth, heads, head_dim):
+  sd = {k: v.detach().numpy() for k, v in t.state_dict().items()}
+  ln = lambda p: {"scale": sd[p + ".weight"], "bias": sd[p + ".bias"]}  # noqa: E731
+  dense = lambda p: {"kernel": sd[p + ".weight"].T, "bias": sd[p + ".bias"]}  # noqa: E731
+  params = {"embedding": dense("embedding"), "cls_token": sd["cls_token"], "pos_embedding": sd["pos_embedding"],
+            "head_norm": ln("norm"), "head": dense("head")}
+  for i in range(depth):
+    p = f"transformers.{i}"
+    dim = sd[p + ".norm1.weight"].shape[0]
+    params[f"block{i}_msa"] = {"norm": ln(p + ".norm1"), "attention": {
+        "qkv": {"kernel": sd[p + ".attn.to_qkv.weight"].T.reshape(dim, 3, heads, head_dim)},
+        "out": {"kernel": sd[p + ".attn.to_out.weight"].T.reshape(heads, head_dim, dim),
+                "bias": sd[p + ".attn.to_out.bias"]}}}
+    params[f"block{i}_mlp"] = {"norm": ln(p + ".norm2"), "fc1": dense(p + ".ff.0"), "fc2": dense(p + ".ff.2")}
+  return params
+
+
+def test_vit_logits_equal_the_torch_reference():
+  torch = pytest.importorskip("torch")
+  from tests import torch_reference as ref
+  torch.manual_seed(0)
+  t = ref.ViT(16, 4, 10, depth=2, dim=16, heads=2, mlp_dim=32, dim_head=8).eval()
+  x = np.random.default_rng(0).normal(size=(3, 3, 16, 16)).astype(np.float32)
+  with torch.no_grad():
+    expected = t(torch.from_numpy(x)).numpy()
+  model = get_model("vit_ti", 10, **TINY_VIT)
+  params = _vit_params_from_torch(t, 2, 2, 8)
+  logits = model.apply({"params": params}, jnp.asarray(x.transpose(0, 2, 3, 1)))
+  np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_alternet_logits_equal_the_torch_reference():
+  torch = pytest.importorskip("torch")
+  from smoothing_jax.convert import torch_key
+  from tests import torch_reference as ref
+  torch.manual_seed(0)
+  t = ref.randomize(ref.AlterNet((1, 2, 2, 2), (0, 1, 1, 1), (1, 2, 2, 2), 10, width=8, dim_head=8))
+  sd = {k: v.detach().numpy() for k, v in t.state_dict().items()}
+  x = np.random.default_rng(0).normal(size=(2, 3, 32, 32)).astype(np.float32)
+  with torch.no_grad():
+    expected = t(torch.from_numpy(x)).numpy()
+  model = get_model("alternet_50", 10, **TINY_ALTERNET)
+  abstract = jax.eval_shape(lambda: init(model, jnp.zeros((1, 32, 32, 3))))
+  renames = {".bn1.": ".norm1.", ".bn2.": ".norm2.", ".attention.attention.qkv.": ".attn.attn.to_qkv.",
+             ".attention.attention.out.": ".attn.attn.to_out."}
+
+  msa_blocks = {n for n, kind in model.units() if kind == "msa"}
+
+  def leaf(path, spec):
+    keys = tuple(p.key for p in path)
+    block = keys[1].replace("_", ".")
+    if keys[-1] == "relative_position":
+      return jnp.asarray(sd[f"{block}.attn.pos_embedding"])
+    key = torch_key(keys)
+    if keys[1] in msa_blocks:
+      for a, b in renames.items():
+        key = key.replace(a, b)
+    value = sd[key]
+    if keys[-2] in ("qkv", "out") and keys[-1] == "kernel":
+      value = value.T.reshape(spec.shape)
+    elif keys[-1] == "kernel":
+      value = value.transpose(2, 3, 1, 0) if value.ndim == 4 else value.T
+    assert value.shape == spec.shape, (keys, value.shape, spec.shape)
+    return jnp.asarray(value)
+  variables = jax.tree_util.tree_map_with_path(leaf, abstract)
+  logits = model.apply(variables, jnp.asarray(x.transpose(0, 2, 3, 1)))
+  np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
