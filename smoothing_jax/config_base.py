@@ -24,17 +24,25 @@ def base_config() -> ml_collections.ConfigDict:
   # Optimisation (recipe values are set by each config).
   config.batch_size = 128           # global batch
   config.base_batch_size = 128      # batch of the recipe's learning rate (linear scaling)
+  config.optimizer = "sgd"          # "sgd" (coupled L2, the paper's CNN recipe) or "adamw" (decoupled)
   config.learning_rate = 0.1
   config.momentum = 0.9
   config.nesterov = False
   config.weight_decay = 5e-4
   config.num_epochs = 200
   config.warmup_epochs = 1
-  config.lr_schedule = "multistep"  # or "flat_linear" (iBNN)
+  config.lr_schedule = "multistep"  # or "cosine" (ViT recipe), "flat_linear" (iBNN)
   config.lr_milestones = (60, 130, 160)
   config.lr_decay = 0.2
   config.lr_final_ratio = 0.01      # flat_linear: final rate / base rate
   config.num_train_steps = -1       # -1: (warmup_epochs + num_epochs) × steps per epoch
+  config.grad_clip_norm = 0.0       # clip the global gradient norm (0: off)
+  # Regularisation of the ViT recipe (all off by default).
+  config.label_smoothing = 0.0
+  config.mixup_alpha = 0.0          # Mixup Beta(α, α) (on device, in the train step)
+  config.cutmix_alpha = 0.0         # CutMix Beta(α, α)
+  config.mixup_switch_prob = 0.5    # P(CutMix) when both are on
+  config.randaugment = ml_collections.ConfigDict({"num_layers": 0, "magnitude": 9.0, "magnitude_std": 0.0})
   # iBNN (models with node noise, e.g. vgg_ibnn_16): ELBO and posterior optimiser.
   config.ibnn = ml_collections.ConfigDict({
       "num_train_samples": 2,        # S: repeats of each example per step (Algorithm 1)

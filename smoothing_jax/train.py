@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from smoothing_jax import ibnn
 from smoothing_jax.data import NUM_CLASSES, create_pipeline
+from smoothing_jax.data.mixup import Mixing, mix_batch
 from smoothing_jax.inference import mc_predict, sample_rngs
 from smoothing_jax.metrics import UncertaintyMetrics
 from smoothing_jax.models import get_model
@@ -68,30 +69,58 @@ def create_learning_rate_schedule(config, steps_per_epoch: int) -> optax.Schedul
   * ``"multistep"``: linear warm-up from 0 for ``warmup_epochs``, then × ``lr_decay`` at
     each milestone epoch (counted after the warm-up: the reference's extra warm-up epoch);
   * ``"flat_linear"`` (iBNN reference): flat for the first 50% of training, linear
-    down to ``lr_final_ratio`` × the rate at 90%, then flat (per step).
+    down to ``lr_final_ratio`` × the rate at 90%, then flat (per step);
+  * ``"cosine"`` (ViT recipe): linear warm-up from 0 for ``warmup_epochs``, then
+    cosine annealing to 0 over ``num_epochs`` (per step).
   """
   lr = config.learning_rate * config.batch_size / config.base_batch_size
+  warmup_steps = int(config.warmup_epochs * steps_per_epoch)
+  if config.lr_schedule == "cosine":
+    decay_steps = int(config.num_epochs * steps_per_epoch)
+    if warmup_steps == 0:
+      return optax.cosine_decay_schedule(lr, decay_steps)
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, warmup_steps + decay_steps, 0.0)
   if config.lr_schedule == "flat_linear":
     total = (config.warmup_epochs + config.num_epochs) * steps_per_epoch
     return optax.piecewise_interpolate_schedule(
         "linear", lr, {int(0.5 * total): 1.0, int(0.9 * total): config.lr_final_ratio})
   if config.lr_schedule != "multistep":
-    raise ValueError(f"Unknown lr_schedule {config.lr_schedule!r}; choose 'multistep' or 'flat_linear'.")
+    raise ValueError(f"Unknown lr_schedule {config.lr_schedule!r}; choose 'multistep', 'cosine' or 'flat_linear'.")
   main = optax.piecewise_constant_schedule(
       lr, {int(m * steps_per_epoch): config.lr_decay for m in config.lr_milestones})
-  warmup_steps = int(config.warmup_epochs * steps_per_epoch)
   if warmup_steps == 0:
     return main
   return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup_steps), main], [warmup_steps])
 
 
 def create_optimizer(config, schedule, model=None) -> optax.GradientTransformation:
-  """SGD with coupled (PyTorch-style) weight decay; iBNN models get the two-learning-rate optimizer."""
+  """``config.optimizer``: "sgd" with coupled (PyTorch ``SGD``) weight decay, or "adamw" (PyTorch
+  ``AdamW``: β 0.9/0.999, decay lr·wd·w decoupled from the moments); iBNN models get the
+  two-learning-rate optimizer.  ``grad_clip_norm`` > 0 clips the global gradient norm first.
+  """
   if getattr(model, "num_components", 0) > 0:
-    return ibnn.create_optimizer(schedule, config.ibnn.variational_lr, config.weight_decay, config.momentum,
-                                 config.ibnn.freeze_deterministic)
-  return optax.chain(optax.add_decayed_weights(config.weight_decay),
+    tx = ibnn.create_optimizer(schedule, config.ibnn.variational_lr, config.weight_decay, config.momentum,
+                               config.ibnn.freeze_deterministic)
+  elif config.optimizer == "adamw":
+    tx = optax.adamw(schedule, weight_decay=config.weight_decay)
+  elif config.optimizer == "sgd":
+    tx = optax.chain(optax.add_decayed_weights(config.weight_decay),
                      optax.sgd(schedule, momentum=config.momentum, nesterov=config.nesterov))
+  else:
+    raise ValueError(f"Unknown optimizer {config.optimizer!r}; choose 'sgd' or 'adamw'.")
+  if config.grad_clip_norm > 0:
+    tx = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), tx)
+  return tx
+
+
+def training_mixing(config, model) -> Optional[Mixing]:
+  """Label smoothing / Mixup / CutMix of the training loss (None when all are off)."""
+  if not (config.label_smoothing or config.mixup_alpha or config.cutmix_alpha):
+    return None
+  if getattr(model, "num_components", 0) > 0:
+    raise ValueError("label_smoothing / mixup_alpha / cutmix_alpha are not supported with the iBNN ELBO.")
+  return Mixing(model.num_classes, config.label_smoothing, config.mixup_alpha, config.cutmix_alpha,
+                config.mixup_switch_prob).check()
 
 
 def ibnn_objective(config, model, pipeline) -> Optional[ibnn.Objective]:
@@ -110,22 +139,30 @@ def create_train_state(config, model, rng, image_shape, schedule) -> TrainState:
                            batch_stats=variables.get("batch_stats", {}), tx=create_optimizer(config, schedule, model))
 
 
-def train_step(model, schedule, objective: Optional[ibnn.Objective], state: TrainState, batch, dropout_rng):
-  """One SGD step on a (global) batch; the dropout/noise key is ``fold_in(dropout_rng, step)``.
+def train_step(model, schedule, objective: Optional[ibnn.Objective], state: TrainState, batch, dropout_rng,
+               mixing: Optional[Mixing] = None):
+  """One optimiser step on a (global) batch; the dropout/noise key is ``fold_in(dropout_rng, step)``.
 
-  The loss is the cross-entropy, or for iBNN models (``objective`` given) the
-  negative ELBO of :func:`smoothing_jax.ibnn.elbo_loss`.
+  The loss is the cross-entropy — against soft targets (label smoothing, Mixup /
+  CutMix drawn from ``fold_in(key, 2)``) when ``mixing`` is given — or for iBNN
+  models (``objective`` given) the negative ELBO of :func:`smoothing_jax.ibnn.elbo_loss`.
   """
   rng = jax.random.fold_in(dropout_rng, state.step)
+  images = batch["image"]
+  if mixing is not None:
+    images, targets = mix_batch(jax.random.fold_in(rng, 2), images, batch["label"], mixing)
 
   def loss_fn(params):
     if objective is not None:
       loss, aux = ibnn.elbo_loss(model, objective, params, state.batch_stats, batch["image"], batch["label"], rng,
                                  state.step)
       return loss, aux
-    logits, updates = model.apply({"params": params, "batch_stats": state.batch_stats}, batch["image"],
+    logits, updates = model.apply({"params": params, "batch_stats": state.batch_stats}, images,
                                   train=True, mutable=["batch_stats"], rngs=sample_rngs(rng))
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["label"]).mean()
+    if mixing is not None:
+      loss = optax.softmax_cross_entropy(logits.astype(jnp.float32), targets).mean()
+    else:
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["label"]).mean()
     return loss, {"logits": logits, "labels": batch["label"], "batch_stats": updates.get("batch_stats", {})}
 
   (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -143,10 +180,11 @@ def eval_step(model, num_samples: int, num_bins: int, variables, batch, rng) -> 
   return UncertaintyMetrics.from_model_output(pred.mean_probs, batch["label"], batch["mask"], num_bins=num_bins)
 
 
-def compile_steps(model, schedule, mesh: Mesh, num_bins: int, objective: Optional[ibnn.Objective] = None):
+def compile_steps(model, schedule, mesh: Mesh, num_bins: int, objective: Optional[ibnn.Objective] = None,
+                  mixing: Optional[Mixing] = None):
   """``(train_step, eval_step)`` jitted over ``mesh``: batch sharded on ``data``, state replicated and donated."""
   replicated, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-  p_train_step = jax.jit(functools.partial(train_step, model, schedule, objective),
+  p_train_step = jax.jit(functools.partial(train_step, model, schedule, objective, mixing=mixing),
                          in_shardings=(replicated, data_sharding, replicated),
                          out_shardings=(replicated, replicated), donate_argnums=(0,))
   p_eval_step = jax.jit(functools.partial(eval_step, model, 1, num_bins),
@@ -229,7 +267,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     raise ValueError(f"batch_size {config.batch_size} is not divisible by the {mesh.size} devices.")
   replicated, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
-  pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir, config.download)
+  randaugment = config.randaugment
+  pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir, config.download,
+                             (randaugment.num_layers, randaugment.magnitude, randaugment.magnitude_std))
   model = create_model(config, pipeline)
   steps_per_epoch = pipeline.steps_per_epoch
   if steps_per_epoch == 0:
@@ -258,7 +298,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
 
-  p_train_step, p_eval_step = compile_steps(model, schedule, mesh, config.ece_bins, objective)
+  p_train_step, p_eval_step = compile_steps(model, schedule, mesh, config.ece_bins, objective,
+                                            training_mixing(config, model))
 
   report_progress = periodic_actions.ReportProgress(num_train_steps=num_steps, writer=writer)
   eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))

@@ -21,6 +21,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from smoothing_jax.data.randaugment import randaugment
+
 # TensorFlow only feeds the host; keep it off GPUs/TPUs that JAX owns.
 tf.config.set_visible_devices([], "GPU")
 tf.config.set_visible_devices([], "TPU")
@@ -232,6 +234,7 @@ class Pipeline:
   num_eval: int
   data_dir: Optional[str] = None
   download: bool = False
+  randaugment: Optional[tuple] = None  # (num_layers, magnitude, magnitude_std) after crop + flip
 
   @property
   def local_batch_size(self) -> int:
@@ -260,12 +263,16 @@ class Pipeline:
       ds = ds.take(steps * batch).skip(start_step * batch)
     positions = tf.data.Dataset.range(start_step * batch, steps * batch)
     augment = imagenet_train_augment if self.spec.geometry == "imagenet" else cifar_train_augment
-    mean, std = self.mean, self.std
+    mean, std, rand_layers = self.mean, self.std, self.randaugment
 
     def prepare(position, example):
       image, label = example
       seed = tf.stack([tf.constant(order_seed, tf.int64), position])
-      return {"image": _normalize(augment(image, seed), mean, std), "label": tf.cast(label, tf.int32)}
+      image = augment(image, seed)
+      if rand_layers:
+        image = tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8) if image.dtype != tf.uint8 else image
+        image = randaugment(image, seed + 2, *rand_layers)
+      return {"image": _normalize(image, mean, std), "label": tf.cast(label, tf.int32)}
 
     ds = tf.data.Dataset.zip(positions, ds).map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
     return _options(ds.batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
@@ -313,8 +320,14 @@ class Pipeline:
 
 
 def create_pipeline(dataset: str, global_batch_size: int, seed: int, data_dir: Optional[str] = None,
-                    download: bool = False) -> Pipeline:
-  """Load (or open, for ImageNet) ``dataset``; fail early with a clear message if it is missing."""
+                    download: bool = False, randaugment: Optional[tuple] = None) -> Pipeline:
+  """Load (or open, for ImageNet) ``dataset``; fail early with a clear message if it is missing.
+
+  ``randaugment``: ``(num_layers, magnitude, magnitude_std)`` applied to training images
+  after the crop and flip (None or num_layers 0: off).
+  """
+  if randaugment is not None and randaugment[0] < 0:
+    raise ValueError(f"RandAugment num_layers must be >= 0, got {randaugment[0]}.")
   spec = parse_dataset(dataset)
   if spec.corruption:
     raise ValueError(f"{dataset!r} is an evaluation-only corruption set; train on {spec.base!r}.")
@@ -336,4 +349,5 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int, data_dir: O
     num_eval = len(eval_images) * jax.process_count()
     mean, std = normalization(spec, train_images)
   return Pipeline(spec, global_batch_size, seed, tuple(mean), tuple(std), train_images, train_labels,
-                  eval_images, eval_labels, num_train, num_eval, data_dir, download)
+                  eval_images, eval_labels, num_train, num_eval, data_dir, download,
+                  tuple(randaugment) if randaugment and randaugment[0] > 0 else None)
