@@ -12,6 +12,12 @@ Prints one JSON object, all measured in the same run on the same devices:
   python experiments/bench_train.py                       # CIFAR, batch 128
   python experiments/bench_train.py --steps 3 --width 16  # quick
   python experiments/bench_train.py --models vgg_dnn_16:plain vgg_ibnn_16:K4   # iBNN (S=2 rows per image) vs deterministic
+  python experiments/bench_train.py --recipe vit   # ViT-Ti and AlterNet-50 vs ResNet-50, HV recipe
+
+``--recipe vit`` times the step of ``configs/cifar_vit.py`` (AdamW, gradient clipping,
+label smoothing + Mixup/CutMix in the step, stochastic depth 0.1) for every model,
+default ``resnet_dnn_50 vit_ti alternet_50`` (ratios against ResNet-50), and the
+input pipeline with RandAugment.
 
 Model variants: ``:same`` (blur_same), ``:plain`` (no BatchNorm, 512-512-C head),
 ``:K<n>`` (iBNN with n components; its step is the ELBO step on the S-times repeated batch).
@@ -19,6 +25,8 @@ Model variants: ``:same`` (blur_same), ``:plain`` (no BatchNorm, 512-512-C head)
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import json
 import os
 import statistics
@@ -37,7 +45,8 @@ DEFAULT_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "da
 
 
 def time_train_steps(name, overrides, config, batch, steps):
-  model = get_model(name, 10, **overrides)
+  fields = {f.name for f in dataclasses.fields(type(get_model(name, 10)))}
+  model = get_model(name, 10, **{k: v for k, v in overrides.items() if k in fields})
   mesh = train.create_mesh()
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
@@ -45,7 +54,8 @@ def time_train_steps(name, overrides, config, batch, steps):
   state = jax.device_put(train.create_train_state(config, model, jax.random.key(0), batch["image"].shape[1:],
                                                   schedule), replicated)
   sizes = types.SimpleNamespace(num_train=50000, steps_per_epoch=100)
-  step_fn, _ = train.compile_steps(model, schedule, mesh, 10, train.ibnn_objective(config, model, sizes))
+  step_fn, _ = train.compile_steps(model, schedule, mesh, 10, train.ibnn_objective(config, model, sizes),
+                                   train.training_mixing(config, model))
   batch = train.shard_batch(batch, data)
   rng = jax.random.key(1)
   flops = step_fn.lower(state, batch, rng).compile().cost_analysis()
@@ -63,9 +73,9 @@ def time_train_steps(name, overrides, config, batch, steps):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--models", nargs="+",
-                      default=["resnet_dnn_18", "resnet_dnn_smoothing_18", "resnet_mcdo_smoothing_18",
-                               "resnet_dnn_smoothing_18:same"])
+  parser.add_argument("--recipe", choices=("sgd", "vit"), default="sgd",
+                      help="sgd: the paper's CNN recipe; vit: configs/cifar_vit.py (HV)")
+  parser.add_argument("--models", nargs="+", default=None)
   parser.add_argument("--batch-size", type=int, default=128)
   parser.add_argument("--steps", type=int, default=10, help="timed steps per model (median reported)")
   parser.add_argument("--width", type=int, default=None, help="override the model width (quick runs)")
@@ -74,14 +84,26 @@ def main(argv=None):
   parser.add_argument("--pipeline-batches", type=int, default=50)
   args = parser.parse_args(argv)
 
-  config = base_config()  # the CIFAR SGD recipe's defaults; values do not affect timing
+  if args.recipe == "vit":
+    spec = importlib.util.spec_from_file_location(
+        "cifar_vit", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "cifar_vit.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("vit_ti,cifar10")
+    models = args.models or ["resnet_dnn_50", "vit_ti", "alternet_50"]
+  else:
+    config = base_config()  # the CIFAR SGD recipe's defaults; values do not affect timing
+    models = args.models or ["resnet_dnn_18", "resnet_dnn_smoothing_18", "resnet_mcdo_smoothing_18",
+                             "resnet_dnn_smoothing_18:same"]
   rng = np.random.default_rng(0)
   batch = {"image": rng.normal(size=(args.batch_size, 32, 32, 3)).astype(np.float32),
            "label": rng.integers(0, 10, args.batch_size).astype(np.int32)}
   results, base = [], None
-  for entry in args.models:
+  for entry in models:
     name, _, variant = entry.partition(":")
     overrides = {} if args.width is None else {"width": args.width}
+    if config.model_kwargs.stochastic_depth:
+      overrides["stochastic_depth"] = config.model_kwargs.stochastic_depth
     if variant == "same":
       overrides["blur_same"] = True
     elif variant == "plain":  # the iBNN reference's VGG: no BatchNorm, 512-512-C head
@@ -96,7 +118,9 @@ def main(argv=None):
     results.append(row)
     print(json.dumps(row), flush=True)
 
-  pipeline = create_pipeline(args.dataset, args.batch_size, seed=0)
+  rand = config.randaugment
+  pipeline = create_pipeline(args.dataset, args.batch_size, seed=0,
+                             randaugment=(rand.num_layers, rand.magnitude, rand.magnitude_std))
   iterator = pipeline.train_iterator()
   next(iterator)
   start = time.perf_counter()
@@ -104,7 +128,8 @@ def main(argv=None):
     next(iterator)
   pipeline_ips = args.pipeline_batches * args.batch_size / (time.perf_counter() - start)
   print(json.dumps({
-      "benchmark": "train_step_smoothing_overhead", "batch_size": args.batch_size, "width": args.width,
+      "benchmark": "train_step_smoothing_overhead" if args.recipe == "sgd" else "train_step_msa_models",
+      "recipe": args.recipe, "batch_size": args.batch_size, "width": args.width,
       "device": str(jax.devices()[0]), "num_devices": jax.device_count(), "models": results,
       "pipeline_dataset": args.dataset, "pipeline_images_per_s": pipeline_ips,
       "pipeline_vs_fastest_step": pipeline_ips / max(r["images_per_s"] for r in results)}, indent=2))

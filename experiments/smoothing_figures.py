@@ -27,7 +27,6 @@ import numpy as np  # noqa: E402
 from smoothing_jax.analysis import trained as studies  # noqa: E402
 from smoothing_jax.analysis.features import plot_by_depth, plot_delta_log_amplitude  # noqa: E402
 from smoothing_jax.analysis.frequency_noise import plot_accuracy_vs_frequency  # noqa: E402
-from smoothing_jax.analysis.landscape import plot_surface  # noqa: E402
 from smoothing_jax.analysis.perturbation import plot_relative_confidence  # noqa: E402
 from smoothing_jax.analysis.robustness import plot_attack_accuracy  # noqa: E402
 from smoothing_jax.analysis.spectrum import plot_spectra  # noqa: E402

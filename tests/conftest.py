@@ -45,14 +45,7 @@ def analysis_workdirs(tmp_path_factory):
   from configs import cifar_resnet
   from smoothing_jax import train
 
-  root = tmp_path_factory.mktemp("analysis")
-  rng = np.random.default_rng(0)
-  for split, n in (("train", 64), ("test", 32)):
-    labels = rng.integers(0, 4, n)
-    images = rng.integers(0, 96, (n, 16, 16, 3))
-    for i, c in enumerate(labels):
-      images[i, 8 * (c // 2):8 * (c // 2) + 8, 8 * (c % 2):8 * (c % 2) + 8] += 128
-    np.savez(root / f"{split}.npz", images=images.astype(np.uint8), labels=labels)
+  root = _quadrant_npz(tmp_path_factory.mktemp("analysis"))
   workdirs = {}
   for label, name in (("MC dropout", "resnet_mcdo_18"), ("MC dropout + smoothing", "resnet_mcdo_smoothing_18")):
     config = cifar_resnet.get_config(f"{name},npz:{root},runlocal")
@@ -63,5 +56,41 @@ def analysis_workdirs(tmp_path_factory):
     config.checkpoint_every_steps = 4
     config.lock()
     workdirs[label] = str(root / name)
+    train.train_and_evaluate(config, workdirs[label])
+  return workdirs
+
+
+def _quadrant_npz(root):
+  """train.npz / test.npz of 16×16 images whose class is the bright quadrant."""
+  import numpy as np
+  rng = np.random.default_rng(0)
+  for split, n in (("train", 64), ("test", 32)):
+    labels = rng.integers(0, 4, n)
+    images = rng.integers(0, 96, (n, 16, 16, 3))
+    for i, c in enumerate(labels):
+      images[i, 8 * (c // 2):8 * (c // 2) + 8, 8 * (c % 2):8 * (c % 2) + 8] += 128
+    np.savez(root / f"{split}.npz", images=images.astype(np.uint8), labels=labels)
+  return root
+
+
+@pytest.fixture(scope="session")
+def msa_workdirs(tmp_path_factory):
+  """A micro AlterNet and its ResNet backbone trained 4 steps with the full ViT recipe
+  (``configs/cifar_vit.py``: AdamW, RandAugment, Mixup/CutMix, label smoothing, clipping)."""
+  from configs import cifar_vit
+  from smoothing_jax import train
+
+  root = _quadrant_npz(tmp_path_factory.mktemp("msa"))
+  workdirs = {}
+  for label, msa in (("backbone", (0, 0, 0, 0)), ("AlterNet", (0, 0, 1, 1))):
+    config = cifar_vit.get_config(f"alternet_18,npz:{root},runlocal")
+    config.unlock()
+    config.model_kwargs.update(width=4, stage_sizes=(1, 1, 2, 2), msa_blocks=msa, num_heads=(1, 1, 1, 1),
+                               head_dim=4, window_size=2)
+    config.batch_size = 16
+    config.num_train_steps = 4
+    config.checkpoint_every_steps = 4
+    config.lock()
+    workdirs[label] = str(root / label)
     train.train_and_evaluate(config, workdirs[label])
   return workdirs

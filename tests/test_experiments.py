@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from experiments import smoothing_figures
+from experiments import msa_figures, smoothing_figures
 from smoothing_jax.analysis import trained as studies
 
 TINY_SIZES = ["num_batches=2", "batch_size=16", "max_iters=3", "num_images=8", "num_samples=2", "grid=3",
@@ -75,3 +75,28 @@ def test_stage_end_summaries_and_orderings_by_hand():
                             "smooth": smoothing_figures.summarize("variance", smooth)}}
   assert summaries["variance"]["smooth"] == {"data": 2.0, "model": pytest.approx(0.2)}
   assert smoothing_figures.orderings(summaries) == {"variance": {"smooth": {"lower_feature_variance": True}}}
+
+
+def test_msa_figures_on_an_alternet_trained_with_the_vit_recipe(msa_workdirs, tmp_path, capsys):
+  args = [a for label, path in msa_workdirs.items() for a in ("--workdir", f"{label}={path}")]
+  sizes = ["hessian_batches=2", "hessian_batch_size=16", "hessian_iters=3", "fourier_images=8",
+           "variance_images=8", "lesion_images=16"]
+  msa_figures.main(args + ["--out", str(tmp_path)] + [a for size in sizes for a in ("--size", size)])
+  report = json.loads(capsys.readouterr().out)
+  for name in msa_figures.FIGURES:
+    assert os.path.getsize(tmp_path / f"{name}.png") > 1000
+  assert os.path.getsize(tmp_path / "fourier_by_depth.png") > 1000
+  assert "| layer3_1 | msa |" in open(tmp_path / "lesion.md").read()
+  checks = report["orderings"]["AlterNet"]
+  assert {"msa_lowers_high_frequencies", "msa_reduces_variance", "conv_raises_high_frequencies",
+          "smaller_positive_max_eigenvalue_than_backbone"} <= set(checks)
+  assert "msa_lowers_high_frequencies" not in report["orderings"]["backbone"]
+  spectra = json.load(open(tmp_path / "spectra.json"))["AlterNet"]
+  assert len(spectra["min_eigenvalues"]) == 2
+  assert report["checkpoints"]["AlterNet"]["step"] == 4
+
+
+def test_changes_by_kind_by_hand():
+  values = {"a": 1.0, "b": 3.0, "c": 2.0, "d": 2.5}
+  kinds = {"a": "conv", "b": "conv", "c": "msa", "d": "msa"}
+  assert msa_figures.changes_by_kind(values, kinds) == {"conv": 2.0, "msa": -0.25}

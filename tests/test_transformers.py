@@ -278,3 +278,69 @@ def test_alternet_logits_equal_the_torch_reference():
   variables = jax.tree_util.tree_map_with_path(leaf, abstract)
   logits = model.apply(variables, jnp.asarray(x.transpose(0, 2, 3, 1)))
   np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- analyses on ViT / AlterNet
+
+MICRO_VIT = dict(hidden_dim=8, depth=2, num_heads=1, head_dim=8, mlp_dim=8, patch_size=4)
+
+
+@pytest.fixture(scope="module")
+def micro_vit():
+  model = get_model("vit_ti", 3, **MICRO_VIT)
+  x = jax.random.normal(jax.random.key(5), (6, 8, 8, 3))
+  y = jnp.array([0, 1, 2, 0, 1, 2])
+  return model, init(model, x), x, y
+
+
+def test_feature_taps_of_vit_are_token_maps_with_kinds(micro_vit):
+  from smoothing_jax.analysis.features import block_kinds, feature_maps, feature_variance
+  model, variables, x, _ = micro_vit
+  maps = feature_maps(model, variables, x)
+  assert list(maps) == ["block0_msa", "block0_mlp", "block1_msa", "block1_mlp"]
+  assert all(m.shape == (6, 2, 2, 8) for m in maps.values())  # CLS dropped, 2×2 patch grid
+  assert block_kinds(model, maps) == {"block0_msa": "msa", "block0_mlp": "mlp", "block1_msa": "msa",
+                                      "block1_mlp": "mlp"}
+  # HV feature-map variance: spatial variance per (example, channel), averaged.
+  _, state = model.apply(variables, x, capture_intermediates=True, mutable=["intermediates"])
+  tokens = np.asarray(state["intermediates"]["block1_msa"]["__call__"][0])[:, 1:]
+  expected = np.var(tokens, axis=1, ddof=1).mean()
+  np.testing.assert_allclose(feature_variance(model, variables, x, num_samples=1)["block1_msa"]["data"], expected,
+                             rtol=1e-5)
+
+
+def test_lesion_study_table_and_plot(micro_vit):
+  import matplotlib
+  matplotlib.use("Agg")
+  from smoothing_jax.analysis.lesion import lesion_study, lesion_table, plot_lesion
+  model, variables, x, y = micro_vit
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, v: jnp.zeros_like(v) if [p.key for p in path[:2]] == ["block1_mlp", "fc2"] else v,
+      variables["params"])
+  variables = {"params": params}
+  result = lesion_study(model, variables, [{"image": x[:4], "label": y[:4]}, {"image": x[4:], "label": y[4:]}])
+  logits = model.apply(variables, x)
+  assert result["accuracy"] == pytest.approx(float(np.mean(np.argmax(logits, -1) == y)))
+  rows = {r["name"]: r for r in result["units"]}
+  assert rows["block1_mlp"]["drop"] == 0.0 and rows["block1_mlp"]["kind"] == "mlp"
+  masked = model.apply(variables, x, block_mask=jnp.array([1.0, 0.0, 1.0, 1.0]))
+  assert rows["block0_mlp"]["accuracy"] == pytest.approx(float(np.mean(np.argmax(masked, -1) == y)))
+  assert "| 3 | block1_mlp | mlp |" in lesion_table(result)
+  assert plot_lesion({"ViT": result}).axes[0].get_xlabel().startswith("unit index")
+  with pytest.raises(ValueError, match="no residual units"):
+    lesion_study(get_model("resnet_dnn_18", 3, width=4), {}, [])
+
+
+def test_spectrum_with_negative_eigenvalues_matches_the_explicit_hessian(micro_vit):
+  from jax.flatten_util import ravel_pytree
+  from smoothing_jax.analysis.spectrum import max_eigenvalue_spectrum, training_loss
+  model, variables, x, y = micro_vit
+  result = max_eigenvalue_spectrum(model, variables, [{"image": x, "label": y}], k=1, weight_decay=0.0,
+                                   max_iters=500, tol=1e-6, negative=True)
+  flat, unravel = ravel_pytree(variables["params"])
+  loss = lambda f: training_loss(model, 0.0, {}, jax.random.key(0), x, y, unravel(f))  # noqa: E731
+  eigenvalues = np.linalg.eigvalsh(np.asarray(jax.hessian(loss)(flat), np.float64))
+  assert eigenvalues[0] < 0  # a ViT at initialisation is not convex
+  top = eigenvalues[np.argmax(np.abs(eigenvalues))]
+  np.testing.assert_allclose(result["max_eigenvalues"][0], top, rtol=2e-2)
+  np.testing.assert_allclose(result["min_eigenvalues"][0], eigenvalues[0], rtol=5e-2, atol=1e-3)

@@ -1,9 +1,10 @@
 """Feature-map probes by depth: Fourier Δlog-amplitude and feature-map variance (paper Fig. 5, HV Fig. 2/9).
 
 Feature maps are tapped with Flax ``capture_intermediates`` (no model copies):
-by default the outputs of every block (residual, VGG, AlexNet, WRN blocks) and
-smoothing layer of the network, in execution order; stem convolutions and
-BatchNorm layers on their own are not taps.
+by default the outputs of every block (residual, VGG, AlexNet, WRN blocks; ViT
+MSA/MLP units; AlterNet Conv/MSA blocks) and smoothing layer of the network, in
+execution order; stem convolutions and BatchNorm layers on their own are not taps.
+ViT token outputs [B, N, D] become maps [B, h, w, D] (CLS token dropped), as in HV.
 """
 from __future__ import annotations
 
@@ -16,11 +17,23 @@ import numpy as np
 from smoothing_jax.analysis.fourier import delta_log_amplitude
 from smoothing_jax.inference import sample_rngs
 from smoothing_jax.layers import Smooth
+from smoothing_jax.models.alternet import AttentionBlock
 from smoothing_jax.models.common import CNN
+from smoothing_jax.models.vit import TransformerUnit, tokens_to_map
+
+TAPPED = (CNN, Smooth, TransformerUnit, AttentionBlock)
+
 
 def _is_block(module, method_name: str) -> bool:
   path = module.scope.path if module.scope is not None else ()
-  return method_name == "__call__" and len(path) == 1 and isinstance(module, (CNN, Smooth))
+  return method_name == "__call__" and len(path) == 1 and isinstance(module, TAPPED)
+
+
+def block_kinds(model, names) -> dict:
+  """``{block: kind}``: "msa", "mlp" or "conv" from ``model.units()`` (ViT, AlterNet), "smooth" for
+  smoothing layers, "conv" for the other CNN blocks."""
+  units = dict(model.units()) if hasattr(model, "units") else {}
+  return {n: units.get(n, "smooth" if n.startswith("smooth") else "conv") for n in names}
 
 
 def _captured(model, filter_fn, variables, images, rng) -> dict:
@@ -52,7 +65,8 @@ def feature_maps(model, variables, images, rng=None, filter_fn: Callable = _is_b
   """``{block name: NHWC output}`` in execution order for one forward pass (eval mode, dropout key ``rng``)."""
   rng = jax.random.key(0) if rng is None else rng
   maps = _captured_jit(model, filter_fn, variables, images, rng)
-  return {name: maps[name] for name in _execution_order(model, filter_fn, variables, images, rng)}
+  return {name: tokens_to_map(maps[name]) if maps[name].ndim == 3 else maps[name]
+          for name in _execution_order(model, filter_fn, variables, images, rng)}
 
 
 def fourier_by_depth(model, variables, images, rng=None) -> dict:
@@ -77,13 +91,24 @@ def feature_variance(model, variables, images, *, num_samples: int = 10, rng: Op
   return out
 
 
-def plot_by_depth(values: dict, ylabel: str, title: str = ""):
-  """Line plot of ``{label: {block: value}}`` against normalised depth; returns the Figure."""
+def plot_by_depth(values: dict, ylabel: str, title: str = "", kinds: Optional[dict] = None):
+  """Line plot of ``{label: {block: value}}`` against normalised depth; returns the Figure.
+
+  ``kinds`` ``{label: {block: kind}}`` (:func:`block_kinds`) shades the MSA blocks grey, as HV's figures do.
+  """
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(5, 3.2))
   for label, by_block in values.items():
     depth = np.linspace(0, 1, len(by_block))
-    ax.plot(depth, list(by_block.values()), "o-", label=label)
+    line, = ax.plot(depth, list(by_block.values()), "o-", label=label, markersize=3)
+    label_kinds = (kinds or {}).get(label, {})
+    msa = [d for d, block in zip(depth, by_block) if label_kinds.get(block) == "msa"]
+    if msa:
+      half = 0.5 / max(len(by_block) - 1, 1)
+      for d in msa:
+        ax.axvspan(d - half, d + half, color="0.85", zorder=0)
+      ax.plot(msa, [by_block[b] for d, b in zip(depth, by_block) if label_kinds.get(b) == "msa"], "s",
+              color=line.get_color(), markersize=6, markerfacecolor="white")
   ax.set_xlabel("normalised depth")
   ax.set_ylabel(ylabel)
   ax.set_title(title)

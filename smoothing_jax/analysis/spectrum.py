@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax.tree_util import Partial
 
-from smoothing_jax.analysis.hessian import top_eigenvalues
+from smoothing_jax.analysis.hessian import min_eigenvalue, top_eigenvalues
 from smoothing_jax.inference import sample_rngs
 
 
@@ -31,21 +31,31 @@ def training_loss(model, weight_decay, batch_stats, dropout_key, images, labels,
 
 
 def max_eigenvalue_spectrum(model, variables, batches: Iterable[dict], *, k: int = 5, weight_decay: float = 5e-4,
-                            max_iters: int = 100, tol: float = 1e-3, rng: Optional[jax.Array] = None) -> dict:
-  """Top-``k`` eigenvalues for every batch ``{"image", "label"}``; one compiled power iteration for all.
+                            max_iters: int = 100, tol: float = 1e-3, rng: Optional[jax.Array] = None,
+                            negative: bool = False) -> dict:
+  """Top-``k`` (largest-magnitude) eigenvalues for every batch ``{"image", "label"}``; one compiled
+  power iteration for all.
 
-  Returns ``{"eigenvalues": [num_batches, k], "max_eigenvalues": [num_batches], **summary}``.
+  Returns ``{"eigenvalues": [num_batches, k], "max_eigenvalues": [num_batches], **summary}``;
+  ``negative=True`` adds ``"min_eigenvalues"`` [num_batches], the most negative eigenvalue of
+  each batch (power iteration on H − |λ₁|·I), for the negative side of HV's spectra.
   """
   rng = jax.random.key(0) if rng is None else rng
-  rows = []
+  rows, lowest = [], []
   static_loss = functools.partial(training_loss, model, weight_decay)  # one function: compiled once
   for i, batch in enumerate(batches):
     dropout_key, power_key = jax.random.split(jax.random.fold_in(rng, i))
     loss_fn = Partial(static_loss, variables.get("batch_stats", {}), dropout_key,
                       jnp.asarray(batch["image"]), jnp.asarray(batch["label"]))
     rows.append(np.asarray(top_eigenvalues(loss_fn, variables["params"], k, max_iters, tol, power_key)[0]))
+    if negative:
+      lowest.append(float(min_eigenvalue(loss_fn, variables["params"], max_iters, tol, jax.random.fold_in(power_key, 1),
+                                         top=float(rows[-1][0]))[0]))
   eigenvalues = np.stack(rows)
-  return {"eigenvalues": eigenvalues, "max_eigenvalues": eigenvalues[:, 0], **spectrum_summary(eigenvalues)}
+  out = {"eigenvalues": eigenvalues, "max_eigenvalues": eigenvalues[:, 0], **spectrum_summary(eigenvalues)}
+  if negative:
+    out.update(min_eigenvalues=np.asarray(lowest), mean_min_eigenvalue=float(np.mean(lowest)))
+  return out
 
 
 def spectrum_summary(eigenvalues) -> dict:

@@ -11,6 +11,7 @@ matching ``plot_*`` function (or a notebook) draws:
 * ``frequency_noise_study``    accuracy under band-limited noise (SS Fig. 6c)
 * ``consistency_study``        consistency / CEC / relative confidence (SS Table E.3)
 * ``adversarial_study``        FGSM / PGD accuracy against the MC prediction
+* ``lesion_study``             accuracy drop when one unit is removed (HV Sec. 4.1; ViT, AlterNet)
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from jax.tree_util import Partial
 from smoothing_jax.analysis.features import feature_variance, fourier_by_depth
 from smoothing_jax.analysis.frequency_noise import accuracy_vs_frequency
 from smoothing_jax.analysis.landscape import loss_surface, random_direction
+from smoothing_jax.analysis.lesion import lesion_study as _lesion_study
 from smoothing_jax.analysis.perturbation import perturbation_metrics, sequence_predictions, translate_sequences
 from smoothing_jax.analysis.robustness import ensemble_nll, fgsm, pgd
 from smoothing_jax.analysis.spectrum import max_eigenvalue_spectrum, training_loss
@@ -72,7 +74,9 @@ def _predictive(model, variables, images, rng, num_samples):
 def load_trained(workdir: str) -> TrainedModel:
   """Restore the latest checkpoint of ``workdir`` (its ``config.json`` picks model and data)."""
   config, step, variables = load_checkpoint(workdir)
-  pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir, False)
+  rand = config.get("randaugment")  # training batches augmented as in training (Mixup/CutMix aside)
+  pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir, False,
+                             (rand.num_layers, rand.magnitude, rand.magnitude_std) if rand else None)
   return TrainedModel(workdir, config, step, create_model(config, pipeline), variables, pipeline)
 
 
@@ -93,11 +97,13 @@ def train_batches(trained: TrainedModel, num_batches: int, batch_size: Optional[
 
 
 def hessian_spectrum_study(trained: TrainedModel, *, num_batches: int = 10, batch_size: Optional[int] = None,
-                           k: int = 1, max_iters: int = 100, tol: float = 1e-3, seed: int = 0) -> dict:
-  """Top-``k`` Hessian eigenvalues of NLL + L2 on each of ``num_batches`` training batches."""
+                           k: int = 1, max_iters: int = 100, tol: float = 1e-3, seed: int = 0,
+                           negative: bool = False) -> dict:
+  """Top-``k`` Hessian eigenvalues of NLL + L2 on each of ``num_batches`` training batches
+  (``negative``: also the most negative eigenvalue of each batch)."""
   return max_eigenvalue_spectrum(trained.model, trained.variables, train_batches(trained, num_batches, batch_size),
                                  k=k, weight_decay=trained.config.weight_decay, max_iters=max_iters, tol=tol,
-                                 rng=jax.random.key(seed))
+                                 rng=jax.random.key(seed), negative=negative)
 
 
 def fourier_study(trained: TrainedModel, *, num_images: int = 256, seed: int = 0) -> dict:
@@ -181,3 +187,11 @@ def adversarial_study(trained: TrainedModel, epsilons: Sequence[float] = (1 / 25
       success = float(np.sum(clean_correct & ~correct) / max(np.sum(clean_correct), 1))
       rows.append({"attack": name, "eps": float(eps), "accuracy": float(correct.mean()), "success_rate": success})
   return {"clean_accuracy": float(clean_correct.mean()), "attacks": rows}
+
+
+def lesion_study(trained: TrainedModel, *, num_images: int = 1000, batch_size: int = 500, seed: int = 0) -> dict:
+  """Test accuracy with each residual unit removed (:func:`smoothing_jax.analysis.lesion.lesion_study`)."""
+  pixels, labels = eval_pixels(trained, num_images)
+  batches = [{"image": trained.normalize(pixels[i:i + batch_size]), "label": labels[i:i + batch_size]}
+             for i in range(0, len(pixels), batch_size)]
+  return _lesion_study(trained.model, trained.variables, batches, jax.random.key(seed))

@@ -109,7 +109,8 @@ def get_model(name: str, num_classes: int, **overrides) -> nn.Module:
     raise ValueError(f"Unknown option(s) {unknown} for model {name!r}; valid options: {sorted(fields)}.")
   if not isinstance(num_classes, int) or num_classes < 1:
     raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}.")
-  kwargs = {**kwargs, **overrides}
+  # Lists (e.g. from a JSON config) become tuples: modules must be hashable to be jit-static.
+  kwargs = {**kwargs, **{k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}}
   if "_ibnn_" in name and kwargs["num_components"] < 1:
     raise ValueError(f"{name!r} needs num_components (K) >= 1, got {kwargs['num_components']}.")
   return cls(num_classes=num_classes, **kwargs)

@@ -1,0 +1,173 @@
+"""HV ("How do vision transformers work?") analyses of trained ViT / AlterNet / ResNet workdirs.
+
+  python experiments/msa_figures.py --out results/msa \
+      --workdir "ResNet backbone=workdirs/backbone" --workdir "AlterNet=workdirs/alternet"
+
+Figures (``--figures``, default all), each ``<figure>.png`` + ``<figure>.json`` under ``--out``:
+  * ``spectra``: Hessian max-eigenvalue spectra incl. the most negative eigenvalue per batch;
+  * ``fourier``: Δlog-amplitude curves per block and the high-frequency (π) value by depth,
+    MSA blocks shaded;
+  * ``variance``: feature-map (spatial) variance by depth, MSA blocks shaded;
+  * ``lesion``: accuracy drop with each unit removed (table in ``lesion.md``).
+The printed JSON summary says, for each workdir, whether the slides' claims hold:
+MSA blocks lower the high-frequency amplitude and the feature-map variance while
+Conv blocks raise them, and (against the first workdir) MSAs shrink the positive
+max eigenvalues.  Sizes are CPU-scale by default; ``--size k=v`` overrides one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from smoothing_jax.analysis import trained as studies  # noqa: E402
+from smoothing_jax.analysis.features import block_kinds, plot_by_depth, plot_delta_log_amplitude  # noqa: E402
+from smoothing_jax.analysis.lesion import lesion_table, plot_lesion  # noqa: E402
+from smoothing_jax.analysis.spectrum import plot_spectra  # noqa: E402
+
+FIGURES = ("spectra", "fourier", "variance", "lesion")
+CPU_SIZES = {"hessian_batches": 8, "hessian_batch_size": 128, "hessian_k": 1, "hessian_iters": 20,
+             "fourier_images": 256, "variance_images": 128, "lesion_images": 2000}
+
+
+def _jsonable(x):
+  if isinstance(x, dict):
+    return {str(k): _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if isinstance(x, (np.ndarray, np.generic)):
+    return _jsonable(x.tolist())
+  return x
+
+
+def changes_by_kind(by_block: dict, kinds: dict) -> dict:
+  """Mean change of a per-block value across blocks of each kind (value after − value before the block)."""
+  names = list(by_block)
+  out = {}
+  for prev, name in zip(names, names[1:]):
+    out.setdefault(kinds[name], []).append(float(by_block[name] - by_block[prev]))
+  return {kind: float(np.mean(v)) for kind, v in out.items()}
+
+
+def run_figure(name: str, models: dict, sizes: dict, out: str) -> dict:
+  results, summary = {}, {}
+  for label, m in models.items():
+    if name == "spectra":
+      r = studies.hessian_spectrum_study(m, num_batches=sizes["hessian_batches"], batch_size=sizes["hessian_batch_size"],
+                                         k=sizes["hessian_k"], max_iters=sizes["hessian_iters"], negative=True)
+      summary[label] = {"mean_positive_max_eigenvalue": r["mean_positive_max_eigenvalue"],
+                        "negative_fraction": r["negative_fraction"], "mean_min_eigenvalue": r["mean_min_eigenvalue"]}
+    elif name == "fourier":
+      r = studies.fourier_study(m, num_images=sizes["fourier_images"])
+      high = {block: float(curve[-1]) for block, curve in r.items()}
+      summary[label] = {"high_frequency_change_by_kind": changes_by_kind(high, block_kinds(m.model, high))}
+    elif name == "variance":
+      r = studies.variance_study(m, num_images=sizes["variance_images"], num_samples=1)
+      spatial = {block: v["data"] for block, v in r.items()}
+      summary[label] = {"variance_change_by_kind": changes_by_kind(spatial, block_kinds(m.model, spatial))}
+    else:
+      if not hasattr(m.model, "units"):
+        continue
+      r = studies.lesion_study(m, num_images=sizes["lesion_images"])
+      drops = {}
+      for row in r["units"]:
+        drops.setdefault(row["kind"], []).append(row["drop"])
+      summary[label] = {"accuracy": r["accuracy"], "mean_drop_by_kind": {k: float(np.mean(v)) for k, v in drops.items()}}
+    results[label] = r
+  with open(os.path.join(out, f"{name}.json"), "w") as f:
+    json.dump(_jsonable(results), f)
+  fig = _plot(name, results, models, out)
+  if fig is not None:
+    fig.savefig(os.path.join(out, f"{name}.png"), dpi=150)
+    plt.close(fig)
+  if name == "lesion":
+    with open(os.path.join(out, "lesion.md"), "w") as f:
+      f.write("\n\n".join(f"## {label}\n\n{lesion_table(r)}" for label, r in results.items()) + "\n")
+  return summary
+
+
+def _plot(name: str, results: dict, models: dict, out: str):
+  if not results:
+    return None
+  if name == "spectra":
+    return plot_spectra({label: np.concatenate([r["eigenvalues"].ravel(), r["min_eigenvalues"]])
+                         for label, r in results.items()})
+  if name == "lesion":
+    return plot_lesion(results, "lesion study")
+  if name == "fourier":
+    fig, axes = plt.subplots(1, len(results) + 1, figsize=(5 * (len(results) + 1), 3.4))
+    for ax, (label, curves) in zip(axes, results.items()):
+      plot_delta_log_amplitude(curves, label, ax=ax)
+    high = {label: {b: float(c[-1]) for b, c in curves.items()} for label, curves in results.items()}
+    kinds = {label: block_kinds(models[label].model, by_block) for label, by_block in high.items()}
+    depth_fig = plot_by_depth(high, "Δ log amplitude at π", "high-frequency amplitude (MSA shaded)", kinds)
+    depth_fig.savefig(os.path.join(out, "fourier_by_depth.png"), dpi=150)
+    plt.close(depth_fig)
+    fig.tight_layout()
+    return fig
+  spatial = {label: {b: v["data"] for b, v in r.items()} for label, r in results.items()}
+  kinds = {label: block_kinds(models[label].model, by_block) for label, by_block in spatial.items()}
+  return plot_by_depth(spatial, "feature-map variance", "spatial variance (MSA shaded)", kinds)
+
+
+def orderings(summaries: dict, labels: list) -> dict:
+  """Whether each of the slides' claims holds, per workdir."""
+  out = {}
+  for label in labels:
+    checks = {}
+    fourier = summaries.get("fourier", {}).get(label, {}).get("high_frequency_change_by_kind", {})
+    if "msa" in fourier:
+      checks["msa_lowers_high_frequencies"] = fourier["msa"] < 0
+    if "conv" in fourier:
+      checks["conv_raises_high_frequencies"] = fourier["conv"] > 0
+    variance = summaries.get("variance", {}).get(label, {}).get("variance_change_by_kind", {})
+    if "msa" in variance:
+      checks["msa_reduces_variance"] = variance["msa"] < 0
+    if "conv" in variance:
+      checks["conv_increases_variance"] = variance["conv"] > 0
+    spectra = summaries.get("spectra", {})
+    if label != labels[0] and label in spectra and labels[0] in spectra:
+      checks["smaller_positive_max_eigenvalue_than_" + labels[0]] = (
+          spectra[label]["mean_positive_max_eigenvalue"] < spectra[labels[0]]["mean_positive_max_eigenvalue"])
+    out[label] = checks
+  return out
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--workdir", action="append", required=True, metavar="LABEL=DIR",
+                      help="a trained workdir; the first one is the baseline")
+  parser.add_argument("--figures", default=",".join(FIGURES), help="comma-separated subset of " + ", ".join(FIGURES))
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--size", action="append", default=[], metavar="KEY=INT",
+                      help="override one size (" + ", ".join(CPU_SIZES) + ")")
+  args = parser.parse_args(argv)
+  figures = args.figures.split(",")
+  unknown = set(figures) - set(FIGURES)
+  if unknown:
+    parser.error(f"unknown figures {sorted(unknown)}; choose from {', '.join(FIGURES)}")
+  sizes = dict(CPU_SIZES)
+  for item in args.size:
+    key, _, value = item.partition("=")
+    if key not in sizes or not value.isdigit():
+      parser.error(f"--size {item!r}: expected KEY=INT with KEY one of {', '.join(sizes)}")
+    sizes[key] = int(value)
+  pairs = [w.split("=", 1) if "=" in w else (os.path.basename(w.rstrip("/")), w) for w in args.workdir]
+  models = {label: studies.load_trained(path) for label, path in pairs}
+  os.makedirs(args.out, exist_ok=True)
+  summaries = {name: run_figure(name, models, sizes, args.out) for name in figures}
+  report = {"summary": summaries, "orderings": orderings(summaries, list(models)),
+            "checkpoints": {label: {"workdir": m.workdir, "step": m.step} for label, m in models.items()}}
+  with open(os.path.join(args.out, "summary.json"), "w") as f:
+    json.dump(_jsonable(report), f, indent=1)
+  print(json.dumps(_jsonable(report), indent=1))
+
+
+if __name__ == "__main__":
+  main()
