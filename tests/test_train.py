@@ -189,3 +189,23 @@ def test_sigterm_and_sigkill_then_rerun_is_bit_identical(tmp_path):
   _, step_stopped, stopped = train.load_checkpoint(str(tmp_path / "stopped"))
   assert step_full == step_stopped == 24
   jax.tree.map(np.testing.assert_array_equal, stopped, full)
+
+
+def test_vit_recipe_resume_is_bit_identical(tmp_path):
+  """RandAugment (tf.data), Mixup/CutMix (in the step), stochastic depth and AdamW all resume exactly."""
+  from configs import cifar_vit
+  config = cifar_vit.get_config("vit_ti,cifar10,runlocal")
+  config.unlock()
+  config.model_kwargs.update(hidden_dim=8, depth=1, num_heads=1, head_dim=8, mlp_dim=8, patch_size=8)
+  config.batch_size = 8
+  config.num_train_steps = 4
+  config.checkpoint_every_steps = 2
+  config.ensemble_sizes = (1,)
+  config.lock()
+  with tfds.testing.mock_data(num_examples=16):
+    full = train.train_and_evaluate(config, str(tmp_path / "full"))
+    train.train_and_evaluate(config, str(tmp_path / "cut"), stop_after_steps=2)
+    resumed = train.train_and_evaluate(config, str(tmp_path / "cut"))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params), jax.device_get(full.params))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.opt_state), jax.device_get(full.opt_state))
+  assert int(resumed.step) == 4
