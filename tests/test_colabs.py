@@ -31,9 +31,12 @@ def images_in(book) -> int:
   return sum("image/png" in out.get("data", {}) for c in book.cells if c.cell_type == "code" for out in c.outputs)
 
 
+MSA_TINY = "NUM_BATCHES = 2\nBATCH_SIZE = 16\nMAX_ITERS = 3\nNUM_IMAGES = 8\nLESION_IMAGES = 16"
+
+
 def test_every_notebook_is_covered():
   names = sorted(f[:-6] for f in os.listdir(COLABS) if f.endswith(".ipynb"))
-  assert names == sorted([*TINY, "quickstart"])
+  assert names == sorted([*TINY, "quickstart", "msa_analysis"])
 
 
 @pytest.mark.slow
@@ -48,3 +51,11 @@ def test_quickstart_notebook_trains_and_evaluates(tmp_path):
   book = execute("quickstart", f"WORKDIR = {str(tmp_path / 'quickstart')!r}\nCONFIG_ARGS = 'runlocal'\nNUM_SAMPLES = 2")
   assert images_in(book) >= 2
   assert os.path.exists(tmp_path / "quickstart" / "results" / "ensemble_sizes.json")
+
+
+@pytest.mark.slow
+def test_msa_notebook_runs_on_alternet_workdirs(msa_workdirs):
+  book = execute("msa_analysis", f"WORKDIRS = {msa_workdirs!r}\n{MSA_TINY}")
+  assert images_in(book) >= 4
+  assert any("layer3_1 | msa" in "".join(out.get("text", "")) for c in book.cells if c.cell_type == "code"
+             for out in c.outputs)
