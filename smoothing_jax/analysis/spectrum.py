@@ -38,7 +38,9 @@ def max_eigenvalue_spectrum(model, variables, batches: Iterable[dict], *, k: int
 
   Returns ``{"eigenvalues": [num_batches, k], "max_eigenvalues": [num_batches], **summary}``;
   ``negative=True`` adds ``"min_eigenvalues"`` [num_batches], the most negative eigenvalue of
-  each batch (power iteration on H − |λ₁|·I), for the negative side of HV's spectra.
+  each batch (power iteration on H − |λ₁|·I), for the negative side of HV's spectra.  That
+  iteration converges at the rate (|λ₁| + λ_min)/(|λ₁| + λ_2nd-smallest), slowly when |λ_min| ≪ λ₁;
+  unconverged, it returns an upper bound (a Rayleigh quotient) of λ_min.
   """
   rng = jax.random.key(0) if rng is None else rng
   rows, lowest = [], []
