@@ -16,8 +16,6 @@ max eigenvalues.  Sizes are CPU-scale by default; ``--size k=v`` overrides one.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 
 import matplotlib
@@ -27,6 +25,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from smoothing_jax.analysis import trained as studies  # noqa: E402
+from smoothing_jax.analysis.figure_cli import (chosen_figures, figure_parser, load_workdirs, sizes_with_overrides,  # noqa: E402
+                                               write_json, write_report)
 from smoothing_jax.analysis.features import block_kinds, plot_by_depth, plot_delta_log_amplitude  # noqa: E402
 from smoothing_jax.analysis.lesion import lesion_table, plot_lesion  # noqa: E402
 from smoothing_jax.analysis.spectrum import plot_spectra  # noqa: E402
@@ -34,16 +34,6 @@ from smoothing_jax.analysis.spectrum import plot_spectra  # noqa: E402
 FIGURES = ("spectra", "fourier", "variance", "lesion")
 CPU_SIZES = {"hessian_batches": 8, "hessian_batch_size": 128, "hessian_k": 1, "hessian_iters": 20,
              "fourier_images": 256, "variance_images": 128, "lesion_images": 2000}
-
-
-def _jsonable(x):
-  if isinstance(x, dict):
-    return {str(k): _jsonable(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_jsonable(v) for v in x]
-  if isinstance(x, (np.ndarray, np.generic)):
-    return _jsonable(x.tolist())
-  return x
 
 
 def changes_by_kind(by_block: dict, kinds: dict) -> dict:
@@ -80,8 +70,7 @@ def run_figure(name: str, models: dict, sizes: dict, out: str) -> dict:
         drops.setdefault(row["kind"], []).append(row["drop"])
       summary[label] = {"accuracy": r["accuracy"], "mean_drop_by_kind": {k: float(np.mean(v)) for k, v in drops.items()}}
     results[label] = r
-  with open(os.path.join(out, f"{name}.json"), "w") as f:
-    json.dump(_jsonable(results), f)
+  write_json(os.path.join(out, f"{name}.json"), results)
   fig = _plot(name, results, models, out)
   if fig is not None:
     fig.savefig(os.path.join(out, f"{name}.png"), dpi=150)
@@ -140,33 +129,14 @@ def orderings(summaries: dict, labels: list) -> dict:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--workdir", action="append", required=True, metavar="LABEL=DIR",
-                      help="a trained workdir; the first one is the baseline")
-  parser.add_argument("--figures", default=",".join(FIGURES), help="comma-separated subset of " + ", ".join(FIGURES))
-  parser.add_argument("--out", required=True)
-  parser.add_argument("--size", action="append", default=[], metavar="KEY=INT",
-                      help="override one size (" + ", ".join(CPU_SIZES) + ")")
+  parser = figure_parser(__doc__, FIGURES, CPU_SIZES)
   args = parser.parse_args(argv)
-  figures = args.figures.split(",")
-  unknown = set(figures) - set(FIGURES)
-  if unknown:
-    parser.error(f"unknown figures {sorted(unknown)}; choose from {', '.join(FIGURES)}")
-  sizes = dict(CPU_SIZES)
-  for item in args.size:
-    key, _, value = item.partition("=")
-    if key not in sizes or not value.isdigit():
-      parser.error(f"--size {item!r}: expected KEY=INT with KEY one of {', '.join(sizes)}")
-    sizes[key] = int(value)
-  pairs = [w.split("=", 1) if "=" in w else (os.path.basename(w.rstrip("/")), w) for w in args.workdir]
-  models = {label: studies.load_trained(path) for label, path in pairs}
+  figures = chosen_figures(parser, args, FIGURES)
+  sizes = sizes_with_overrides(parser, args, CPU_SIZES)
+  models = load_workdirs(args.workdir)
   os.makedirs(args.out, exist_ok=True)
   summaries = {name: run_figure(name, models, sizes, args.out) for name in figures}
-  report = {"summary": summaries, "orderings": orderings(summaries, list(models)),
-            "checkpoints": {label: {"workdir": m.workdir, "step": m.step} for label, m in models.items()}}
-  with open(os.path.join(args.out, "summary.json"), "w") as f:
-    json.dump(_jsonable(report), f, indent=1)
-  print(json.dumps(_jsonable(report), indent=1))
+  write_report(args.out, summaries, orderings(summaries, list(models)), models)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ Sizes default to a CPU-scale run; ``--full`` uses the paper's sizes.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
 
@@ -25,6 +23,8 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 
 from smoothing_jax.analysis import trained as studies  # noqa: E402
+from smoothing_jax.analysis.figure_cli import (chosen_figures, figure_parser, load_workdirs, sizes_with_overrides,  # noqa: E402
+                                               write_json, write_report)
 from smoothing_jax.analysis.features import plot_by_depth, plot_delta_log_amplitude  # noqa: E402
 from smoothing_jax.analysis.frequency_noise import plot_accuracy_vs_frequency  # noqa: E402
 from smoothing_jax.analysis.perturbation import plot_relative_confidence  # noqa: E402
@@ -36,16 +36,6 @@ CPU_SIZES = dict(num_batches=8, batch_size=128, max_iters=20, num_images=256, nu
                  frequencies=11, sequences=100)
 PAPER_SIZES = dict(num_batches=100, batch_size=128, max_iters=100, num_images=1000, num_samples=50, grid=21,
                    frequencies=21, sequences=1000)
-
-
-def _jsonable(x):
-  if isinstance(x, dict):
-    return {str(k): _jsonable(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_jsonable(v) for v in x]
-  if isinstance(x, (np.ndarray, np.generic)):
-    return np.asarray(x).tolist()
-  return x
 
 
 def compute(name: str, model, sizes: dict) -> dict:
@@ -97,8 +87,7 @@ def summarize(name: str, r: dict):
 def run_figure(name: str, models: dict, sizes: dict, out: str) -> dict:
   """Compute one figure for every model, save PNG + JSON, return the per-model summary numbers."""
   results = {label: compute(name, model, sizes) for label, model in models.items()}
-  with open(os.path.join(out, f"{name}.json"), "w") as f:
-    json.dump(_jsonable(results), f, indent=1)
+  write_json(os.path.join(out, f"{name}.json"), results, indent=1)
   _plot(name, results).savefig(os.path.join(out, f"{name}.png"), dpi=120)
   return {label: summarize(name, r) for label, r in results.items()}
 
@@ -149,34 +138,15 @@ def orderings(summaries: dict) -> dict:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--workdir", action="append", required=True, metavar="LABEL=DIR",
-                      help="a trained workdir; the first one is the baseline")
-  parser.add_argument("--figures", default=",".join(FIGURES), help="comma-separated subset of " + ", ".join(FIGURES))
-  parser.add_argument("--out", required=True)
+  parser = figure_parser(__doc__, FIGURES, CPU_SIZES)
   parser.add_argument("--full", action="store_true", help="the paper's sizes instead of CPU-scale ones")
-  parser.add_argument("--size", action="append", default=[], metavar="KEY=INT",
-                      help="override one size (" + ", ".join(CPU_SIZES) + ")")
   args = parser.parse_args(argv)
-  figures = args.figures.split(",")
-  unknown = set(figures) - set(FIGURES)
-  if unknown:
-    parser.error(f"unknown figures {sorted(unknown)}; choose from {', '.join(FIGURES)}")
-  pairs = [w.split("=", 1) if "=" in w else (os.path.basename(w.rstrip("/")), w) for w in args.workdir]
-  models = {label: studies.load_trained(path) for label, path in pairs}
+  figures = chosen_figures(parser, args, FIGURES)
+  sizes = sizes_with_overrides(parser, args, PAPER_SIZES if args.full else CPU_SIZES)
+  models = load_workdirs(args.workdir)
   os.makedirs(args.out, exist_ok=True)
-  sizes = dict(PAPER_SIZES if args.full else CPU_SIZES)
-  for item in args.size:
-    key, _, value = item.partition("=")
-    if key not in sizes or not value.isdigit():
-      parser.error(f"--size {item!r}: expected KEY=INT with KEY one of {', '.join(sizes)}")
-    sizes[key] = int(value)
   summaries = {name: run_figure(name, models, sizes, args.out) for name in figures}
-  report = {"summary": summaries, "orderings": orderings(summaries),
-            "checkpoints": {label: {"workdir": m.workdir, "step": m.step} for label, m in models.items()}}
-  with open(os.path.join(args.out, "summary.json"), "w") as f:
-    json.dump(_jsonable(report), f, indent=1)
-  print(json.dumps(_jsonable(report), indent=1))
+  write_report(args.out, summaries, orderings(summaries), models)
 
 
 if __name__ == "__main__":

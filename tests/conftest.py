@@ -40,24 +40,24 @@ def analysis_workdirs(tmp_path_factory):
 
   Structured images (class = which quadrant is bright) so that the models learn a little.
   """
-  import numpy as np
-
   from configs import cifar_resnet
-  from smoothing_jax import train
 
   root = _quadrant_npz(tmp_path_factory.mktemp("analysis"))
-  workdirs = {}
-  for label, name in (("MC dropout", "resnet_mcdo_18"), ("MC dropout + smoothing", "resnet_mcdo_smoothing_18")):
-    config = cifar_resnet.get_config(f"{name},npz:{root},runlocal")
-    config.unlock()
-    config.model_kwargs.width = 4
-    config.batch_size = 16
-    config.num_train_steps = 4
-    config.checkpoint_every_steps = 4
-    config.lock()
-    workdirs[label] = str(root / name)
-    train.train_and_evaluate(config, workdirs[label])
-  return workdirs
+  return {label: _train_briefly(cifar_resnet.get_config(f"{name},npz:{root},runlocal"), root / name, width=4)
+          for label, name in (("MC dropout", "resnet_mcdo_18"), ("MC dropout + smoothing", "resnet_mcdo_smoothing_18"))}
+
+
+def _train_briefly(config, workdir, **model_kwargs) -> str:
+  """Train ``config`` (with ``model_kwargs`` overrides) for 4 steps of batch 16 into ``workdir``."""
+  from smoothing_jax import train
+  config.unlock()
+  config.model_kwargs.update(model_kwargs)
+  config.batch_size = 16
+  config.num_train_steps = 4
+  config.checkpoint_every_steps = 4
+  config.lock()
+  train.train_and_evaluate(config, str(workdir))
+  return str(workdir)
 
 
 def _quadrant_npz(root):
@@ -78,19 +78,9 @@ def msa_workdirs(tmp_path_factory):
   """A micro AlterNet and its ResNet backbone trained 4 steps with the full ViT recipe
   (``configs/cifar_vit.py``: AdamW, RandAugment, Mixup/CutMix, label smoothing, clipping)."""
   from configs import cifar_vit
-  from smoothing_jax import train
 
   root = _quadrant_npz(tmp_path_factory.mktemp("msa"))
-  workdirs = {}
-  for label, msa in (("backbone", (0, 0, 0, 0)), ("AlterNet", (0, 0, 1, 1))):
-    config = cifar_vit.get_config(f"alternet_18,npz:{root},runlocal")
-    config.unlock()
-    config.model_kwargs.update(width=4, stage_sizes=(1, 1, 2, 2), msa_blocks=msa, num_heads=(1, 1, 1, 1),
-                               head_dim=4, window_size=2)
-    config.batch_size = 16
-    config.num_train_steps = 4
-    config.checkpoint_every_steps = 4
-    config.lock()
-    workdirs[label] = str(root / label)
-    train.train_and_evaluate(config, workdirs[label])
-  return workdirs
+  return {label: _train_briefly(cifar_vit.get_config(f"alternet_18,npz:{root},runlocal"), root / label, width=4,
+                                stage_sizes=(1, 1, 2, 2), msa_blocks=msa, num_heads=(1, 1, 1, 1), head_dim=4,
+                                window_size=2)
+          for label, msa in (("backbone", (0, 0, 0, 0)), ("AlterNet", (0, 0, 1, 1)))}

@@ -102,13 +102,12 @@ def plot_by_depth(values: dict, ylabel: str, title: str = "", kinds: Optional[di
     depth = np.linspace(0, 1, len(by_block))
     line, = ax.plot(depth, list(by_block.values()), "o-", label=label, markersize=3)
     label_kinds = (kinds or {}).get(label, {})
-    msa = [d for d, block in zip(depth, by_block) if label_kinds.get(block) == "msa"]
+    msa = [(d, value) for d, (block, value) in zip(depth, by_block.items()) if label_kinds.get(block) == "msa"]
     if msa:
       half = 0.5 / max(len(by_block) - 1, 1)
-      for d in msa:
+      for d, _ in msa:
         ax.axvspan(d - half, d + half, color="0.85", zorder=0)
-      ax.plot(msa, [by_block[b] for d, b in zip(depth, by_block) if label_kinds.get(b) == "msa"], "s",
-              color=line.get_color(), markersize=6, markerfacecolor="white")
+      ax.plot(*zip(*msa), "s", color=line.get_color(), markersize=6, markerfacecolor="white")
   ax.set_xlabel("normalised depth")
   ax.set_ylabel(ylabel)
   ax.set_title(title)

@@ -94,13 +94,13 @@ def apply_op(index, image, magnitude, sign):
   enhance = 0.1 + 1.8 * level
   h, w = tf.cast(tf.shape(image)[0], tf.float32), tf.cast(tf.shape(image)[1], tf.float32)
   x = tf.cast(image, tf.int32)
+  dropped_bits = 8 - tf.cast(4 * level, tf.int32)  # posterize keeps ⌊4·m/10⌋ bits
   branches = [
       lambda: auto_contrast(image),
       lambda: equalize(image),
       lambda: 255 - image,
       lambda: rotate(image, sign * 30.0 * level),
-      lambda: tf.cast(tf.bitwise.left_shift(tf.bitwise.right_shift(x, 8 - tf.cast(4 * level, tf.int32)),
-                                            8 - tf.cast(4 * level, tf.int32)), tf.uint8),
+      lambda: tf.cast(tf.bitwise.left_shift(tf.bitwise.right_shift(x, dropped_bits), dropped_bits), tf.uint8),
       lambda: tf.where(x >= tf.cast(256 * level, tf.int32), 255 - image, image),
       lambda: tf.where(x < 128, tf.cast(tf.minimum(x + tf.cast(110 * level, tf.int32), 255), tf.uint8), image),
       lambda: _blend(tf.tile(grayscale(image), [1, 1, 3]), image, enhance),
