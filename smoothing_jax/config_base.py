@@ -21,10 +21,11 @@ def base_config() -> ml_collections.ConfigDict:
   config.download = True            # let TFDS download missing datasets
   config.seed = 0
   config.num_devices = -1           # -1: all devices of all hosts
+  config.crop_size = placeholder(tuple)  # segmentation: random (h, w) training crop (None: whole image)
   # Optimisation (recipe values are set by each config).
   config.batch_size = 128           # global batch
   config.base_batch_size = 128      # batch of the recipe's learning rate (linear scaling)
-  config.optimizer = "sgd"          # "sgd" (coupled L2, the paper's CNN recipe) or "adamw" (decoupled)
+  config.optimizer = "sgd"          # "sgd" (coupled L2, the paper's CNN recipe), "adam" or "adamw" (decoupled)
   config.learning_rate = 0.1
   config.momentum = 0.9
   config.nesterov = False
@@ -37,6 +38,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.lr_final_ratio = 0.01      # flat_linear: final rate / base rate
   config.num_train_steps = -1       # -1: (warmup_epochs + num_epochs) × steps per epoch
   config.grad_clip_norm = 0.0       # clip the global gradient norm (0: off)
+  config.class_balancing = "none"   # or "median_frequency" (segmentation loss weights)
   # Regularisation of the ViT recipe (all off by default).
   config.label_smoothing = 0.0
   config.mixup_alpha = 0.0          # Mixup Beta(α, α) (on device, in the train step)

@@ -6,6 +6,9 @@
   NLL / accuracy / ECE against N (paper Fig. 3 layout) plus a reliability diagram.
 * ``evaluate_corruptions``: per-(type, severity) NLL / accuracy / ECE on the
   corruption sets and the aggregates of paper Eqs. 34–36 against a baseline table.
+* ``evaluate_streams``: segmentation on video clips (CamVid): one pass per frame,
+  MC dropout with N passes, and temporal smoothing (VQ-BNN) with one pass per
+  frame; per-pixel metrics and temporal consistency (paper Table E.4).
 """
 from __future__ import annotations
 
@@ -23,10 +26,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from smoothing_jax.data import CORRUPTIONS, create_pipeline
 from smoothing_jax.ibnn import ibnn_predict
 from smoothing_jax.inference import ensemble_predict, mc_predict, stack_variables
-from smoothing_jax.metrics import UncertaintyMetrics, plot_reliability_diagram
+from smoothing_jax import temporal
+from smoothing_jax.metrics import TemporalConsistency, UncertaintyMetrics, label_mask, plot_reliability_diagram
 from smoothing_jax.train import create_mesh, create_model, eval_batch_size, load_checkpoint, shard_batch
 
 METRIC_COLUMNS = ("nll", "acc", "ece", "top5", "brier", "acc90", "unc90", "freq90", "iou", "iou90", "ecse")
+STREAM_COLUMNS = ("nll", "acc", "ece", "iou", "iou90", "acc90", "unc90", "freq90", "consistency")
 
 
 def _evaluation_setup(config):
@@ -39,6 +44,7 @@ def _evaluation_setup(config):
 def _nested_metrics(sample_probs, labels, mask, sizes, num_bins):
   """Metrics of the mean of the first n samples, for each n in ``sizes``."""
   cumulative = jnp.cumsum(sample_probs, axis=0)
+  mask = label_mask(labels, sample_probs.shape[-1], mask)
   return tuple(UncertaintyMetrics.from_model_output(cumulative[n - 1] / n, labels, mask, num_bins=num_bins)
                for n in sizes)
 
@@ -195,3 +201,143 @@ def evaluate_corruptions(workdir: str, output_dir: str, baseline_csv: Optional[s
   with open(os.path.join(output_dir, "corruption_aggregates.json"), "w") as f:
     json.dump(aggregates, f, indent=2)
   return aggregates
+
+
+def stream_methods(model, variables, frames, *, rng, num_samples: int, num_frames: int = temporal.NUM_FRAMES,
+                   decay_rate: float = temporal.DECAY_RATE, chunk_size: Optional[int] = None) -> dict:
+  """Predictions of the last two frames of clips ``frames [T, B, H, W, 3]`` by each inference method.
+
+  Returns ``{method: probs [2, B, ..., C]}`` with methods ``"single"`` (one
+  forward pass per frame: the deterministic net, or one MC dropout sample),
+  ``"mc"`` (mean of ``num_samples`` MC dropout passes; models with dropout only)
+  and ``"temporal"`` (VQ-BNN: one pass per frame, smoothed over the last
+  ``num_frames`` frames with π_t ∝ exp(−λ t); the clip must hold ≥ num_frames + 1
+  frames for both outputs to be fully smoothed).
+  """
+  keys = jax.random.split(rng, 3)
+  last_two = frames[-2:].reshape((-1,) + frames.shape[2:])
+  shape = (2, frames.shape[1])
+
+  def single(key):
+    pred = mc_predict(model, variables, last_two, num_samples=1, rng=key)
+    return pred.mean_probs.reshape(shape + pred.mean_probs.shape[1:])
+
+  out = {"single": single(keys[0])}
+  if getattr(model, "dropout_rate", 0) > 0 and num_samples > 1:
+    pred = mc_predict(model, variables, last_two, num_samples=num_samples, rng=keys[1], chunk_size=chunk_size)
+    out["mc"] = pred.mean_probs.reshape(shape + pred.mean_probs.shape[1:])
+  _, smoothed = temporal.vq_bnn_predict(model, variables, frames, rng=keys[2], num_frames=num_frames,
+                                        decay_rate=decay_rate)
+  out["temporal"] = smoothed[-2:]
+  return out
+
+
+def stream_statistics(predictions: dict, labels, mask=None, num_bins: int = 10) -> dict:
+  """``{method: (UncertaintyMetrics of the labelled last frame, TemporalConsistency of the last pair)}``.
+
+  ``labels [B, H, W]`` belong to the last frame; void pixels (outside ``[0, C)``)
+  are masked from every metric, the consistency included (the previous frame is
+  1/30 s earlier, so the labelled frame's void mask stands for both).
+  """
+  stats = {}
+  for method, probs in predictions.items():
+    weights = label_mask(labels, probs.shape[-1], mask)
+    stats[method] = (UncertaintyMetrics.from_model_output(probs[-1], labels, weights, num_bins=num_bins),
+                     TemporalConsistency.from_model_output(probs[-1], probs[-2], weights))
+  return stats
+
+
+def plot_stream_examples(frames, labels, predictions: dict, palette, title: str = ""):
+  """One clip: the labelled frame, its ground truth, and per method the predicted classes and
+  confidence (max probability).  ``frames [T, H, W, 3]`` uint8, ``labels [H, W]``,
+  ``predictions {method: probs [H, W, C]}``, ``palette [C + 1, 3]`` (last row: void)."""
+  import matplotlib.pyplot as plt
+  palette = np.asarray(palette, np.uint8)
+  num_classes = palette.shape[0] - 1
+  fig, axes = plt.subplots(2, 1 + len(predictions), figsize=(3.2 * (1 + len(predictions)), 5.2), squeeze=False)
+  axes[0, 0].imshow(frames[-1])
+  axes[0, 0].set_title("frame")
+  axes[1, 0].imshow(palette[np.where((labels >= 0) & (labels < num_classes), labels, num_classes)])
+  axes[1, 0].set_title("ground truth")
+  for col, (method, probs) in enumerate(predictions.items(), start=1):
+    axes[0, col].imshow(palette[np.argmax(probs, -1)])
+    axes[0, col].set_title(f"{method}: prediction")
+    image = axes[1, col].imshow(np.max(probs, -1), vmin=0, vmax=1, cmap="viridis")
+    axes[1, col].set_title(f"{method}: confidence")
+  fig.colorbar(image, ax=axes[1, :].tolist(), fraction=0.02)
+  for ax in axes.flat:
+    ax.axis("off")
+  fig.suptitle(title)
+  return fig
+
+
+def plot_stream_table(rows: list, title: str = ""):
+  """NLL, ECE, accuracy and consistency of each inference method (bars); returns the Figure."""
+  import matplotlib.pyplot as plt
+  methods = [r["method"] for r in rows]
+  fig, axes = plt.subplots(1, 4, figsize=(13, 3.2))
+  for ax, (key, label, scale) in zip(axes, (("nll", "NLL", 1), ("ece", "ECE (%)", 100), ("acc", "Accuracy (%)", 100),
+                                            ("consistency", "Consistency (%)", 100))):
+    values = [scale * r[key] for r in rows]
+    ax.bar(methods, values, color="tab:blue")
+    low, high = min(values), max(values)
+    ax.set_ylim(max(0.0, low - 0.5 * (high - low + 1e-3)), high + 0.25 * (high - low + 1e-3))
+    ax.set_ylabel(label)
+    ax.tick_params(axis="x", rotation=20)
+  fig.suptitle(title)
+  fig.tight_layout()
+  return fig
+
+
+def evaluate_streams(workdir: str, output_dir: str, config=None, *, num_samples: int = 50,
+                     num_frames: int = temporal.NUM_FRAMES, decay_rate: float = temporal.DECAY_RATE,
+                     split: str = "test", seed: int = 0) -> list:
+  """Segmentation on CamVid clips (``camvid/clips``) by each inference method (paper Table E.4).
+
+  Every clip is a labelled frame and the frames before it at 30 Hz.  Rows: one pass
+  per frame (``single``), MC dropout with ``num_samples`` passes (``mc``, dropout
+  models only) and temporal smoothing (``temporal``, VQ-BNN / VQ-DNN: one pass per
+  frame); columns: NLL, accuracy, ECE, mIoU, IoU-90, Acc-90, Unc-90, Freq-90 (per
+  pixel, void masked, on the labelled frame) and consistency (argmax agreement of
+  the last two frames).  Writes ``streams.{json,csv,png}`` and ``stream_examples.png``.
+  """
+  from smoothing_jax.data import camvid
+  os.makedirs(output_dir, exist_ok=True)
+  config, _, variables = load_checkpoint(workdir, config)
+  pipeline, model, replicated, data_sharding = _evaluation_setup(config)
+  frames_uint8, labels, _ = camvid.load_clips(split, config.data_dir)
+  if frames_uint8.shape[1] < num_frames + 1:
+    raise ValueError(f"Clips of {frames_uint8.shape[1]} frames are too short for num_frames={num_frames} "
+                     "(need num_frames + 1 to smooth the last two frames fully).")
+
+  @functools.partial(jax.jit, in_shardings=(replicated, data_sharding, replicated), out_shardings=replicated)
+  def step(v, batch, key):
+    frames = jnp.swapaxes(batch["frames"], 0, 1)  # [T, B, H, W, 3]
+    predictions = stream_methods(model, v, frames, rng=key, num_samples=num_samples, num_frames=num_frames,
+                                 decay_rate=decay_rate, chunk_size=config.eval_chunk_size)
+    return stream_statistics(predictions, batch["label"], batch["mask"], config.ece_bins), {
+        k: p[-1, 0] for k, p in predictions.items()}
+
+  batch_size = eval_batch_size(config, data_sharding.mesh)
+  totals, examples = None, None
+  for i, start in enumerate(range(0, len(labels), batch_size)):
+    n = min(batch_size, len(labels) - start)
+    batch = {"frames": np.zeros((batch_size,) + frames_uint8.shape[1:], np.float32),
+             "label": np.full((batch_size,) + labels.shape[1:], camvid.VOID, np.int32),
+             "mask": np.zeros((batch_size,), np.float32)}
+    batch["frames"][:n] = pipeline.normalize(frames_uint8[start:start + n])
+    batch["label"][:n], batch["mask"][:n] = labels[start:start + n], 1.0
+    stats, first = step(variables, shard_batch(batch, data_sharding), jax.random.fold_in(jax.random.key(seed), i))
+    examples = examples if examples is not None else jax.device_get(first)
+    totals = stats if totals is None else {k: (a.merge(stats[k][0]), b.merge(stats[k][1]))
+                                           for k, (a, b) in totals.items()}
+  passes = {"single": 1, "mc": num_samples, "temporal": 1}
+  rows = []
+  for method, (metrics, consistency) in totals.items():
+    m = {**metrics.compute(), **consistency.compute()}
+    rows.append({"method": method, "passes_per_frame": passes[method], **{k: m[k] for k in ("count",) + STREAM_COLUMNS}})
+  _write_table(rows, os.path.join(output_dir, "streams"))
+  plot_stream_table(rows, f"{config.model} on CamVid {split} clips").savefig(os.path.join(output_dir, "streams.png"))
+  plot_stream_examples(frames_uint8[0], labels[0], examples, camvid.palette(),
+                       f"{config.model}: first {split} clip").savefig(os.path.join(output_dir, "stream_examples.png"))
+  return rows

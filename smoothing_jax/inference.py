@@ -53,7 +53,8 @@ def _mc_log_probs(model, variables, images, rng, num_samples, chunk_size):
   return _map_in_chunks(one_sample, jax.random.split(rng, num_samples), chunk_size)
 
 
-def _check_rng(rng):
+def check_rng(rng):
+  """``rng`` as a typed PRNG key (raw uint32 keys are wrapped); a clear error for anything else."""
   if not (isinstance(rng, jax.Array) and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)):
     if isinstance(rng, jax.Array) and rng.dtype == jnp.uint32:
       return jax.random.wrap_key_data(rng)  # legacy raw PRNGKey
@@ -82,7 +83,7 @@ def mc_predict(model: nn.Module, variables, images, *, num_samples: int, rng,
   if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
     raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}.")
   check_images(images)
-  log_probs = _mc_log_probs(model, variables, images, _check_rng(rng), num_samples, chunk_size)
+  log_probs = _mc_log_probs(model, variables, images, check_rng(rng), num_samples, chunk_size)
   return Prediction(jnp.exp(log_probs), _mean_probs(log_probs))
 
 
@@ -116,6 +117,6 @@ def ensemble_predict(model: nn.Module, stacked_variables, images, *, rng=None) -
   members need it, deterministic members don't.  Returns ``Prediction([M, B, C], [B, C])``.
   """
   check_images(images)
-  rng = None if rng is None else _check_rng(rng)
+  rng = None if rng is None else check_rng(rng)
   log_probs = _ensemble_log_probs(model, stacked_variables, images, rng)
   return Prediction(jnp.exp(log_probs), _mean_probs(log_probs))

@@ -4,6 +4,8 @@ Modes:
   train (default)  train (resuming from ``workdir``), then evaluate ensemble sizes
   evaluate         ensemble-size table of ``--workdir`` (or of several ``--ensemble_workdirs``)
   corruptions      corruption robustness (``--baseline_csv`` for mCE / mCNLL / mCECE)
+  streams          segmentation on CamVid video clips: one pass, MC dropout (N = the largest
+                   ``config.ensemble_sizes``) and temporal smoothing (VQ-BNN), with consistency
 """
 import os
 
@@ -19,7 +21,7 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Experiment config file (ml_collections get_config()).",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and results.")
-flags.DEFINE_enum("mode", "train", ["train", "evaluate", "corruptions"], "What to run.")
+flags.DEFINE_enum("mode", "train", ["train", "evaluate", "corruptions", "streams"], "What to run.")
 flags.DEFINE_list("ensemble_workdirs", [], "evaluate: workdirs of deep-ensemble members.")
 flags.DEFINE_string("baseline_csv", None, "corruptions: baseline table (type, severity, NLL, Acc, ECE).")
 flags.DEFINE_integer("num_samples", 1, "corruptions: MC dropout samples per prediction.")
@@ -39,6 +41,14 @@ def main(argv):
   if FLAGS.mode == "train":
     train.train_and_evaluate(config, FLAGS.workdir)
     rows = evaluate.evaluate_ensemble_sizes([FLAGS.workdir], results_dir, config)
+  elif FLAGS.mode == "streams":
+    rows = evaluate.evaluate_streams(FLAGS.workdir, results_dir, config, num_samples=max(config.ensemble_sizes))
+    print("\nmethod   | passes | NLL    | Acc (%) | ECE (%) | mIoU (%) | Cons (%)")
+    for r in rows:
+      print(f"{r['method']:8s} | {r['passes_per_frame']:6d} | {r['nll']:.4f} | {100 * r['acc']:7.2f} | "
+            f"{100 * r['ece']:7.2f} | {100 * r['iou']:8.2f} | {100 * r['consistency']:8.2f}")
+    print(f"\nResults: {results_dir}/streams.{{json,csv,png}}, {results_dir}/stream_examples.png")
+    return
   elif FLAGS.mode == "evaluate":
     rows = evaluate.evaluate_ensemble_sizes(FLAGS.ensemble_workdirs or [FLAGS.workdir], results_dir, config)
   else:

@@ -13,6 +13,12 @@ pred = argmax_c p̄_c, "certain" = conf > cutoff, cutoff 0.9):
 * IoU = mean over classes present in the labels of TP/(TP+FP+FN); IoU-90 on
   the certain examples only.
 
+Segmentation uses the same accumulator per pixel: ``probs [B, H, W, C]``,
+``labels [B, H, W]`` and ``mask = label_mask(labels, C, example_mask)``, which
+drops void pixels (any label outside ``[0, C)``) from every metric.
+:class:`TemporalConsistency` accumulates the agreement of consecutive frames'
+argmax (paper Eq. 37; CONS of Table 2).
+
 Note: the reference NLL averages per-batch means; here every example counts
 once (identical for equal batch sizes).
 """
@@ -43,6 +49,17 @@ def uncertainty_decomposition(sample_probs) -> dict:
   total = entropy(jnp.mean(sample_probs, axis=0))
   aleatoric = jnp.mean(entropy(sample_probs), axis=0)
   return {"total": total, "aleatoric": aleatoric, "epistemic": total - aleatoric}
+
+
+def label_mask(labels, num_classes: int, mask=None):
+  """0/1 weights ``[B, ...]`` of the positions that count: label in ``[0, num_classes)`` (void / ignore
+  labels are not), times an optional per-example ``mask [B]`` broadcast over the label's other axes."""
+  labels = jnp.asarray(labels)
+  valid = ((labels >= 0) & (labels < num_classes)).astype(jnp.float32)
+  if mask is None:
+    return valid
+  mask = jnp.asarray(mask, jnp.float32)
+  return valid * mask.reshape(mask.shape + (1,) * (labels.ndim - mask.ndim))
 
 
 def _check_predictions(probs, labels, mask):
@@ -92,6 +109,7 @@ class UncertaintyMetrics(clu.metrics.Metric):
     probs = probs.reshape(-1, num_classes).astype(jnp.float32)
     labels = labels.reshape(-1)
     w = jnp.ones(labels.shape, jnp.float32) if mask is None else jnp.asarray(mask, jnp.float32).reshape(-1)
+    labels = jnp.where(w > 0, labels, 0)  # masked (e.g. void) labels may lie outside [0, C)
 
     conf = jnp.max(probs, axis=-1)
     pred = jnp.argmax(probs, axis=-1)
@@ -156,6 +174,46 @@ class UncertaintyMetrics(clu.metrics.Metric):
         "iou": mean_iou(self.confusion),
         "iou90": mean_iou(self.certain_confusion),
     }
+
+
+@flax.struct.dataclass
+class TemporalConsistency(clu.metrics.Metric):
+  """Consistency (paper Eq. 37): the fraction of positions (examples or pixels) whose
+  argmax prediction is the same in consecutive frames; ``compute()`` → ``{"consistency"}``."""
+  agree: jax.Array
+  total: jax.Array
+
+  @classmethod
+  def from_model_output(cls, probs, previous_probs, mask=None, **_) -> "TemporalConsistency":
+    """Agreement of ``probs [..., C]`` with the previous frame's ``previous_probs [..., C]``;
+    ``mask [...]``: optional 0/1 weights of the positions that count."""
+    probs, previous_probs = jnp.asarray(probs), jnp.asarray(previous_probs)
+    if probs.shape != previous_probs.shape or probs.ndim < 2:
+      raise ValueError(f"probs {probs.shape} and previous_probs {previous_probs.shape} must both be [..., C].")
+    agree = (jnp.argmax(probs, -1) == jnp.argmax(previous_probs, -1)).astype(jnp.float32)
+    w = jnp.ones(agree.shape, jnp.float32) if mask is None else jnp.broadcast_to(
+        jnp.asarray(mask, jnp.float32), agree.shape)
+    return cls(agree=jnp.sum(w * agree), total=jnp.sum(w))
+
+  @classmethod
+  def from_sequence(cls, probs, mask=None) -> "TemporalConsistency":
+    """All consecutive pairs of a sequence ``probs [N, T, ..., C]`` (time on axis 1);
+    ``mask [N, T-1, ...]`` weights the pair (t, t+1) at index t."""
+    probs = jnp.asarray(probs)
+    if probs.ndim < 3 or probs.shape[1] < 2:
+      raise ValueError(f"Sequence predictions must be [N, T>=2, ..., C], got shape {probs.shape}.")
+    return cls.from_model_output(probs[:, 1:], probs[:, :-1], mask)
+
+  def merge(self, other: "TemporalConsistency") -> "TemporalConsistency":
+    return jax.tree.map(jnp.add, self, other)
+
+  def reduce(self) -> "TemporalConsistency":
+    return jax.tree.map(lambda x: jnp.sum(x, axis=0), self)
+
+  def compute(self) -> dict:
+    if float(self.total) == 0:
+      raise ValueError("No frame pairs were accumulated (total is 0).")
+    return {"consistency": float(self.agree) / float(self.total)}
 
 
 def mean_iou(confusion) -> float:

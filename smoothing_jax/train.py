@@ -11,6 +11,10 @@ optimizer state are replicated, and BatchNorm statistics are computed over the
 Weight decay is the reference's (PyTorch SGD's) coupled L2: ``wd · w`` is added
 to the gradient before momentum (``optax.add_decayed_weights``), i.e. the
 gradient of ``wd/2 · ‖w‖²`` in the loss, on every parameter.
+
+Segmentation models (per-pixel logits) train on the pixel-wise cross-entropy
+with void pixels masked and, with ``class_balancing="median_frequency"``,
+class weights (paper Appendix A.2).
 """
 from __future__ import annotations
 
@@ -35,8 +39,8 @@ from smoothing_jax import ibnn
 from smoothing_jax.data import NUM_CLASSES, create_pipeline
 from smoothing_jax.data.mixup import Mixing, mix_batch
 from smoothing_jax.inference import mc_predict, sample_rngs
-from smoothing_jax.metrics import UncertaintyMetrics
-from smoothing_jax.models import get_model
+from smoothing_jax.metrics import UncertaintyMetrics, label_mask
+from smoothing_jax.models import get_model, is_segmentation_model
 
 
 class TrainState(train_state.TrainState):
@@ -60,7 +64,12 @@ def create_model(config, pipeline):
       pipeline.spec.base, int(pipeline.train_labels.max()) + 1)
   overrides = {k: v for k, v in config.model_kwargs.items() if v is not None}
   overrides.setdefault("stem", pipeline.spec.geometry)
-  return get_model(config.model, num_classes, **overrides)
+  model = get_model(config.model, num_classes, **overrides)
+  if is_segmentation_model(model) != pipeline.is_segmentation:
+    kind = "label maps (segmentation)" if pipeline.is_segmentation else "one label per image (classification)"
+    raise ValueError(f"Model {config.model!r} does not fit dataset {config.dataset!r}, which has {kind}; "
+                     "use a unet_* model for segmentation and a classifier otherwise.")
+  return model
 
 
 def create_learning_rate_schedule(config, steps_per_epoch: int) -> optax.Schedule:
@@ -94,20 +103,23 @@ def create_learning_rate_schedule(config, steps_per_epoch: int) -> optax.Schedul
 
 
 def create_optimizer(config, schedule, model=None) -> optax.GradientTransformation:
-  """``config.optimizer``: "sgd" with coupled (PyTorch ``SGD``) weight decay, or "adamw" (PyTorch
-  ``AdamW``: β 0.9/0.999, decay lr·wd·w decoupled from the moments); iBNN models get the
-  two-learning-rate optimizer.  ``grad_clip_norm`` > 0 clips the global gradient norm first.
+  """``config.optimizer``: "sgd" with coupled (PyTorch ``SGD``) weight decay, "adam" (PyTorch ``Adam``:
+  β 0.9/0.999, coupled weight decay) or "adamw" (PyTorch ``AdamW``: decay lr·wd·w decoupled from
+  the moments); iBNN models get the two-learning-rate optimizer.  ``grad_clip_norm`` > 0 clips
+  the global gradient norm first.
   """
   if getattr(model, "num_components", 0) > 0:
     tx = ibnn.create_optimizer(schedule, config.ibnn.variational_lr, config.weight_decay, config.momentum,
                                config.ibnn.freeze_deterministic)
   elif config.optimizer == "adamw":
     tx = optax.adamw(schedule, weight_decay=config.weight_decay)
+  elif config.optimizer == "adam":
+    tx = optax.chain(optax.add_decayed_weights(config.weight_decay), optax.adam(schedule))
   elif config.optimizer == "sgd":
     tx = optax.chain(optax.add_decayed_weights(config.weight_decay),
                      optax.sgd(schedule, momentum=config.momentum, nesterov=config.nesterov))
   else:
-    raise ValueError(f"Unknown optimizer {config.optimizer!r}; choose 'sgd' or 'adamw'.")
+    raise ValueError(f"Unknown optimizer {config.optimizer!r}; choose 'sgd', 'adam' or 'adamw'.")
   if config.grad_clip_norm > 0:
     tx = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), tx)
   return tx
@@ -119,8 +131,36 @@ def training_mixing(config, model) -> Optional[Mixing]:
     return None
   if getattr(model, "num_components", 0) > 0:
     raise ValueError("label_smoothing / mixup_alpha / cutmix_alpha are not supported with the iBNN ELBO.")
+  if is_segmentation_model(model):
+    raise ValueError("label_smoothing / mixup_alpha / cutmix_alpha are for classification, not segmentation models.")
   return Mixing(model.num_classes, config.label_smoothing, config.mixup_alpha, config.cutmix_alpha,
                 config.mixup_switch_prob).check()
+
+
+def class_weights(config, model, pipeline) -> Optional[np.ndarray]:
+  """Per-class loss weights ``[C]``: ``config.class_balancing`` "median_frequency" (segmentation) or "none"."""
+  if config.class_balancing == "none":
+    return None
+  if config.class_balancing != "median_frequency":
+    raise ValueError(f"Unknown class_balancing {config.class_balancing!r}; choose 'none' or 'median_frequency'.")
+  weights = pipeline.class_weights(model.num_classes)
+  logging.info("Median-frequency class weights: %s", np.array2string(weights, precision=4))
+  return weights
+
+
+def cross_entropy(logits, labels, class_weights=None):
+  """Softmax cross-entropy of ``logits [..., C]`` against integer ``labels [...]``.
+
+  Positions whose label lies outside ``[0, C)`` (void pixels) do not count.  Without
+  ``class_weights`` it is the mean over the counted positions; with weights ``w [C]``
+  it is Σ w_y CE / Σ w_y (PyTorch ``CrossEntropyLoss(weight=w)``).
+  """
+  weights = label_mask(labels, logits.shape[-1])
+  labels = jnp.where(weights > 0, labels, 0)
+  if class_weights is not None:
+    weights = weights * jnp.asarray(class_weights, jnp.float32)[labels]
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+  return jnp.sum(weights * losses) / jnp.maximum(jnp.sum(weights), jnp.finfo(jnp.float32).tiny)
 
 
 def ibnn_objective(config, model, pipeline) -> Optional[ibnn.Objective]:
@@ -140,12 +180,13 @@ def create_train_state(config, model, rng, image_shape, schedule) -> TrainState:
 
 
 def train_step(model, schedule, objective: Optional[ibnn.Objective], state: TrainState, batch, dropout_rng,
-               mixing: Optional[Mixing] = None):
+               mixing: Optional[Mixing] = None, class_weights=None):
   """One optimiser step on a (global) batch; the dropout/noise key is ``fold_in(dropout_rng, step)``.
 
-  The loss is the cross-entropy — against soft targets (label smoothing, Mixup /
-  CutMix drawn from ``fold_in(key, 2)``) when ``mixing`` is given — or for iBNN
-  models (``objective`` given) the negative ELBO of :func:`smoothing_jax.ibnn.elbo_loss`.
+  The loss is the cross-entropy (:func:`cross_entropy`: per pixel for segmentation,
+  void masked, ``class_weights`` if given) — against soft targets (label smoothing,
+  Mixup / CutMix drawn from ``fold_in(key, 2)``) when ``mixing`` is given — or for
+  iBNN models (``objective`` given) the negative ELBO of :func:`smoothing_jax.ibnn.elbo_loss`.
   """
   rng = jax.random.fold_in(dropout_rng, state.step)
   images = batch["image"]
@@ -162,12 +203,14 @@ def train_step(model, schedule, objective: Optional[ibnn.Objective], state: Trai
     if mixing is not None:
       loss = optax.softmax_cross_entropy(logits.astype(jnp.float32), targets).mean()
     else:
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["label"]).mean()
+      loss = cross_entropy(logits, batch["label"], class_weights)
     return loss, {"logits": logits, "labels": batch["label"], "batch_stats": updates.get("batch_stats", {})}
 
   (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
   new_state = state.apply_gradients(grads=grads, batch_stats=aux["batch_stats"])
-  metrics = {"loss": loss, "accuracy": jnp.mean(jnp.argmax(aux["logits"], -1) == aux["labels"]),
+  counted = label_mask(aux["labels"], aux["logits"].shape[-1])
+  correct = (jnp.argmax(aux["logits"], -1) == aux["labels"]) * counted
+  metrics = {"loss": loss, "accuracy": jnp.sum(correct) / jnp.maximum(jnp.sum(counted), 1.0),
              "learning_rate": schedule(state.step)}
   if objective is not None:
     metrics.update(nll=aux["nll"], kl=aux["kl"], kl_weight=aux["kl_weight"])
@@ -175,16 +218,19 @@ def train_step(model, schedule, objective: Optional[ibnn.Objective], state: Trai
 
 
 def eval_step(model, num_samples: int, num_bins: int, variables, batch, rng) -> UncertaintyMetrics:
-  """Metrics of the N-sample predictive on one padded, masked batch."""
+  """Metrics of the N-sample predictive on one padded, masked batch (per pixel, void masked, for segmentation)."""
   pred = mc_predict(model, variables, batch["image"], num_samples=num_samples, rng=rng)
-  return UncertaintyMetrics.from_model_output(pred.mean_probs, batch["label"], batch["mask"], num_bins=num_bins)
+  mask = label_mask(batch["label"], pred.mean_probs.shape[-1], batch["mask"])
+  return UncertaintyMetrics.from_model_output(pred.mean_probs, batch["label"], mask, num_bins=num_bins)
 
 
 def compile_steps(model, schedule, mesh: Mesh, num_bins: int, objective: Optional[ibnn.Objective] = None,
-                  mixing: Optional[Mixing] = None):
+                  mixing: Optional[Mixing] = None, class_weights=None):
   """``(train_step, eval_step)`` jitted over ``mesh``: batch sharded on ``data``, state replicated and donated."""
   replicated, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-  p_train_step = jax.jit(functools.partial(train_step, model, schedule, objective, mixing=mixing),
+  weights = None if class_weights is None else jnp.asarray(class_weights, jnp.float32)
+  p_train_step = jax.jit(functools.partial(train_step, model, schedule, objective, mixing=mixing,
+                                           class_weights=weights),
                          in_shardings=(replicated, data_sharding, replicated),
                          out_shardings=(replicated, replicated), donate_argnums=(0,))
   p_eval_step = jax.jit(functools.partial(eval_step, model, 1, num_bins),
@@ -269,7 +315,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
   randaugment = config.randaugment
   pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir, config.download,
-                             (randaugment.num_layers, randaugment.magnitude, randaugment.magnitude_std))
+                             (randaugment.num_layers, randaugment.magnitude, randaugment.magnitude_std),
+                             config.crop_size)
   model = create_model(config, pipeline)
   steps_per_epoch = pipeline.steps_per_epoch
   if steps_per_epoch == 0:
@@ -299,7 +346,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     f.write(config.to_json_best_effort(indent=2))
 
   p_train_step, p_eval_step = compile_steps(model, schedule, mesh, config.ece_bins, objective,
-                                            training_mixing(config, model))
+                                            training_mixing(config, model), class_weights(config, model, pipeline))
 
   report_progress = periodic_actions.ReportProgress(num_train_steps=num_steps, writer=writer)
   eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))

@@ -19,6 +19,8 @@ from typing import Callable
 
 import numpy as np
 
+from smoothing_jax.metrics import TemporalConsistency
+
 CIFAR10_P_TYPES = ("gaussian_noise", "shot_noise", "motion_blur", "zoom_blur", "spatter", "brightness",
                    "translate", "rotate", "tilt", "scale")
 _EPS = 1e-12
@@ -70,9 +72,7 @@ def load_cifar10_p(data_dir: str, perturbation: str) -> np.ndarray:
 
 def consistency(probs: np.ndarray) -> float:
   """Eq. 37 from sequence predictions ``[N, T, C]``: mean agreement of consecutive argmaxes."""
-  probs = _check_sequence(probs)
-  top = probs.argmax(-1)
-  return float(np.mean(top[:, 1:] == top[:, :-1]))
+  return TemporalConsistency.from_sequence(_check_sequence(probs)).compute()["consistency"]
 
 
 def cross_entropy_consistency(probs: np.ndarray, variant: str = "paper") -> float:

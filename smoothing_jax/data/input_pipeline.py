@@ -1,8 +1,11 @@
-"""Input pipelines (tf.data): TFDS CIFAR-10/100, ImageNet and corruption sets, local ``npz:``, digits.
+"""Input pipelines (tf.data): TFDS CIFAR-10/100, ImageNet, corruption sets, CamVid, local ``npz:``, digits.
 
 Paper Appendix A recipes: CIFAR training = random 32×32 crop of the 4-pixel
 zero-padded image + horizontal flip; ImageNet training = random-resized crop 224
 + flip, evaluation = resize 256 / centre crop 224; per-dataset normalisation.
+Segmentation (CamVid, or ``npz:`` with label maps ``[N, H, W]``): a random
+``crop_size`` crop of image and label map together + flip; labels outside
+``[0, num_classes)`` are void (masked from losses and metrics).
 
 Determinism: the example order of epoch ``e`` is a pure function of
 ``(seed, e, process_index)`` and augmentation uses stateless ops seeded by the
@@ -32,12 +35,13 @@ NORMALIZATION = {
     "cifar100": ((0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761)),
     "imagenet2012": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
 }
-NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "imagenet2012": 1000, "digits": 10}
+NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "imagenet2012": 1000, "digits": 10, "camvid": 11}
 CORRUPTIONS = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur", "motion_blur",
                "zoom_blur", "snow", "frost", "fog", "brightness", "contrast", "elastic_transform", "pixelate",
                "jpeg_compression")
 EXTRA_CORRUPTIONS = ("speckle_noise", "gaussian_blur", "spatter", "saturate")
 BASES = tuple(NORMALIZATION)
+SEGMENTATION_DATASETS = ("camvid",)  # TFDS builder in smoothing_jax.data.camvid
 
 
 class DatasetUnavailableError(RuntimeError):
@@ -48,10 +52,11 @@ class DatasetUnavailableError(RuntimeError):
 class DatasetSpec:
   """What a ``dataset`` config string refers to.
 
-  ``name`` forms: ``cifar10``, ``cifar100``, ``imagenet2012``,
+  ``name`` forms: ``cifar10``, ``cifar100``, ``imagenet2012``, ``camvid``,
   ``<base>_corrupted/<type>_<severity>`` (test set only), ``npz:<dir>`` (uint8
-  ``images`` [N,H,W,3] + ``labels`` [N] in ``<dir>/{train,test}.npz``), ``digits``
-  (scikit-learn's bundled 8×8 digits, upsampled to 32×32; no network needed).
+  ``images`` [N,H,W,3] + ``labels`` [N], or label maps [N,H,W], in
+  ``<dir>/{train,test}.npz``), ``digits`` (scikit-learn's bundled 8×8 digits,
+  upsampled to 32×32; no network needed).
   """
   name: str
   source: str                     # "tfds", "npz" or "digits"
@@ -75,7 +80,7 @@ def parse_dataset(name: str) -> DatasetSpec:
     if not name[4:]:
       raise ValueError("dataset 'npz:' needs a directory: npz:<dir> with train.npz and test.npz.")
     return DatasetSpec(name, "npz", "npz")
-  if name in BASES:
+  if name in BASES + SEGMENTATION_DATASETS:
     return DatasetSpec(name, "tfds", name)
   base, _, config = name.partition("_corrupted/")
   if base in BASES and config:
@@ -83,7 +88,8 @@ def parse_dataset(name: str) -> DatasetSpec:
     if ctype in CORRUPTIONS + EXTRA_CORRUPTIONS and severity in {"1", "2", "3", "4", "5"}:
       return DatasetSpec(name, "tfds", base, (ctype, int(severity)))
   raise ValueError(
-      f"Unknown dataset {name!r}. Supported: {', '.join(BASES)}, '<base>_corrupted/<type>_<1-5>' "
+      f"Unknown dataset {name!r}. Supported: {', '.join(BASES + SEGMENTATION_DATASETS)}, "
+      "'<base>_corrupted/<type>_<1-5>' "
       f"(types: {', '.join(CORRUPTIONS)}), 'npz:<dir>' and 'digits'.")
 
 
@@ -100,6 +106,11 @@ def _tfds_builder(spec: DatasetSpec, data_dir: Optional[str], download: bool):
 
 
 def _missing_message(spec, builder, reason=""):
+  if spec.base in SEGMENTATION_DATASETS:
+    return (f"Dataset {spec.name!r} is not prepared in data_dir {builder.data_dir_root!r}. {reason}\nPrepare it "
+            f"from the downloaded release with `python -m smoothing_jax.data.{spec.base} --manual_dir=<release> "
+            f"--data_dir=<dir>` and pass --config.data_dir=<dir>, or train from local arrays with "
+            f"--config.dataset=npz:<dir> (uint8 images [N,H,W,3] and label maps [N,H,W] in train.npz/test.npz).")
   return (f"Dataset {spec.name!r} is not prepared in data_dir {builder.data_dir_root!r} "
           f"(searched {builder.data_dir!r}). {reason}\nPrepare it on a machine with network access with "
           f"`tfds build {spec.name.split('/')[0]} --data_dir=<dir>` (ImageNet and CIFAR-100-C need "
@@ -140,8 +151,9 @@ def _npz_arrays(spec: DatasetSpec, split: str):
     images, labels = data["images"], data["labels"]
   if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
     raise ValueError(f"{path}: 'images' must be uint8 [N,H,W,3], got {images.dtype} {images.shape}.")
-  if labels.shape != images.shape[:1]:
-    raise ValueError(f"{path}: 'labels' shape {labels.shape} does not match {images.shape[0]} images.")
+  if labels.shape not in (images.shape[:1], images.shape[:3]):
+    raise ValueError(f"{path}: 'labels' shape {labels.shape} must be [N] (classes) or [N,H,W] (label maps) "
+                     f"for images {images.shape}.")
   return images, labels.astype(np.int32)
 
 
@@ -156,6 +168,8 @@ def load_arrays(spec: DatasetSpec, split: str, data_dir: Optional[str] = None, d
     batches = list(tfds.as_numpy(ds.map(lambda ex: (ex["image"], ex["label"])).batch(4096)))
     images = np.concatenate([b[0] for b in batches])
     labels = np.concatenate([b[1] for b in batches]).astype(np.int32)
+    if labels.ndim == 4:  # label maps are stored as one-channel images
+      labels = labels[..., 0]
     return images, labels
   process, count = jax.process_index(), jax.process_count()
   return images[process::count], labels[process::count]
@@ -176,12 +190,40 @@ def _normalize(image, mean, std):
   return (tf.cast(image, tf.float32) / 255.0 - tf.constant(mean, tf.float32)) / tf.constant(std, tf.float32)
 
 
+def median_frequency_weights(labels: np.ndarray, num_classes: int) -> np.ndarray:
+  """Median-frequency class balancing (Eigen & Fergus 2015) from label maps ``[N, H, W]``.
+
+  freq_c = (pixels of class c) / (pixels of the images in which c appears);
+  weight_c = median_c(freq_c) / freq_c.  Void labels (outside ``[0, C)``) are not
+  counted as any class; classes absent from ``labels`` get weight 0.
+  """
+  labels = np.asarray(labels).reshape(len(labels), -1)
+  counts = np.stack([np.bincount(np.where((row >= 0) & (row < num_classes), row, num_classes),
+                                 minlength=num_classes + 1)[:num_classes] for row in labels])  # [N, C]
+  image_pixels = np.sum((counts > 0) * labels.shape[1], axis=0)
+  present = image_pixels > 0
+  freq = np.where(present, counts.sum(0) / np.maximum(image_pixels, 1), 0.0)
+  weights = np.zeros(num_classes)
+  weights[present] = np.median(freq[present]) / freq[present]
+  return weights.astype(np.float32)
+
+
 def cifar_train_augment(image, seed, padding: int = 4):
   """Random crop of the zero-padded image back to its size (32×32 for CIFAR), then a random horizontal flip."""
   shape = tf.shape(image)
   image = tf.pad(image, [[padding, padding], [padding, padding], [0, 0]])
   image = tf.image.stateless_random_crop(image, shape, seed=seed)
   return tf.image.stateless_random_flip_left_right(image, seed=seed + 1)
+
+
+def segmentation_train_augment(image, labels, seed, crop_size):
+  """The same random ``crop_size`` (h, w) crop (None: no crop) and horizontal flip of an image
+  ``[H, W, 3]`` and its label map ``[H, W]``."""
+  both = tf.concat([tf.cast(image, tf.int32), tf.cast(labels, tf.int32)[..., None]], axis=-1)
+  if crop_size is not None:
+    both = tf.image.stateless_random_crop(both, (crop_size[0], crop_size[1], 4), seed=seed)
+  both = tf.image.stateless_random_flip_left_right(both, seed=seed + 1)
+  return tf.cast(both[..., :3], tf.uint8), both[..., 3]
 
 
 def imagenet_train_augment(image, seed, image_size: int = 224):
@@ -235,6 +277,24 @@ class Pipeline:
   data_dir: Optional[str] = None
   download: bool = False
   randaugment: Optional[tuple] = None  # (num_layers, magnitude, magnitude_std) after crop + flip
+  crop_size: Optional[tuple] = None    # segmentation: random (h, w) training crop (None: whole image)
+
+  @property
+  def is_segmentation(self) -> bool:
+    """Label maps ``[H, W]`` per example (per-pixel classes) rather than one class per image."""
+    labels = self.eval_labels if self.eval_labels is not None else self.train_labels
+    return labels is not None and labels.ndim == 3
+
+  def class_weights(self, num_classes: int) -> np.ndarray:
+    """Median-frequency weights ``[C]`` of the training label maps (segmentation only)."""
+    if not self.is_segmentation:
+      raise ValueError(f"Class balancing needs a segmentation dataset; {self.spec.name!r} has one label per image.")
+    return median_frequency_weights(self.train_labels, num_classes)
+
+  def normalize(self, images: np.ndarray) -> np.ndarray:
+    """uint8 images ``[..., 3]`` → the float32 inputs the model was trained on."""
+    mean, std = np.asarray(self.mean, np.float32), np.asarray(self.std, np.float32)
+    return (np.asarray(images, np.float32) / 255.0 - mean) / std
 
   @property
   def local_batch_size(self) -> int:
@@ -264,11 +324,15 @@ class Pipeline:
     positions = tf.data.Dataset.range(start_step * batch, steps * batch)
     augment = imagenet_train_augment if self.spec.geometry == "imagenet" else cifar_train_augment
     mean, std, rand_layers = self.mean, self.std, self.randaugment
+    segmentation, crop_size = self.is_segmentation, self.crop_size
 
     def prepare(position, example):
       image, label = example
       seed = tf.stack([tf.constant(order_seed, tf.int64), position])
-      image = augment(image, seed)
+      if segmentation:
+        image, label = segmentation_train_augment(image, label, seed, crop_size)
+      else:
+        image = augment(image, seed)
       if rand_layers:
         image = tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8) if image.dtype != tf.uint8 else image
         image = randaugment(image, seed + 2, *rand_layers)
@@ -313,18 +377,22 @@ class Pipeline:
       x, y = next(iterator, (None, None))
       n = 0 if x is None else len(x)
       out = {"image": np.zeros((batch,) + tuple(self.image_shape), np.float32),
-             "label": np.zeros((batch,), np.int32), "mask": np.zeros((batch,), np.float32)}
+             "label": np.zeros((batch,) + tuple(self.eval_labels.shape[1:] if self.is_segmentation else ()),
+                               np.int32),
+             "mask": np.zeros((batch,), np.float32)}
       if n:
         out["image"][:n], out["label"][:n], out["mask"][:n] = x, y, 1.0
       yield out
 
 
 def create_pipeline(dataset: str, global_batch_size: int, seed: int, data_dir: Optional[str] = None,
-                    download: bool = False, randaugment: Optional[tuple] = None) -> Pipeline:
+                    download: bool = False, randaugment: Optional[tuple] = None,
+                    crop_size: Optional[tuple] = None) -> Pipeline:
   """Load (or open, for ImageNet) ``dataset``; fail early with a clear message if it is missing.
 
   ``randaugment``: ``(num_layers, magnitude, magnitude_std)`` applied to training images
-  after the crop and flip (None or num_layers 0: off).
+  after the crop and flip (None or num_layers 0: off).  ``crop_size``: (h, w) random
+  training crop of segmentation datasets (None: whole images).
   """
   if randaugment is not None and randaugment[0] < 0:
     raise ValueError(f"RandAugment num_layers must be >= 0, got {randaugment[0]}.")
@@ -348,6 +416,16 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int, data_dir: O
     num_train = len(train_images) * jax.process_count()
     num_eval = len(eval_images) * jax.process_count()
     mean, std = normalization(spec, train_images)
-  return Pipeline(spec, global_batch_size, seed, tuple(mean), tuple(std), train_images, train_labels,
-                  eval_images, eval_labels, num_train, num_eval, data_dir, download,
-                  tuple(randaugment) if randaugment and randaugment[0] > 0 else None)
+  pipeline = Pipeline(spec, global_batch_size, seed, tuple(mean), tuple(std), train_images, train_labels,
+                      eval_images, eval_labels, num_train, num_eval, data_dir, download,
+                      tuple(randaugment) if randaugment and randaugment[0] > 0 else None,
+                      tuple(crop_size) if crop_size else None)
+  if pipeline.is_segmentation and pipeline.randaugment:
+    raise ValueError("RandAugment is not supported for segmentation datasets (it would move pixels off their labels).")
+  if pipeline.crop_size is not None:
+    if not pipeline.is_segmentation:
+      raise ValueError(f"crop_size is for segmentation datasets; {dataset!r} has one label per image.")
+    height, width = train_images.shape[1:3]
+    if len(pipeline.crop_size) != 2 or not (0 < pipeline.crop_size[0] <= height and 0 < pipeline.crop_size[1] <= width):
+      raise ValueError(f"crop_size {pipeline.crop_size} must be (h, w) within the {height}×{width} training images.")
+  return pipeline

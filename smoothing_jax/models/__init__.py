@@ -4,8 +4,9 @@ Names follow the reference implementation: ``<family>_<variant>[_<depth>]`` with
 variant ``dnn`` (deterministic), ``mcdo`` (MC dropout), ``dnn_smoothing`` or
 ``mcdo_smoothing``; plus the iBNN models ``vgg_ibnn_16`` and ``wideresnet_ibnn_28_10``
 (``num_components=K`` override; they take ``components`` and a ``"noise"`` key); and the
-self-attention models ``vit_{ti,s,b}`` and ``alternet_{18,34,50,101,152}`` (HV).  Every model is called as
-``model.apply(variables, images_nhwc, train=False, rngs={"dropout": key})``.
+self-attention models ``vit_{ti,s,b}`` and ``alternet_{18,34,50,101,152}`` (HV); and the segmentation
+U-Nets ``unet_{dnn,mcdo,dnn_smoothing,mcdo_smoothing}`` (per-pixel logits ``[B, H, W, C]``).  Every model
+is called as ``model.apply(variables, images_nhwc, train=False, rngs={"dropout": key})``.
 """
 from __future__ import annotations
 
@@ -18,17 +19,20 @@ import flax.linen as nn
 from smoothing_jax.models.alexnet import AlexNet
 from smoothing_jax.models.alternet import AlterNet
 from smoothing_jax.models.resnet import ResNet
+from smoothing_jax.models.unet import UNet
 from smoothing_jax.models.vgg import VGG, VGG_STAGES
 from smoothing_jax.models.vit import ViT
 from smoothing_jax.models.wideresnet import WideResNet
 
-__all__ = ["AlexNet", "AlterNet", "ResNet", "VGG", "ViT", "WideResNet", "get_model", "list_models"]
+__all__ = ["AlexNet", "AlterNet", "ResNet", "UNet", "VGG", "ViT", "WideResNet", "get_model", "list_models",
+           "is_segmentation_model"]
 
 RESNET_STAGES = {18: ((2, 2, 2, 2), "basic"), 34: ((3, 4, 6, 3), "basic"), 50: ((3, 4, 6, 3), "bottleneck"),
                  101: ((3, 4, 23, 3), "bottleneck"), 152: ((3, 8, 36, 3), "bottleneck")}
 VARIANTS = ("dnn", "mcdo", "dnn_smoothing", "mcdo_smoothing")
 MCDO_RATE = 0.3
 ALEXNET_MCDO_RATE = 0.1
+UNET_MCDO_RATE = 0.5  # Bayesian SegNet
 IBNN_COMPONENTS = 4
 # ViT sizes: (hidden_dim, heads, mlp_dim); depth 12, head width 64 (HV ``vit.py``).
 VIT_SIZES = {"ti": (192, 3, 768), "s": (384, 6, 1536), "b": (768, 12, 3072)}
@@ -56,6 +60,7 @@ def _architectures():
     archs[f"vgg_{{}}_{depth}"] = (VGG, dict(stage_sizes=stages), MCDO_RATE)
     archs[f"prevgg_{{}}_{depth}"] = (VGG, dict(stage_sizes=stages, preact=True), MCDO_RATE)
   archs["alexnet_{}"] = (AlexNet, {}, ALEXNET_MCDO_RATE)
+  archs["unet_{}"] = (UNet, {}, UNET_MCDO_RATE)
   return archs
 
 
@@ -82,6 +87,11 @@ def _registry():
 def list_models() -> list[str]:
   """All registered model names, sorted."""
   return sorted(_registry())
+
+
+def is_segmentation_model(model: nn.Module) -> bool:
+  """True for models with per-pixel outputs ``[B, H, W, C]`` (the U-Nets)."""
+  return isinstance(model, UNet)
 
 
 def get_model(name: str, num_classes: int, **overrides) -> nn.Module:

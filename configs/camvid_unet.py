@@ -1,0 +1,56 @@
+"""The CamVid segmentation recipe of the paper (Appendix A.2) for the U-Nets.
+
+  --config=configs/camvid_unet.py                                  # unet_mcdo_smoothing on camvid
+  --config=configs/camvid_unet.py:unet_mcdo,camvid
+  --config=configs/camvid_unet.py:unet_dnn_smoothing,npz:<dir>,runlocal   # CPU smoke run
+
+Pixel-wise cross-entropy with median-frequency class balancing and the void
+label masked; Adam (lr 1e-3, β 0.9 / 0.999, no weight decay), batch 3, 130
+epochs, lr 2e-4 from epoch 100; random crop + horizontal flip.  The paper does
+not give the crop size: 352×480 crops of the 360×480 images (a multiple of 16,
+the U-Net's total down-sampling) are used here; evaluation sees whole images.
+CamVid comes from the ``camvid`` TFDS builder (``python -m smoothing_jax.data.camvid
+--manual_dir=<release> --data_dir=<dir>`` prepares it, then ``--config.data_dir=<dir>``).
+Evaluate temporal smoothing with ``--mode=streams``.
+"""
+from ml_collections.config_dict import placeholder
+
+from smoothing_jax.config_base import base_config, shrink_for_cpu
+
+
+def get_config(arg: str = "unet_mcdo_smoothing,camvid"):
+  model, dataset, *variant = arg.split(",")
+  config = base_config()
+  config.model = model
+  config.dataset = dataset
+  config.download = False           # CamVid is prepared from a manual download
+  config.optimizer = "adam"
+  config.batch_size = 3
+  config.base_batch_size = 3
+  config.learning_rate = 1e-3
+  config.weight_decay = 0.0
+  config.num_epochs = 130
+  config.warmup_epochs = 0
+  config.lr_milestones = (100,)
+  config.lr_decay = 0.2             # 1e-3 → 2e-4
+  config.crop_size = (352, 480)
+  config.class_balancing = "median_frequency"
+  config.eval_every_epochs = 10
+  config.eval_batch_size = 4
+  config.eval_chunk_size = 5
+  config.checkpoint_every_steps = 500
+  config.ensemble_sizes = (1, 2, 5, 10, 50)
+  # U-Net layout settable from the command line (None: the registry's).
+  config.model_kwargs.encoder_convs = placeholder(tuple)
+  config.model_kwargs.decoder_convs = placeholder(tuple)
+  config.model_kwargs.dropout_stages = placeholder(tuple)
+  if "runlocal" in variant:
+    shrink_for_cpu(config)
+    config.batch_size = 2
+    config.base_batch_size = 2
+    config.crop_size = None
+    config.eval_batch_size = 8
+    config.model_kwargs.encoder_convs = (1, 1, 1)
+    config.model_kwargs.decoder_convs = (1, 1)
+  config.lock()
+  return config

@@ -1,0 +1,137 @@
+"""Temporal smoothing (VQ-BNN, Park et al. 2021) for data streams such as video.
+
+VQ-BNN runs the network once per frame (one stochastic pass: an MC dropout or
+iBNN sample, or the deterministic net = "VQ-DNN") and complements the new
+prediction with the memorised predictions of the previous frames:
+
+    p(y | x_0) ≈ Σ_{t=0}^{L-1} π_t p(y | x_t, w_t),   π_t ∝ exp(−λ·t),
+
+where t = 0 is the current frame, t = 1 the previous one, and so on (paper
+Sec. 1.1, Eq. 3; Appendix A.2: L = 5 predictions, λ = 0.8, i.e. each older frame
+weighs e^{-0.8} ≈ 45% of the next newer one).  At the start of a stream, while
+fewer than L frames have been seen, π is normalised over the frames present.
+
+Everything is a pure function of a carried :class:`StreamState`, so a whole
+video is one ``lax.scan`` (:func:`vq_bnn_predict`) and a long stream can be
+processed in chunks, carrying the state from one call to the next, with the
+same result.  Works with any registered model: predictions are ``[B, C]`` for
+classifiers and ``[B, H, W, C]`` for segmentation models.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from smoothing_jax.inference import check_rng, sample_rngs
+from smoothing_jax.models.common import check_images
+
+NUM_FRAMES = 5      # L: predictions kept (the current one included)
+DECAY_RATE = 0.8    # λ: importance e^{-λ t} of the frame t steps back
+
+
+class StreamState(NamedTuple):
+  """What a stream carries between frames.
+
+  ``history``: ``[L, *prediction_shape]`` the last L predictive distributions, newest
+  first (slots not yet filled are zero); ``frames_seen``: int32 scalar, frames
+  processed so far (it also numbers the frames for their sampling keys).
+  """
+  history: jax.Array
+  frames_seen: jax.Array
+
+
+def init_stream(prediction_shape, num_frames: int = NUM_FRAMES, dtype=jnp.float32) -> StreamState:
+  """An empty stream for predictions of shape ``prediction_shape`` (e.g. ``(B, H, W, C)``)."""
+  if not isinstance(num_frames, int) or num_frames < 1:
+    raise ValueError(f"num_frames (L) must be a positive integer, got {num_frames!r}.")
+  return StreamState(jnp.zeros((num_frames,) + tuple(prediction_shape), dtype), jnp.zeros((), jnp.int32))
+
+
+def temporal_weights(frames_seen, num_frames: int, decay_rate=DECAY_RATE):
+  """π ``[L]``: ∝ exp(−λ t) for the ``min(frames_seen, L)`` frames present, 0 for empty slots; sums to 1."""
+  t = jnp.arange(num_frames)
+  weights = jnp.where(t < frames_seen, jnp.exp(-decay_rate * t.astype(jnp.float32)), 0.0)
+  return weights / jnp.maximum(jnp.sum(weights), jnp.finfo(jnp.float32).tiny)
+
+
+def temporal_smoothing(state: StreamState, probs, decay_rate=DECAY_RATE):
+  """Push the newest prediction ``probs`` into the stream; return ``(new_state, Σ_t π_t p_t)``.
+
+  ``probs`` must have the stream's prediction shape.  Pure (no side effects), so
+  it can be the body of a ``lax.scan``.
+  """
+  if probs.shape != state.history.shape[1:]:
+    raise ValueError(f"Prediction shape {probs.shape} does not match the stream's {state.history.shape[1:]}.")
+  history = jnp.concatenate([probs[None].astype(state.history.dtype), state.history[:-1]])
+  frames_seen = state.frames_seen + 1
+  weights = temporal_weights(frames_seen, history.shape[0], decay_rate)
+  smoothed = jnp.tensordot(weights.astype(history.dtype), history, axes=1)
+  return StreamState(history, frames_seen), smoothed
+
+
+def _frame_probs(model, variables, frame, key):
+  """One stochastic forward pass: softmax of the logits, ``[B, ..., C]``."""
+  logits = model.apply(variables, frame, train=False, rngs=sample_rngs(key))
+  return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def _stream_step(model, variables, rng, decay_rate, state, frame):
+  # Frame number n uses key fold_in(rng, n): chunked and whole-video runs draw the same samples.
+  probs = _frame_probs(model, variables, frame, jax.random.fold_in(rng, state.frames_seen))
+  return temporal_smoothing(state, probs, decay_rate)
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def _jit_stream_step(model, variables, state, frame, rng, decay_rate):
+  return _stream_step(model, variables, rng, decay_rate, state, frame)
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def _jit_scan(model, variables, state, frames, rng, decay_rate):
+  return jax.lax.scan(functools.partial(_stream_step, model, variables, rng, decay_rate), state, frames)
+
+
+def prediction_shape(model: nn.Module, variables, frame_shape) -> tuple:
+  """Shape of one frame's prediction (``[B, C]`` or ``[B, H, W, C]``), from ``jax.eval_shape``."""
+  frame = jax.ShapeDtypeStruct(tuple(frame_shape), jnp.float32)
+  out = jax.eval_shape(lambda v, x: _frame_probs(model, v, x, jax.random.key(0)), variables, frame)
+  return tuple(out.shape)
+
+
+def stream_predict(model: nn.Module, variables, state: StreamState, frame, *, rng,
+                   decay_rate=DECAY_RATE):
+  """One jitted VQ-BNN step: predict ``frame [B, H, W, 3]`` once and smooth it with the stream's past.
+
+  Frame n of the stream uses dropout/noise key ``fold_in(rng, n)``; keep ``rng``
+  fixed along a stream.  Returns ``(new_state, probs)`` with ``probs`` of the
+  model's prediction shape (``[B, C]`` or ``[B, H, W, C]``).
+  """
+  check_images(frame)
+  return _jit_stream_step(model, variables, state, frame, check_rng(rng), jnp.float32(decay_rate))
+
+
+def vq_bnn_predict(model: nn.Module, variables, frames, *, rng, num_frames: int = NUM_FRAMES,
+                   decay_rate=DECAY_RATE, state: StreamState | None = None):
+  """VQ-BNN over a video ``frames [T, B, H, W, 3]`` (B parallel streams) in one ``lax.scan``.
+
+  Args:
+    model, variables: any registered model and its variables.
+    frames: ``[T, B, H, W, 3]`` normalised float frames, time first.
+    rng: PRNG key of the stream (frame n uses ``fold_in(rng, n)``).
+    num_frames: L, predictions kept (ignored when ``state`` is given).
+    decay_rate: λ of π_t ∝ exp(−λ t).
+    state: the state returned by the previous chunk of the same stream (None: a new stream).
+
+  Returns:
+    ``(state, probs [T, B, ..., C])``: the smoothed predictive of every frame.
+  """
+  if not hasattr(frames, "ndim") or frames.ndim != 5:
+    raise ValueError(f"frames must be [time, batch, height, width, 3], got shape {getattr(frames, 'shape', None)}.")
+  check_images(frames[0])
+  if state is None:
+    state = init_stream(prediction_shape(model, variables, frames.shape[1:]), num_frames)
+  return _jit_scan(model, variables, state, frames, check_rng(rng), jnp.float32(decay_rate))
