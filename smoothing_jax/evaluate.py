@@ -331,13 +331,14 @@ def evaluate_streams(workdir: str, output_dir: str, config=None, *, num_samples:
     examples = examples if examples is not None else jax.device_get(first)
     totals = stats if totals is None else {k: (a.merge(stats[k][0]), b.merge(stats[k][1]))
                                            for k, (a, b) in totals.items()}
-  passes = {"single": 1, "mc": num_samples, "temporal": 1}
+  passes = {"single": 1, "mc": num_samples, "temporal": 1}  # also the row order (jit sorts dict keys)
   rows = []
-  for method, (metrics, consistency) in totals.items():
+  for method in (m for m in passes if m in totals):
+    metrics, consistency = totals[method]
     m = {**metrics.compute(), **consistency.compute()}
     rows.append({"method": method, "passes_per_frame": passes[method], **{k: m[k] for k in ("count",) + STREAM_COLUMNS}})
   _write_table(rows, os.path.join(output_dir, "streams"))
   plot_stream_table(rows, f"{config.model} on CamVid {split} clips").savefig(os.path.join(output_dir, "streams.png"))
-  plot_stream_examples(frames_uint8[0], labels[0], examples, camvid.palette(),
+  plot_stream_examples(frames_uint8[0], labels[0], {r["method"]: examples[r["method"]] for r in rows}, camvid.palette(),
                        f"{config.model}: first {split} clip").savefig(os.path.join(output_dir, "stream_examples.png"))
   return rows

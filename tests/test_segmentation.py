@@ -1,4 +1,5 @@
 """Semantic segmentation: U-Net, temporal smoothing (VQ-BNN), per-pixel metrics, CamVid builder."""
+import json
 import os
 
 import chex
@@ -319,3 +320,32 @@ def test_segmentation_crop_and_flip_keep_labels_on_their_pixels(tmp_path):
   assert flips == {0, 1}
   with pytest.raises(ValueError, match="segmentation"):
     create_pipeline(f"npz:{tmp_path}", 2, 0, randaugment=(2, 9.0, 0.0))
+
+
+@pytest.mark.slow
+def test_camvid_recipe_trains_and_evaluates_streams(fake_camvid, tmp_path):
+  from configs import camvid_unet
+  from smoothing_jax import evaluate, train
+  _, data_dir = fake_camvid
+  config = camvid_unet.get_config("unet_mcdo_smoothing,camvid,runlocal")
+  config.unlock()
+  config.data_dir, config.num_devices, config.batch_size, config.base_batch_size = data_dir, 1, 1, 1
+  config.crop_size, config.num_train_steps, config.eval_batch_size = (32, 48), 2, 1
+  config.ensemble_sizes = (1, 3)
+  assert (config.optimizer, config.learning_rate, config.lr_milestones, config.class_balancing) == (
+      "adam", 1e-3, (100,), "median_frequency")
+  workdir = str(tmp_path / "unet")
+  state = train.train_and_evaluate(config, workdir)
+  assert int(state.step) == 2
+  rows = evaluate.evaluate_ensemble_sizes([workdir], str(tmp_path / "results"), config)
+  assert [r["ensemble_size"] for r in rows] == [1, 3]
+  assert rows[0]["count"] == np.sum(camvid.load_clips("test", data_dir)[1] < camvid.VOID)  # void pixels dropped
+  rows = evaluate.evaluate_streams(workdir, str(tmp_path / "results"), config, num_samples=3)
+  assert [r["method"] for r in rows] == ["single", "mc", "temporal"]
+  assert [r["passes_per_frame"] for r in rows] == [1, 3, 1]
+  for r in rows:
+    assert 0 <= r["consistency"] <= 1 and np.isfinite(r["nll"]) and r["count"] == rows[0]["count"]
+  with open(tmp_path / "results" / "streams.json") as f:
+    assert json.load(f) == rows
+  for name in ("streams.png", "stream_examples.png", "ensemble_sizes.png"):
+    assert os.path.getsize(tmp_path / "results" / name) > 0
