@@ -27,7 +27,7 @@ from smoothing_jax.data import CORRUPTIONS, create_pipeline
 from smoothing_jax.ibnn import ibnn_predict
 from smoothing_jax.inference import ensemble_predict, mc_predict, stack_variables
 from smoothing_jax import temporal
-from smoothing_jax.metrics import TemporalConsistency, UncertaintyMetrics, label_mask, plot_reliability_diagram
+from smoothing_jax.metrics import UncertaintyMetrics, label_mask, plot_reliability_diagram
 from smoothing_jax.train import create_mesh, create_model, eval_batch_size, load_checkpoint, shard_batch
 
 METRIC_COLUMNS = ("nll", "acc", "ece", "top5", "brier", "acc90", "unc90", "freq90", "iou", "iou90", "ecse")
@@ -203,50 +203,6 @@ def evaluate_corruptions(workdir: str, output_dir: str, baseline_csv: Optional[s
   return aggregates
 
 
-def stream_methods(model, variables, frames, *, rng, num_samples: int, num_frames: int = temporal.NUM_FRAMES,
-                   decay_rate: float = temporal.DECAY_RATE, chunk_size: Optional[int] = None) -> dict:
-  """Predictions of the last two frames of clips ``frames [T, B, H, W, 3]`` by each inference method.
-
-  Returns ``{method: probs [2, B, ..., C]}`` with methods ``"single"`` (one
-  forward pass per frame: the deterministic net, or one MC dropout sample),
-  ``"mc"`` (mean of ``num_samples`` MC dropout passes; models with dropout only)
-  and ``"temporal"`` (VQ-BNN: one pass per frame, smoothed over the last
-  ``num_frames`` frames with π_t ∝ exp(−λ t); the clip must hold ≥ num_frames + 1
-  frames for both outputs to be fully smoothed).
-  """
-  keys = jax.random.split(rng, 3)
-  last_two = frames[-2:].reshape((-1,) + frames.shape[2:])
-  shape = (2, frames.shape[1])
-
-  def single(key):
-    pred = mc_predict(model, variables, last_two, num_samples=1, rng=key)
-    return pred.mean_probs.reshape(shape + pred.mean_probs.shape[1:])
-
-  out = {"single": single(keys[0])}
-  if getattr(model, "dropout_rate", 0) > 0 and num_samples > 1:
-    pred = mc_predict(model, variables, last_two, num_samples=num_samples, rng=keys[1], chunk_size=chunk_size)
-    out["mc"] = pred.mean_probs.reshape(shape + pred.mean_probs.shape[1:])
-  _, smoothed = temporal.vq_bnn_predict(model, variables, frames, rng=keys[2], num_frames=num_frames,
-                                        decay_rate=decay_rate)
-  out["temporal"] = smoothed[-2:]
-  return out
-
-
-def stream_statistics(predictions: dict, labels, mask=None, num_bins: int = 10) -> dict:
-  """``{method: (UncertaintyMetrics of the labelled last frame, TemporalConsistency of the last pair)}``.
-
-  ``labels [B, H, W]`` belong to the last frame; void pixels (outside ``[0, C)``)
-  are masked from every metric, the consistency included (the previous frame is
-  1/30 s earlier, so the labelled frame's void mask stands for both).
-  """
-  stats = {}
-  for method, probs in predictions.items():
-    weights = label_mask(labels, probs.shape[-1], mask)
-    stats[method] = (UncertaintyMetrics.from_model_output(probs[-1], labels, weights, num_bins=num_bins),
-                     TemporalConsistency.from_model_output(probs[-1], probs[-2], weights))
-  return stats
-
-
 def plot_stream_examples(frames, labels, predictions: dict, palette, title: str = ""):
   """One clip: the labelled frame, its ground truth, and per method the predicted classes and
   confidence (max probability).  ``frames [T, H, W, 3]`` uint8, ``labels [H, W]``,
@@ -313,15 +269,18 @@ def evaluate_streams(workdir: str, output_dir: str, config=None, *, num_samples:
   @functools.partial(jax.jit, in_shardings=(replicated, data_sharding, replicated), out_shardings=replicated)
   def step(v, batch, key):
     frames = jnp.swapaxes(batch["frames"], 0, 1)  # [T, B, H, W, 3]
-    predictions = stream_methods(model, v, frames, rng=key, num_samples=num_samples, num_frames=num_frames,
-                                 decay_rate=decay_rate, chunk_size=config.eval_chunk_size)
-    return stream_statistics(predictions, batch["label"], batch["mask"], config.ece_bins), {
+    predictions = temporal.stream_predictions(model, v, frames, rng=key, num_samples=num_samples,
+                                              num_frames=num_frames, decay_rate=decay_rate,
+                                              chunk_size=config.eval_chunk_size)
+    return temporal.stream_statistics(predictions, batch["label"], batch["mask"], config.ece_bins), {
         k: p[-1, 0] for k, p in predictions.items()}
 
-  batch_size = eval_batch_size(config, data_sharding.mesh)
+  batch_size = eval_batch_size(config, data_sharding.mesh) // jax.process_count()  # this process's rows
+  num_batches = -(-camvid.num_examples("clips", split, config.data_dir) // jax.process_count() // batch_size)
   totals, examples = None, None
-  for i, start in enumerate(range(0, len(labels), batch_size)):
-    n = min(batch_size, len(labels) - start)
+  for i in range(num_batches):  # the same count on every process; missing rows are padding
+    start = i * batch_size
+    n = max(0, min(batch_size, len(labels) - start))
     batch = {"frames": np.zeros((batch_size,) + frames_uint8.shape[1:], np.float32),
              "label": np.full((batch_size,) + labels.shape[1:], camvid.VOID, np.int32),
              "mask": np.zeros((batch_size,), np.float32)}
@@ -336,7 +295,8 @@ def evaluate_streams(workdir: str, output_dir: str, config=None, *, num_samples:
   for method in (m for m in passes if m in totals):
     metrics, consistency = totals[method]
     m = {**metrics.compute(), **consistency.compute()}
-    rows.append({"method": method, "passes_per_frame": passes[method], **{k: m[k] for k in ("count",) + STREAM_COLUMNS}})
+    rows.append({"method": method, "passes_per_frame": passes[method],
+                 **{k: m[k] for k in ("count",) + STREAM_COLUMNS}})
   _write_table(rows, os.path.join(output_dir, "streams"))
   plot_stream_table(rows, f"{config.model} on CamVid {split} clips").savefig(os.path.join(output_dir, "streams.png"))
   plot_stream_examples(frames_uint8[0], labels[0], {r["method"]: examples[r["method"]] for r in rows}, camvid.palette(),

@@ -16,17 +16,21 @@ video is one ``lax.scan`` (:func:`vq_bnn_predict`) and a long stream can be
 processed in chunks, carrying the state from one call to the next, with the
 same result.  Works with any registered model: predictions are ``[B, C]`` for
 classifiers and ``[B, H, W, C]`` for segmentation models.
+
+:func:`stream_predictions` and :func:`stream_statistics` compare one pass per
+frame, MC dropout and temporal smoothing on clips (paper Table E.4).
 """
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from smoothing_jax.inference import check_rng, sample_rngs
+from smoothing_jax.inference import check_rng, mc_predict, sample_rngs
+from smoothing_jax.metrics import TemporalConsistency, UncertaintyMetrics, label_mask
 from smoothing_jax.models.common import check_images
 
 NUM_FRAMES = 5      # L: predictions kept (the current one included)
@@ -90,8 +94,11 @@ def _jit_stream_step(model, variables, state, frame, rng, decay_rate):
   return _stream_step(model, variables, rng, decay_rate, state, frame)
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
-def _jit_scan(model, variables, state, frames, rng, decay_rate):
+@functools.partial(jax.jit, static_argnames=("model", "num_frames"))
+def _jit_scan(model, variables, state, frames, rng, decay_rate, num_frames):
+  if state is None:  # a new stream: its shape is found while tracing, not on every call
+    probs = jax.eval_shape(lambda: _frame_probs(model, variables, frames[0], rng))
+    state = init_stream(probs.shape, num_frames)
   return jax.lax.scan(functools.partial(_stream_step, model, variables, rng, decay_rate), state, frames)
 
 
@@ -132,6 +139,50 @@ def vq_bnn_predict(model: nn.Module, variables, frames, *, rng, num_frames: int 
   if not hasattr(frames, "ndim") or frames.ndim != 5:
     raise ValueError(f"frames must be [time, batch, height, width, 3], got shape {getattr(frames, 'shape', None)}.")
   check_images(frames[0])
-  if state is None:
-    state = init_stream(prediction_shape(model, variables, frames.shape[1:]), num_frames)
-  return _jit_scan(model, variables, state, frames, check_rng(rng), jnp.float32(decay_rate))
+  if not isinstance(num_frames, int) or num_frames < 1:
+    raise ValueError(f"num_frames (L) must be a positive integer, got {num_frames!r}.")
+  return _jit_scan(model, variables, state, frames, check_rng(rng), jnp.float32(decay_rate), num_frames)
+
+
+def stream_predictions(model, variables, frames, *, rng, num_samples: int, num_frames: int = NUM_FRAMES,
+                       decay_rate: float = DECAY_RATE, chunk_size: Optional[int] = None) -> dict:
+  """Predictions of the last two frames of clips ``frames [T, B, H, W, 3]`` by each inference method.
+
+  Returns ``{method: probs [2, B, ..., C]}`` with methods ``"single"`` (one
+  forward pass per frame: the deterministic net, or one MC dropout sample),
+  ``"mc"`` (mean of ``num_samples`` MC dropout passes; models with dropout only)
+  and ``"temporal"`` (VQ-BNN: one pass per frame, smoothed over the last
+  ``num_frames`` frames with π_t ∝ exp(−λ t); the clip must hold ≥ num_frames + 1
+  frames for both outputs to be fully smoothed).
+  """
+  keys = jax.random.split(rng, 3)
+  last_two = frames[-2:].reshape((-1,) + frames.shape[2:])
+  shape = (2, frames.shape[1])
+
+  def single(key):
+    pred = mc_predict(model, variables, last_two, num_samples=1, rng=key)
+    return pred.mean_probs.reshape(shape + pred.mean_probs.shape[1:])
+
+  out = {"single": single(keys[0])}
+  if getattr(model, "dropout_rate", 0) > 0 and num_samples > 1:
+    pred = mc_predict(model, variables, last_two, num_samples=num_samples, rng=keys[1], chunk_size=chunk_size)
+    out["mc"] = pred.mean_probs.reshape(shape + pred.mean_probs.shape[1:])
+  _, smoothed = vq_bnn_predict(model, variables, frames, rng=keys[2], num_frames=num_frames,
+                                        decay_rate=decay_rate)
+  out["temporal"] = smoothed[-2:]
+  return out
+
+
+def stream_statistics(predictions: dict, labels, mask=None, num_bins: int = 10) -> dict:
+  """``{method: (UncertaintyMetrics of the labelled last frame, TemporalConsistency of the last pair)}``.
+
+  ``labels [B, H, W]`` belong to the last frame; void pixels (outside ``[0, C)``)
+  are masked from every metric, the consistency included (the previous frame is
+  1/30 s earlier, so the labelled frame's void mask stands for both).
+  """
+  stats = {}
+  for method, probs in predictions.items():
+    weights = label_mask(labels, probs.shape[-1], mask)
+    stats[method] = (UncertaintyMetrics.from_model_output(probs[-1], labels, weights, num_bins=num_bins),
+                     TemporalConsistency.from_model_output(probs[-1], probs[-2], weights))
+  return stats

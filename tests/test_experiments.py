@@ -100,3 +100,39 @@ def test_changes_by_kind_by_hand():
   values = {"a": 1.0, "b": 3.0, "c": 2.0, "d": 2.5}
   kinds = {"a": "conv", "b": "conv", "c": "msa", "d": "msa"}
   assert msa_figures.changes_by_kind(values, kinds) == {"conv": 2.0, "msa": -0.25}
+
+
+def test_temporal_smoothing_script_on_translated_streams(analysis_workdirs, tmp_path, capsys):
+  from experiments import temporal_smoothing
+  args = [a for label, path in analysis_workdirs.items() for a in ("--workdir", f"{label}={path}")]
+  sizes = ["num_images=12", "num_samples=3"]
+  temporal_smoothing.main(args + ["--out", str(tmp_path)] + [a for s in sizes for a in ("--size", s)])
+  report = json.loads(capsys.readouterr().out)
+  results = json.load(open(tmp_path / "temporal.json"))
+  for label in analysis_workdirs:
+    rows = results[label]
+    assert [r["method"] for r in rows] == ["single", "mc", "temporal"]
+    assert [r["passes_per_frame"] for r in rows] == [1, 3, 1] and all(r["count"] == 12 for r in rows)
+    assert set(report["summary"][label]) == {"temporal_lowers_nll", "temporal_lowers_ece",
+                                             "temporal_raises_consistency"}
+  assert os.path.getsize(tmp_path / "temporal.png") > 1000
+  assert (tmp_path / "temporal.md").read_text().count("| temporal |") == 2
+
+
+def test_temporal_smoothing_study_matches_explicit_average(analysis_workdirs):
+  # The smoothed last frame = Σ π_t p_t of one pass per frame with the stream's keys.
+  import jax
+  import jax.numpy as jnp
+  from smoothing_jax import temporal
+  from smoothing_jax.analysis.perturbation import translate_sequences
+  from smoothing_jax.inference import sample_rngs
+  model = studies.load_trained(analysis_workdirs["MC dropout + smoothing"])
+  pixels, labels = studies.eval_pixels(model, 4)
+  frames = jnp.swapaxes(model.normalize(jnp.asarray(translate_sequences(pixels, 6, 3, 0))), 0, 1)
+  key = jax.random.key(7)
+  _, smoothed = temporal.vq_bnn_predict(model.model, model.variables, frames, rng=key)
+  passes = [jax.nn.softmax(model.model.apply(model.variables, frames[t], rngs=sample_rngs(jax.random.fold_in(key, t))))
+            for t in range(6)]
+  weights = np.exp(-0.8 * np.arange(5))
+  np.testing.assert_allclose(smoothed[-1], sum(w * passes[5 - a] for a, w in enumerate(weights)) / weights.sum(),
+                             rtol=1e-5, atol=1e-6)

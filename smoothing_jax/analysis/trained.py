@@ -10,6 +10,7 @@ matching ``plot_*`` function (or a notebook) draws:
 * ``landscape_study``          2-D loss landscape (SS Fig. 7)
 * ``frequency_noise_study``    accuracy under band-limited noise (SS Fig. 6c)
 * ``consistency_study``        consistency / CEC / relative confidence (SS Table E.3)
+* ``temporal_smoothing_study`` one pass vs MC dropout vs VQ-BNN on shift-translated streams (SS Table E.4 layout)
 * ``adversarial_study``        FGSM / PGD accuracy against the MC prediction
 * ``lesion_study``             accuracy drop when one unit is removed (HV Sec. 4.1; ViT, AlterNet)
 """
@@ -35,6 +36,7 @@ from smoothing_jax.analysis.robustness import ensemble_nll, fgsm, pgd
 from smoothing_jax.analysis.spectrum import max_eigenvalue_spectrum, training_loss
 from smoothing_jax.data import create_pipeline
 from smoothing_jax.data.input_pipeline import Pipeline
+from smoothing_jax import temporal
 from smoothing_jax.inference import mc_predict
 from smoothing_jax.train import create_model, load_checkpoint
 
@@ -157,6 +159,41 @@ def consistency_study(trained: TrainedModel, *, num_images: int = 500, length: i
   probs = sequence_predictions(lambda x: predict(trained.normalize(x)), videos)
   first = probs[0, :, labels[0]] / probs[0].max(-1)
   return {**perturbation_metrics(probs, labels), "relative_confidence_curve": first}
+
+
+@functools.partial(jax.jit, static_argnames=("model", "num_samples", "num_frames"))
+def _stream_statistics(model, variables, frames, labels, rng, num_samples, num_frames, decay_rate):
+  predictions = temporal.stream_predictions(model, variables, frames, rng=rng, num_samples=num_samples,
+                                            num_frames=num_frames, decay_rate=decay_rate)
+  return temporal.stream_statistics(predictions, labels)
+
+
+def temporal_smoothing_study(trained: TrainedModel, *, num_images: int = 1000, length: int = 6, max_shift: int = 3,
+                             num_samples: int = 10, num_frames: int = temporal.NUM_FRAMES,
+                             decay_rate: float = temporal.DECAY_RATE, batch_size: int = 250, seed: int = 0) -> list:
+  """Temporal smoothing on data streams made of test images: each image becomes a clip of
+  ``length`` frames shifted by up to ``max_shift`` pixels (:func:`translate_sequences`).
+
+  Rows (the paper's Table E.4 layout) for one pass per frame (``single``), MC dropout
+  with ``num_samples`` passes (``mc``, dropout models) and VQ-BNN with one pass per
+  frame (``temporal``): NLL, accuracy, ECE, … on the last frame and consistency
+  between the last two frames.
+  """
+  pixels, labels = eval_pixels(trained, num_images)
+  videos = translate_sequences(pixels, length, max_shift, seed)
+  totals = None
+  for i in range(0, len(videos), batch_size):
+    frames = jnp.swapaxes(trained.normalize(jnp.asarray(videos[i:i + batch_size])), 0, 1)
+    stats = _stream_statistics(trained.model, trained.variables, frames, jnp.asarray(labels[i:i + batch_size]),
+                               jax.random.fold_in(jax.random.key(seed), i), num_samples, num_frames, decay_rate)
+    totals = stats if totals is None else {k: (a.merge(stats[k][0]), b.merge(stats[k][1]))
+                                           for k, (a, b) in totals.items()}
+  rows = []
+  for method, passes in (("single", 1), ("mc", num_samples), ("temporal", 1)):
+    if method in totals:
+      metrics, consistency = totals[method]
+      rows.append({"method": method, "passes_per_frame": passes, **metrics.compute(), **consistency.compute()})
+  return rows
 
 
 def _attack(trained: TrainedModel, kind: str, pgd_steps: int, seed: int):

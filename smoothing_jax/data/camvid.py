@@ -148,7 +148,8 @@ class Camvid(tfds.core.GeneratorBasedBuilder):
     root = dl_manager.manual_dir
     stills_dir = os.path.join(root, STILLS_DIR)
     if not os.path.isdir(stills_dir):
-      raise FileNotFoundError(f"CamVid stills not found: {stills_dir} does not exist. {self.MANUAL_DOWNLOAD_INSTRUCTIONS}")
+      raise FileNotFoundError(f"CamVid stills not found: {stills_dir} does not exist. "
+                              f"{self.MANUAL_DOWNLOAD_INSTRUCTIONS}")
     splits = {"train": [], "validation": [], "test": []}
     for filename in sorted(os.listdir(stills_dir)):
       if filename.endswith(".png"):
@@ -193,6 +194,11 @@ class Camvid(tfds.core.GeneratorBasedBuilder):
           clip.append(resize_image(_read_rgb(frames[(sequence, previous)])))
         example["frames"] = np.stack(clip + [image])
       yield stem, example
+
+
+def num_examples(config: str, split: str, data_dir: str | None = None) -> int:
+  """Examples in split ``split`` of ``camvid/<config>`` (all processes together)."""
+  return tfds.builder(f"camvid/{config}", data_dir=data_dir).info.splits[split].num_examples
 
 
 def load_clips(split: str = "test", data_dir: str | None = None):
