@@ -18,12 +18,10 @@ import os
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
 from smoothing_jax.analysis import trained as studies  # noqa: E402
 from smoothing_jax.analysis.figure_cli import (figure_parser, load_workdirs, sizes_with_overrides,  # noqa: E402
                                                write_json, write_report)
+from smoothing_jax.evaluate import plot_stream_table  # noqa: E402
 
 SIZES = {"num_images": 1000, "length": 6, "max_shift": 3, "num_samples": 10}
 COLUMNS = (("nll", "NLL", 1, ".4f"), ("acc", "Acc (%)", 100, ".2f"), ("ece", "ECE (%)", 100, ".2f"),
@@ -40,22 +38,6 @@ def markdown_table(results: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def plot_results(results: dict):
-  """Grouped bars: one group per metric panel, one bar per (workdir, method)."""
-  fig, axes = plt.subplots(1, len(COLUMNS), figsize=(4 * len(COLUMNS), 3.4))
-  bars = [(f"{label}\n{r['method']}", r) for label, rows in results.items() for r in rows]
-  colours = plt.cm.tab10(np.arange(len(bars)) % 10)
-  for ax, (key, name, scale, _) in zip(axes, COLUMNS):
-    values = [scale * r[key] for _, r in bars]
-    ax.bar(range(len(bars)), values, color=colours)
-    low, high = min(values), max(values)
-    ax.set_ylim(max(0.0, low - 0.5 * (high - low + 1e-3)), high + 0.25 * (high - low + 1e-3))
-    ax.set_xticks(range(len(bars)), [b[0] for b in bars], rotation=60, ha="right", fontsize=7)
-    ax.set_title(name)
-  fig.tight_layout()
-  return fig
-
-
 def main(argv=None):
   parser = figure_parser(__doc__, ("temporal",), SIZES)
   args = parser.parse_args(argv)
@@ -66,7 +48,7 @@ def main(argv=None):
   write_json(os.path.join(args.out, "temporal.json"), results, indent=1)
   with open(os.path.join(args.out, "temporal.md"), "w") as f:
     f.write(markdown_table(results))
-  plot_results(results).savefig(os.path.join(args.out, "temporal.png"), dpi=120)
+  plot_stream_table(results, "translated test-image streams").savefig(os.path.join(args.out, "temporal.png"), dpi=120)
   summary = {}
   for label, rows in results.items():
     by_method = {r["method"]: r for r in rows}

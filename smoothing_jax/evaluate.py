@@ -27,7 +27,7 @@ from smoothing_jax.data import CORRUPTIONS, create_pipeline
 from smoothing_jax.ibnn import ibnn_predict
 from smoothing_jax.inference import ensemble_predict, mc_predict, stack_variables
 from smoothing_jax import temporal
-from smoothing_jax.metrics import UncertaintyMetrics, label_mask, plot_reliability_diagram
+from smoothing_jax.metrics import UncertaintyMetrics, class_iou, label_mask, plot_reliability_diagram
 from smoothing_jax.train import create_mesh, create_model, eval_batch_size, load_checkpoint, shard_batch
 
 METRIC_COLUMNS = ("nll", "acc", "ece", "top5", "brier", "acc90", "unc90", "freq90", "iou", "iou90", "ecse")
@@ -227,19 +227,22 @@ def plot_stream_examples(frames, labels, predictions: dict, palette, title: str 
   return fig
 
 
-def plot_stream_table(rows: list, title: str = ""):
-  """NLL, ECE, accuracy and consistency of each inference method (bars); returns the Figure."""
+def plot_stream_table(results, title: str = ""):
+  """NLL, ECE, accuracy and consistency bars for each inference method: ``results`` is one model's
+  rows (``[{"method", "nll", ...}]``) or ``{model label: rows}``; returns the Figure."""
   import matplotlib.pyplot as plt
-  methods = [r["method"] for r in rows]
-  fig, axes = plt.subplots(1, 4, figsize=(13, 3.2))
+  results = {"": results} if isinstance(results, list) else results
+  bars = [(f"{label}\n{r['method']}".strip(), r) for label, rows in results.items() for r in rows]
+  colours = plt.cm.tab10(np.arange(len(bars)) % 10)
+  fig, axes = plt.subplots(1, 4, figsize=(3.5 + 1.1 * len(bars) * 4 / 3, 3.6))
   for ax, (key, label, scale) in zip(axes, (("nll", "NLL", 1), ("ece", "ECE (%)", 100), ("acc", "Accuracy (%)", 100),
                                             ("consistency", "Consistency (%)", 100))):
-    values = [scale * r[key] for r in rows]
-    ax.bar(methods, values, color="tab:blue")
+    values = [scale * r[key] for _, r in bars]
+    ax.bar(range(len(bars)), values, color=colours)
     low, high = min(values), max(values)
     ax.set_ylim(max(0.0, low - 0.5 * (high - low + 1e-3)), high + 0.25 * (high - low + 1e-3))
-    ax.set_ylabel(label)
-    ax.tick_params(axis="x", rotation=20)
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars], rotation=60, ha="right", fontsize=7)
+    ax.set_title(label)
   fig.suptitle(title)
   fig.tight_layout()
   return fig
@@ -255,7 +258,8 @@ def evaluate_streams(workdir: str, output_dir: str, config=None, *, num_samples:
   models only) and temporal smoothing (``temporal``, VQ-BNN / VQ-DNN: one pass per
   frame); columns: NLL, accuracy, ECE, mIoU, IoU-90, Acc-90, Unc-90, Freq-90 (per
   pixel, void masked, on the labelled frame) and consistency (argmax agreement of
-  the last two frames).  Writes ``streams.{json,csv,png}`` and ``stream_examples.png``.
+  the last two frames).  Writes ``streams.{json,csv,png}``, per-class IoU in
+  ``streams_class_iou.json`` and ``stream_examples.png``.
   """
   from smoothing_jax.data import camvid
   os.makedirs(output_dir, exist_ok=True)
@@ -298,6 +302,9 @@ def evaluate_streams(workdir: str, output_dir: str, config=None, *, num_samples:
     rows.append({"method": method, "passes_per_frame": passes[method],
                  **{k: m[k] for k in ("count",) + STREAM_COLUMNS}})
   _write_table(rows, os.path.join(output_dir, "streams"))
+  with open(os.path.join(output_dir, "streams_class_iou.json"), "w") as f:
+    json.dump({method: dict(zip(camvid.CLASSES, class_iou(totals[method][0].confusion).tolist()))
+               for method in (r["method"] for r in rows)}, f, indent=2)
   plot_stream_table(rows, f"{config.model} on CamVid {split} clips").savefig(os.path.join(output_dir, "streams.png"))
   plot_stream_examples(frames_uint8[0], labels[0], {r["method"]: examples[r["method"]] for r in rows}, camvid.palette(),
                        f"{config.model}: first {split} clip").savefig(os.path.join(output_dir, "stream_examples.png"))

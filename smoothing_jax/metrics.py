@@ -216,16 +216,19 @@ class TemporalConsistency(clu.metrics.Metric):
     return {"consistency": float(self.agree) / float(self.total)}
 
 
-def mean_iou(confusion) -> float:
-  """Mean over classes with label support of TP / (TP + FP + FN); 0 if no class has support."""
+def class_iou(confusion) -> np.ndarray:
+  """Per-class TP / (TP + FP + FN) ``[C]`` from a confusion matrix (rows = true class); NaN without label support."""
   cm = np.asarray(confusion, np.float64)
   tp = np.diag(cm)
   support = cm.sum(axis=1)
   union = support + cm.sum(axis=0) - tp
-  present = support > 0
-  if not present.any():
-    return 0.0
-  return float(np.mean(tp[present] / union[present]))
+  return np.where(support > 0, tp / np.maximum(union, 1e-300), np.nan)
+
+
+def mean_iou(confusion) -> float:
+  """Mean over classes with label support of TP / (TP + FP + FN); 0 if no class has support."""
+  iou = class_iou(confusion)
+  return float(np.nanmean(iou)) if np.any(~np.isnan(iou)) else 0.0
 
 
 def evaluate(probs, labels, mask=None, *, num_bins: int = 10, cutoff: float = 0.9) -> dict:

@@ -11,7 +11,7 @@ from PIL import Image
 
 from smoothing_jax import temporal
 from smoothing_jax.data import camvid, create_pipeline, median_frequency_weights
-from smoothing_jax.metrics import TemporalConsistency, UncertaintyMetrics, label_mask
+from smoothing_jax.metrics import TemporalConsistency, UncertaintyMetrics, class_iou, label_mask
 from smoothing_jax.models import get_model
 from smoothing_jax.train import cross_entropy
 
@@ -169,6 +169,9 @@ def test_pixel_metrics_with_void_match_hand_worked_example():
   np.testing.assert_allclose(m["iou"], (0.5 + 0.5 + 1.0) / 3)
   # IoU-90 on the certain pixel only: class 0 = 1; classes 1, 2 have no certain support.
   np.testing.assert_allclose(m["iou90"], 1.0)
+  stats = UncertaintyMetrics.from_model_output(probs, labels, mask)
+  np.testing.assert_allclose(class_iou(stats.confusion), [0.5, 0.5, 1.0])
+  np.testing.assert_allclose(class_iou(stats.certain_confusion), [1.0, np.nan, np.nan])
 
 
 def test_temporal_consistency_hand_worked():
@@ -347,5 +350,7 @@ def test_camvid_recipe_trains_and_evaluates_streams(fake_camvid, tmp_path):
     assert 0 <= r["consistency"] <= 1 and np.isfinite(r["nll"]) and r["count"] == rows[0]["count"]
   with open(tmp_path / "results" / "streams.json") as f:
     assert json.load(f) == rows
+  with open(tmp_path / "results" / "streams_class_iou.json") as f:
+    assert list(json.load(f)["temporal"]) == list(camvid.CLASSES)
   for name in ("streams.png", "stream_examples.png", "ensemble_sizes.png"):
     assert os.path.getsize(tmp_path / "results" / name) > 0
