@@ -2,7 +2,7 @@
 
   --config=configs/camvid_unet.py                                  # unet_mcdo_smoothing on camvid
   --config=configs/camvid_unet.py:unet_mcdo,camvid
-  --config=configs/camvid_unet.py:unet_dnn_smoothing,npz:<dir>,runlocal   # CPU smoke run
+  --config=configs/camvid_unet.py:unet_dnn_smoothing,npz:<dir>,runlocal --config.num_classes=11   # CPU smoke run
 
 Pixel-wise cross-entropy with median-frequency class balancing and the void
 label masked; Adam (lr 1e-3, β 0.9 / 0.999, no weight decay), batch 3, 130
@@ -11,7 +11,8 @@ not give the crop size: 352×480 crops of the 360×480 images (a multiple of 16,
 the U-Net's total down-sampling) are used here; evaluation sees whole images.
 CamVid comes from the ``camvid`` TFDS builder (``python -m smoothing_jax.data.camvid
 --manual_dir=<release> --data_dir=<dir>`` prepares it, then ``--config.data_dir=<dir>``).
-Evaluate temporal smoothing with ``--mode=streams``.
+Evaluate temporal smoothing with ``--mode=streams``.  The global batch of 3 needs
+1 or 3 devices (``--config.num_devices=1``), or a batch size the devices divide.
 """
 from ml_collections.config_dict import placeholder
 

@@ -301,11 +301,14 @@ def evaluate_streams(workdir: str, output_dir: str, config=None, *, num_samples:
     m = {**metrics.compute(), **consistency.compute()}
     rows.append({"method": method, "passes_per_frame": passes[method],
                  **{k: m[k] for k in ("count",) + STREAM_COLUMNS}})
-  _write_table(rows, os.path.join(output_dir, "streams"))
-  with open(os.path.join(output_dir, "streams_class_iou.json"), "w") as f:
-    json.dump({method: dict(zip(camvid.CLASSES, class_iou(totals[method][0].confusion).tolist()))
-               for method in (r["method"] for r in rows)}, f, indent=2)
-  plot_stream_table(rows, f"{config.model} on CamVid {split} clips").savefig(os.path.join(output_dir, "streams.png"))
-  plot_stream_examples(frames_uint8[0], labels[0], {r["method"]: examples[r["method"]] for r in rows}, camvid.palette(),
-                       f"{config.model}: first {split} clip").savefig(os.path.join(output_dir, "stream_examples.png"))
+  if jax.process_index() == 0:  # results are replicated; one process writes them
+    _write_table(rows, os.path.join(output_dir, "streams"))
+    with open(os.path.join(output_dir, "streams_class_iou.json"), "w") as f:
+      json.dump({r["method"]: dict(zip(camvid.CLASSES, class_iou(totals[r["method"]][0].confusion).tolist()))
+                 for r in rows}, f, indent=2)
+    plot_stream_table(rows, f"{config.model} on CamVid {split} clips").savefig(
+        os.path.join(output_dir, "streams.png"))
+    plot_stream_examples(frames_uint8[0], labels[0], {r["method"]: examples[r["method"]] for r in rows},
+                         camvid.palette(), f"{config.model}: first {split} clip").savefig(
+                             os.path.join(output_dir, "stream_examples.png"))
   return rows

@@ -109,7 +109,8 @@ class UncertaintyMetrics(clu.metrics.Metric):
     probs = probs.reshape(-1, num_classes).astype(jnp.float32)
     labels = labels.reshape(-1)
     w = jnp.ones(labels.shape, jnp.float32) if mask is None else jnp.asarray(mask, jnp.float32).reshape(-1)
-    labels = jnp.where(w > 0, labels, 0)  # masked (e.g. void) labels may lie outside [0, C)
+    w = w * label_mask(labels, num_classes)  # labels outside [0, C) (void) never count
+    labels = jnp.where(w > 0, labels, 0)
 
     conf = jnp.max(probs, axis=-1)
     pred = jnp.argmax(probs, axis=-1)
@@ -191,8 +192,11 @@ class TemporalConsistency(clu.metrics.Metric):
     if probs.shape != previous_probs.shape or probs.ndim < 2:
       raise ValueError(f"probs {probs.shape} and previous_probs {previous_probs.shape} must both be [..., C].")
     agree = (jnp.argmax(probs, -1) == jnp.argmax(previous_probs, -1)).astype(jnp.float32)
-    w = jnp.ones(agree.shape, jnp.float32) if mask is None else jnp.broadcast_to(
-        jnp.asarray(mask, jnp.float32), agree.shape)
+    if mask is None:
+      w = jnp.ones(agree.shape, jnp.float32)
+    else:  # a per-example mask [B] extends over the other axes, as in label_mask
+      mask = jnp.asarray(mask, jnp.float32)
+      w = jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (agree.ndim - mask.ndim)), agree.shape)
     return cls(agree=jnp.sum(w * agree), total=jnp.sum(w))
 
   @classmethod

@@ -150,7 +150,8 @@ def stream_predictions(model, variables, frames, *, rng, num_samples: int, num_f
 
   Returns ``{method: probs [2, B, ..., C]}`` with methods ``"single"`` (one
   forward pass per frame: the deterministic net, or one MC dropout sample),
-  ``"mc"`` (mean of ``num_samples`` stochastic passes; MC dropout and iBNN models only)
+  ``"mc"`` (mean of ``num_samples`` MC dropout passes; dropout models only — iBNN
+  ensembles are ``smoothing_jax.ibnn.ibnn_predict``)
   and ``"temporal"`` (VQ-BNN: one pass per frame, smoothed over the last
   ``num_frames`` frames with π_t ∝ exp(−λ t); the clip must hold ≥ num_frames + 1
   frames for both outputs to be fully smoothed).
@@ -164,8 +165,7 @@ def stream_predictions(model, variables, frames, *, rng, num_samples: int, num_f
     return pred.mean_probs.reshape(shape + pred.mean_probs.shape[1:])
 
   out = {"single": single(keys[0])}
-  stochastic = getattr(model, "dropout_rate", 0) > 0 or getattr(model, "num_components", 0) > 0
-  if stochastic and num_samples > 1:
+  if getattr(model, "dropout_rate", 0) > 0 and num_samples > 1:
     pred = mc_predict(model, variables, last_two, num_samples=num_samples, rng=keys[1], chunk_size=chunk_size)
     out["mc"] = pred.mean_probs.reshape(shape + pred.mean_probs.shape[1:])
   _, smoothed = vq_bnn_predict(model, variables, frames, rng=keys[2], num_frames=num_frames, decay_rate=decay_rate)

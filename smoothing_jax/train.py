@@ -60,6 +60,9 @@ def eval_batch_size(config, mesh: Mesh) -> int:
 
 def create_model(config, pipeline):
   """``config.model`` for ``pipeline``'s classes (``config.num_classes`` > 0 overrides) and geometry."""
+  if config.num_classes <= 0 and pipeline.is_segmentation and pipeline.spec.base not in NUM_CLASSES:
+    raise ValueError(f"Set --config.num_classes for the segmentation dataset {config.dataset!r}: label maps "
+                     "mark void pixels with values outside [0, num_classes), so the classes cannot be inferred.")
   num_classes = config.num_classes if config.num_classes > 0 else NUM_CLASSES.get(
       pipeline.spec.base, int(pipeline.train_labels.max()) + 1)
   overrides = {k: v for k, v in config.model_kwargs.items() if v is not None}

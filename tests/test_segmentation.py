@@ -66,6 +66,18 @@ def test_unet_layout_is_the_reference_one():
   assert get_model("unet_dnn", 11).dropout_rate == 0.0
 
 
+def test_unet_dropout_follows_stages_3_to_8():
+  from smoothing_jax.layers import MCDropout
+  model = get_model("unet_mcdo", 5, width=2, encoder_convs=(1,) * 5, decoder_convs=(1,) * 4)
+  x = jnp.ones((1, 16, 16, 3))
+  variables = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+  _, inter = model.apply(variables, x, rngs={"dropout": jax.random.key(2)}, mutable=["intermediates"],
+                         capture_intermediates=lambda m, _: isinstance(m, MCDropout))
+  calls = [inter["intermediates"][f"MCDropout_{i}"]["__call__"][0].shape for i in range(len(inter["intermediates"]))]
+  # Stages 3, 4 (encoder levels at 4×4, 2×2), 5 (bottleneck 1×1), 6, 7, 8 (decoder at 2×2, 4×4, 8×8).
+  assert calls == [(1, 4, 4, 8), (1, 2, 2, 16), (1, 1, 1, 32), (1, 2, 2, 16), (1, 4, 4, 8), (1, 8, 8, 4)]
+
+
 def test_unet_dropout_and_smoothing_positions(tiny_unet):
   model, variables = tiny_unet
   x = jax.random.normal(jax.random.key(3), (1, 12, 12, 3))
@@ -170,6 +182,8 @@ def test_pixel_metrics_with_void_match_hand_worked_example():
   # IoU-90 on the certain pixel only: class 0 = 1; classes 1, 2 have no certain support.
   np.testing.assert_allclose(m["iou90"], 1.0)
   stats = UncertaintyMetrics.from_model_output(probs, labels, mask)
+  # Void labels never count, even without an explicit mask.
+  assert UncertaintyMetrics.from_model_output(probs, labels).compute() == m
   np.testing.assert_allclose(class_iou(stats.confusion), [0.5, 0.5, 1.0])
   np.testing.assert_allclose(class_iou(stats.certain_confusion), [1.0, np.nan, np.nan])
 
@@ -180,6 +194,9 @@ def test_temporal_consistency_hand_worked():
   b = jax.nn.one_hot(jnp.array([[0, 0], [1, 2]]), 3)
   mask = label_mask(jnp.array([[0, 2], [1, 9]]), 3)
   assert TemporalConsistency.from_model_output(b, a, mask).compute()["consistency"] == pytest.approx(2 / 3)
+  # A per-example mask [B] covers every pixel of its example (here B = W = 2).
+  per_example = TemporalConsistency.from_model_output(jnp.stack([b, b]), jnp.stack([a, b]), jnp.array([1.0, 0.0]))
+  assert per_example.compute()["consistency"] == pytest.approx(2 / 4)
   seq = jnp.stack([a, b, b])[None]  # [N=1, T=3, 2, 2, C]
   assert TemporalConsistency.from_sequence(seq).compute()["consistency"] == pytest.approx((2 + 4) / 8)
 
@@ -206,7 +223,7 @@ def test_weighted_pixel_cross_entropy_masks_void():
 
 FAKE_SIZE = (720, 960)
 # Stills of each split (SegNet rule) and a colour layout per still: 2×2-constant blocks.
-FAKE_STILLS = {"0001TP_006690": "train", "0016E5_07961": "validation", "Seq05VD_f00030": "test"}
+FAKE_STILLS = {"0001TP_006690": "train", "0016E5_07961": "validation", "Seq05VD_f00002": "test"}
 COLOURS = [(128, 128, 128), (64, 192, 0), (128, 64, 128), (0, 0, 0), (10, 20, 30), (192, 0, 192)]
 COLOUR_CLASSES = [0, 1, 3, camvid.VOID, camvid.VOID, 10]  # Sky, Wall→building, Road, Void, unknown, Motorcycle
 
@@ -225,7 +242,10 @@ def _block_labels(seed):
 
 @pytest.fixture(scope="module")
 def fake_camvid(tmp_path_factory):
-  """A tiny CamVid release (3 stills at 720×960, their label maps and 5 video frames before each), prepared."""
+  """A tiny CamVid release (3 stills at 720×960, their label maps and the ≤ 5 video frames before each), prepared.
+
+  The test still is frame 2 of its video, so its clip starts with the video's first frame repeated.
+  """
   root = tmp_path_factory.mktemp("camvid_release")
   for sub in (camvid.STILLS_DIR, camvid.LABELS_DIR, camvid.SEQUENCES_DIR + "/nested"):
     os.makedirs(root / sub)
@@ -233,7 +253,7 @@ def fake_camvid(tmp_path_factory):
     Image.fromarray(_smooth_image(i)).save(root / camvid.STILLS_DIR / f"{stem}.png")
     Image.fromarray(np.asarray(COLOURS, np.uint8)[_block_labels(i)]).save(root / camvid.LABELS_DIR / f"{stem}_L.png")
     sequence, frame, text = camvid.parse_name(stem + ".png")
-    for back in range(1, 6):
+    for back in range(1, min(5, frame) + 1):
       number = f"{'f' if text.startswith('f') else ''}{frame - back:0{len(text.lstrip('f'))}d}"
       Image.fromarray(_smooth_image(10 * i + back)).save(root / camvid.SEQUENCES_DIR / "nested" /
                                                          f"{sequence}_{number}.png")
@@ -270,10 +290,12 @@ def test_camvid_builder_on_fake_release(fake_camvid):
     np.testing.assert_array_equal(ex["label"][..., 0], expected)
     assert ex["frames"].shape == (6, 360, 480, 3)
     np.testing.assert_array_equal(ex["frames"][-1], ex["image"])
-    oldest = _smooth_image(10 * i + 5).astype(np.float64).reshape(360, 2, 480, 2, 3).mean((1, 3))
-    assert np.abs(ex["frames"][0] - oldest).max() <= 1.0
+    back = [5, 4, 3, 2, 1] if split != "test" else [2, 2, 2, 2, 1]  # Seq05VD_f00002: frames 0, 0, 0, 0, 1
+    for t, b in enumerate(back):
+      older = _smooth_image(10 * i + b).astype(np.float64).reshape(360, 2, 480, 2, 3).mean((1, 3))
+      assert np.abs(ex["frames"][t] - older).max() <= 1.0
   frames, labels, names = camvid.load_clips("test", data_dir)
-  assert frames.shape == (1, 6, 360, 480, 3) and labels.shape == (1, 360, 480) and names == ["Seq05VD_f00030"]
+  assert frames.shape == (1, 6, 360, 480, 3) and labels.shape == (1, 360, 480) and names == ["Seq05VD_f00002"]
 
 
 def test_camvid_builder_names_a_missing_video_frame(fake_camvid, tmp_path):
@@ -282,8 +304,8 @@ def test_camvid_builder_names_a_missing_video_frame(fake_camvid, tmp_path):
   root, _ = fake_camvid
   release = tmp_path / "release"
   shutil.copytree(root, release)
-  os.remove(release / camvid.SEQUENCES_DIR / "nested" / "Seq05VD_f00027.png")
-  with pytest.raises(FileNotFoundError, match="Video frame 27 of sequence Seq05VD"):
+  os.remove(release / camvid.SEQUENCES_DIR / "nested" / "0016E5_07958.png")
+  with pytest.raises(FileNotFoundError, match="Video frame 7958 of sequence 0016E5"):
     tfds.builder("camvid/clips", data_dir=str(tmp_path / "tfds")).download_and_prepare(
         download_config=tfds.download.DownloadConfig(manual_dir=str(release)))
 
@@ -323,6 +345,19 @@ def test_segmentation_crop_and_flip_keep_labels_on_their_pixels(tmp_path):
   assert flips == {0, 1}
   with pytest.raises(ValueError, match="segmentation"):
     create_pipeline(f"npz:{tmp_path}", 2, 0, randaugment=(2, 9.0, 0.0))
+  # Void is a label value, so the number of classes must be given for npz label maps.
+  from configs import camvid_unet
+  from smoothing_jax.train import create_model
+  config = camvid_unet.get_config(f"unet_dnn,npz:{tmp_path},runlocal")
+  with pytest.raises(ValueError, match="num_classes"):
+    create_model(config, pipeline)
+  config.num_classes = 5
+  assert create_model(config, pipeline).num_classes == 5
+  from configs import cifar_resnet
+  classifier = cifar_resnet.get_config(f"resnet_dnn_18,npz:{tmp_path},runlocal")
+  classifier.num_classes = 5
+  with pytest.raises(ValueError, match="does not fit dataset"):
+    create_model(classifier, pipeline)
 
 
 @pytest.mark.slow

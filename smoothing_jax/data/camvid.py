@@ -21,7 +21,9 @@ which every loss and metric masks out.  Splits are SegNet's 367/101/233
 * ``camvid/labeled`` (default): ``image`` [360, 480, 3], ``label`` [360, 480, 1], ``name``;
 * ``camvid/clips``: the same plus ``frames`` [6, 360, 480, 3], the labelled
   frame and the 5 frames before it at 30 Hz (oldest first; the reference's
-  ``offset=(5, 0)``), for temporal smoothing and consistency.
+  ``offset=(5, 0)``), for temporal smoothing and consistency.  A still less than
+  5 frames after the start of its video (``Seq05VD_f00000``) repeats the video's
+  first frame in place of the frames that do not exist.
 """
 from __future__ import annotations
 
@@ -165,7 +167,7 @@ class Camvid(tfds.core.GeneratorBasedBuilder):
       raise FileNotFoundError(f"camvid/clips needs the video frames in {sequences_dir}. "
                               f"{self.MANUAL_DOWNLOAD_INSTRUCTIONS}")
     frames = {}
-    for directory, _, files in os.walk(sequences_dir):
+    for directory, _, files in sorted(os.walk(sequences_dir)):
       for filename in files:
         if filename.endswith(".png"):
           sequence, frame, _ = parse_name(filename)
@@ -174,6 +176,9 @@ class Camvid(tfds.core.GeneratorBasedBuilder):
 
   def _generate_examples(self, root, names, frames):
     table = colour_lookup()
+    first_frame = {}  # each video's first frame number
+    for sequence, number in frames:
+      first_frame[sequence] = min(number, first_frame.get(sequence, number))
     for filename in names:
       stem = filename[:-len(".png")]
       label_path = os.path.join(root, LABELS_DIR, stem + "_L.png")
@@ -186,8 +191,13 @@ class Camvid(tfds.core.GeneratorBasedBuilder):
       example = {"image": image, "label": labels[..., None], "name": stem}
       if self.builder_config.clip_length:
         sequence, frame, _ = parse_name(filename)
+        first = min(first_frame.get(sequence, frame), frame)
         clip = []
         for previous in range(frame - self.builder_config.clip_length + 1, frame):
+          previous = max(previous, first)  # before the video starts: repeat its first frame
+          if previous == frame:
+            clip.append(image)
+            continue
           if (sequence, previous) not in frames:
             raise FileNotFoundError(f"Video frame {previous} of sequence {sequence} (before still {filename}) "
                                     f"is missing from {os.path.join(root, SEQUENCES_DIR)}.")

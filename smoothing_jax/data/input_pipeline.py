@@ -175,13 +175,26 @@ def load_arrays(spec: DatasetSpec, split: str, data_dir: Optional[str] = None, d
   return images[process::count], labels[process::count]
 
 
+def sum_over_processes(x: np.ndarray) -> np.ndarray:
+  """``x`` summed over all processes (multi-host); ``x`` itself on one process."""
+  if jax.process_count() == 1:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils
+  return np.sum(multihost_utils.process_allgather(np.asarray(x)), axis=0)
+
+
 def normalization(spec: DatasetSpec, train_images: Optional[np.ndarray] = None):
-  """Per-channel (mean, std) in [0, 1] units: the paper's constants, or the training set's own."""
+  """Per-channel (mean, std) in [0, 1] units: the paper's constants, or the (whole) training set's own."""
   key = spec.base if spec.base in NORMALIZATION else None
   if key:
     return NORMALIZATION[key]
   pixels = train_images.reshape(-1, 3).astype(np.float64) / 255.0
-  return tuple(pixels.mean(0)), tuple(pixels.std(0))
+  if jax.process_count() == 1:
+    return tuple(pixels.mean(0)), tuple(pixels.std(0))
+  # Each process holds a shard: combine the moments so that every process normalises alike.
+  total = sum_over_processes(np.concatenate([[len(pixels)], pixels.sum(0), np.square(pixels).sum(0)]))
+  mean = total[1:4] / total[0]
+  return tuple(mean), tuple(np.sqrt(np.maximum(total[4:7] / total[0] - mean ** 2, 0.0)))
 
 
 # ----------------------------------------------------------------------------- augmentation
@@ -190,19 +203,25 @@ def _normalize(image, mean, std):
   return (tf.cast(image, tf.float32) / 255.0 - tf.constant(mean, tf.float32)) / tf.constant(std, tf.float32)
 
 
-def median_frequency_weights(labels: np.ndarray, num_classes: int) -> np.ndarray:
+def class_pixel_counts(labels: np.ndarray, num_classes: int) -> np.ndarray:
+  """``[2, C]``: pixels of each class, and pixels of the images in which it appears (void not a class)."""
+  labels = np.asarray(labels).reshape(len(labels), -1)
+  counts = np.stack([np.bincount(np.where((row >= 0) & (row < num_classes), row, num_classes),
+                                 minlength=num_classes + 1)[:num_classes] for row in labels])  # [N, C]
+  return np.stack([counts.sum(0), np.sum((counts > 0) * labels.shape[1], axis=0)]).astype(np.int64)
+
+
+def median_frequency_weights(labels: np.ndarray, num_classes: int, counts: Optional[np.ndarray] = None) -> np.ndarray:
   """Median-frequency class balancing (Eigen & Fergus 2015) from label maps ``[N, H, W]``.
 
   freq_c = (pixels of class c) / (pixels of the images in which c appears);
   weight_c = median_c(freq_c) / freq_c.  Void labels (outside ``[0, C)``) are not
-  counted as any class; classes absent from ``labels`` get weight 0.
+  counted as any class; classes absent from ``labels`` get weight 0.  ``counts``
+  (:func:`class_pixel_counts`, e.g. summed over processes) replaces ``labels``.
   """
-  labels = np.asarray(labels).reshape(len(labels), -1)
-  counts = np.stack([np.bincount(np.where((row >= 0) & (row < num_classes), row, num_classes),
-                                 minlength=num_classes + 1)[:num_classes] for row in labels])  # [N, C]
-  image_pixels = np.sum((counts > 0) * labels.shape[1], axis=0)
+  pixels, image_pixels = class_pixel_counts(labels, num_classes) if counts is None else counts
   present = image_pixels > 0
-  freq = np.where(present, counts.sum(0) / np.maximum(image_pixels, 1), 0.0)
+  freq = np.where(present, pixels / np.maximum(image_pixels, 1), 0.0)
   weights = np.zeros(num_classes)
   weights[present] = np.median(freq[present]) / freq[present]
   return weights.astype(np.float32)
@@ -286,10 +305,11 @@ class Pipeline:
     return labels is not None and labels.ndim == 3
 
   def class_weights(self, num_classes: int) -> np.ndarray:
-    """Median-frequency weights ``[C]`` of the training label maps (segmentation only)."""
+    """Median-frequency weights ``[C]`` of the training label maps of all processes (segmentation only)."""
     if not self.is_segmentation:
       raise ValueError(f"Class balancing needs a segmentation dataset; {self.spec.name!r} has one label per image.")
-    return median_frequency_weights(self.train_labels, num_classes)
+    counts = sum_over_processes(class_pixel_counts(self.train_labels, num_classes))
+    return median_frequency_weights(None, num_classes, counts)
 
   def normalize(self, images: np.ndarray) -> np.ndarray:
     """uint8 images ``[..., 3]`` → the float32 inputs the model was trained on."""

@@ -60,7 +60,10 @@ class UNet(CNN):
     return self.bn(train, f"{name}_bn")(nn.relu(x))
 
   def check_layout(self):
-    self.check_options("gap", ("gap",))
+    if not 0.0 <= self.dropout_rate < 1.0:
+      raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate!r}.")
+    if self.num_components:
+      raise ValueError("UNet has no iBNN variant (num_components must be 0).")
     if self.depth < 1 or self.width < 1 or min(self.encoder_convs) < 1:
       raise ValueError(f"UNet needs width >= 1 and at least two encoder levels of >= 1 conv, got width "
                        f"{self.width}, encoder_convs {self.encoder_convs}.")
