@@ -27,7 +27,7 @@ from smoothing_jax.data import CORRUPTIONS, create_pipeline
 from smoothing_jax.ibnn import ibnn_predict
 from smoothing_jax.inference import ensemble_predict, mc_predict, stack_variables
 from smoothing_jax import temporal
-from smoothing_jax.metrics import UncertaintyMetrics, class_iou, label_mask, plot_reliability_diagram
+from smoothing_jax.metrics import UncertaintyMetrics, class_iou, plot_reliability_diagram
 from smoothing_jax.train import create_mesh, create_model, eval_batch_size, load_checkpoint, shard_batch
 
 METRIC_COLUMNS = ("nll", "acc", "ece", "top5", "brier", "acc90", "unc90", "freq90", "iou", "iou90", "ecse")
@@ -44,7 +44,6 @@ def _evaluation_setup(config):
 def _nested_metrics(sample_probs, labels, mask, sizes, num_bins):
   """Metrics of the mean of the first n samples, for each n in ``sizes``."""
   cumulative = jnp.cumsum(sample_probs, axis=0)
-  mask = label_mask(labels, sample_probs.shape[-1], mask)
   return tuple(UncertaintyMetrics.from_model_output(cumulative[n - 1] / n, labels, mask, num_bins=num_bins)
                for n in sizes)
 
@@ -292,15 +291,9 @@ def evaluate_streams(workdir: str, output_dir: str, config=None, *, num_samples:
     batch["label"][:n], batch["mask"][:n] = labels[start:start + n], 1.0
     stats, first = step(variables, shard_batch(batch, data_sharding), jax.random.fold_in(jax.random.key(seed), i))
     examples = examples if examples is not None else jax.device_get(first)
-    totals = stats if totals is None else {k: (a.merge(stats[k][0]), b.merge(stats[k][1]))
-                                           for k, (a, b) in totals.items()}
-  passes = {"single": 1, "mc": num_samples, "temporal": 1}  # also the row order (jit sorts dict keys)
-  rows = []
-  for method in (m for m in passes if m in totals):
-    metrics, consistency = totals[method]
-    m = {**metrics.compute(), **consistency.compute()}
-    rows.append({"method": method, "passes_per_frame": passes[method],
-                 **{k: m[k] for k in ("count",) + STREAM_COLUMNS}})
+    totals = temporal.merge_statistics(totals, stats)
+  columns = ("method", "passes_per_frame", "count") + STREAM_COLUMNS
+  rows = [{k: row[k] for k in columns} for row in temporal.statistics_rows(totals, num_samples)]
   if jax.process_index() == 0:  # results are replicated; one process writes them
     _write_table(rows, os.path.join(output_dir, "streams"))
     with open(os.path.join(output_dir, "streams_class_iou.json"), "w") as f:

@@ -56,10 +56,13 @@ def label_mask(labels, num_classes: int, mask=None):
   labels are not), times an optional per-example ``mask [B]`` broadcast over the label's other axes."""
   labels = jnp.asarray(labels)
   valid = ((labels >= 0) & (labels < num_classes)).astype(jnp.float32)
-  if mask is None:
-    return valid
+  return valid if mask is None else valid * _broadcast_mask(mask, labels.shape)
+
+
+def _broadcast_mask(mask, shape):
+  """A 0/1 ``mask`` over the leading axes of ``shape`` (e.g. per example ``[B]``) extended to ``shape``."""
   mask = jnp.asarray(mask, jnp.float32)
-  return valid * mask.reshape(mask.shape + (1,) * (labels.ndim - mask.ndim))
+  return jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (len(shape) - mask.ndim)), shape)
 
 
 def _check_predictions(probs, labels, mask):
@@ -69,8 +72,9 @@ def _check_predictions(probs, labels, mask):
     raise ValueError(f"labels shape {labels.shape} does not match probs shape {probs.shape} without the class axis.")
   if not jnp.issubdtype(labels.dtype, jnp.integer):
     raise TypeError(f"labels must be integer class indices, got dtype {labels.dtype}.")
-  if mask is not None and mask.shape != labels.shape:
-    raise ValueError(f"mask shape {mask.shape} does not match labels shape {labels.shape}.")
+  if mask is not None and jnp.shape(mask) != labels.shape[:jnp.ndim(mask)]:
+    raise ValueError(f"mask shape {jnp.shape(mask)} does not match (the leading axes of) labels shape "
+                     f"{labels.shape}.")
 
 
 @flax.struct.dataclass
@@ -99,7 +103,8 @@ class UncertaintyMetrics(clu.metrics.Metric):
     Args:
       probs: ``[..., C]`` predictive probabilities (e.g. ``mc_predict(...).mean_probs``).
       labels: ``[...]`` integer labels.
-      mask: optional ``[...]`` 0/1 weights (padding examples = 0).
+      mask: optional 0/1 weights (padding examples = 0) over ``labels``' shape or its leading axes
+        (a per-example ``[B]`` mask covers every pixel of a label map).
       num_bins: ECE bins (10 in the SS reference, 15 in iBNN / Guo et al.).
       cutoff: confidence threshold of the "-90" metrics (strictly greater is certain).
     """
@@ -107,10 +112,8 @@ class UncertaintyMetrics(clu.metrics.Metric):
     _check_predictions(probs, labels, mask)
     num_classes = probs.shape[-1]
     probs = probs.reshape(-1, num_classes).astype(jnp.float32)
-    labels = labels.reshape(-1)
-    w = jnp.ones(labels.shape, jnp.float32) if mask is None else jnp.asarray(mask, jnp.float32).reshape(-1)
-    w = w * label_mask(labels, num_classes)  # labels outside [0, C) (void) never count
-    labels = jnp.where(w > 0, labels, 0)
+    w = label_mask(labels, num_classes, mask).reshape(-1)  # labels outside [0, C) (void) never count
+    labels = jnp.where(w > 0, labels.reshape(-1), 0)
 
     conf = jnp.max(probs, axis=-1)
     pred = jnp.argmax(probs, axis=-1)
@@ -192,11 +195,7 @@ class TemporalConsistency(clu.metrics.Metric):
     if probs.shape != previous_probs.shape or probs.ndim < 2:
       raise ValueError(f"probs {probs.shape} and previous_probs {previous_probs.shape} must both be [..., C].")
     agree = (jnp.argmax(probs, -1) == jnp.argmax(previous_probs, -1)).astype(jnp.float32)
-    if mask is None:
-      w = jnp.ones(agree.shape, jnp.float32)
-    else:  # a per-example mask [B] extends over the other axes, as in label_mask
-      mask = jnp.asarray(mask, jnp.float32)
-      w = jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (agree.ndim - mask.ndim)), agree.shape)
+    w = jnp.ones(agree.shape, jnp.float32) if mask is None else _broadcast_mask(mask, agree.shape)
     return cls(agree=jnp.sum(w * agree), total=jnp.sum(w))
 
   @classmethod

@@ -97,8 +97,7 @@ def _jit_stream_step(model, variables, state, frame, rng, decay_rate):
 @functools.partial(jax.jit, static_argnames=("model", "num_frames"))
 def _jit_scan(model, variables, state, frames, rng, decay_rate, num_frames):
   if state is None:  # a new stream: its shape is found while tracing, not on every call
-    probs = jax.eval_shape(lambda: _frame_probs(model, variables, frames[0], rng))
-    state = init_stream(probs.shape, num_frames)
+    state = init_stream(prediction_shape(model, variables, frames.shape[1:]), num_frames)
   return jax.lax.scan(functools.partial(_stream_step, model, variables, rng, decay_rate), state, frames)
 
 
@@ -186,3 +185,22 @@ def stream_statistics(predictions: dict, labels, mask=None, num_bins: int = 10) 
     stats[method] = (UncertaintyMetrics.from_model_output(probs[-1], labels, weights, num_bins=num_bins),
                      TemporalConsistency.from_model_output(probs[-1], probs[-2], weights))
   return stats
+
+
+def merge_statistics(totals: Optional[dict], stats: dict) -> dict:
+  """Add one batch's :func:`stream_statistics` to the running ``totals`` (None: the first batch)."""
+  if totals is None:
+    return stats
+  return {method: (metrics.merge(stats[method][0]), consistency.merge(stats[method][1]))
+          for method, (metrics, consistency) in totals.items()}
+
+
+def statistics_rows(totals: dict, num_samples: int) -> list:
+  """One row per method, in the order single, mc, temporal: ``method``, ``passes_per_frame``, every
+  :class:`UncertaintyMetrics` value and ``consistency``."""
+  rows = []
+  for method, passes in (("single", 1), ("mc", num_samples), ("temporal", 1)):
+    if method in totals:  # (jitted outputs come back with sorted keys: the order is set here)
+      metrics, consistency = totals[method]
+      rows.append({"method": method, "passes_per_frame": passes, **metrics.compute(), **consistency.compute()})
+  return rows

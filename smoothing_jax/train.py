@@ -223,8 +223,7 @@ def train_step(model, schedule, objective: Optional[ibnn.Objective], state: Trai
 def eval_step(model, num_samples: int, num_bins: int, variables, batch, rng) -> UncertaintyMetrics:
   """Metrics of the N-sample predictive on one padded, masked batch (per pixel, void masked, for segmentation)."""
   pred = mc_predict(model, variables, batch["image"], num_samples=num_samples, rng=rng)
-  mask = label_mask(batch["label"], pred.mean_probs.shape[-1], batch["mask"])
-  return UncertaintyMetrics.from_model_output(pred.mean_probs, batch["label"], mask, num_bins=num_bins)
+  return UncertaintyMetrics.from_model_output(pred.mean_probs, batch["label"], batch["mask"], num_bins=num_bins)
 
 
 def compile_steps(model, schedule, mesh: Mesh, num_bins: int, objective: Optional[ibnn.Objective] = None,

@@ -186,14 +186,8 @@ def temporal_smoothing_study(trained: TrainedModel, *, num_images: int = 1000, l
     frames = jnp.swapaxes(trained.normalize(jnp.asarray(videos[i:i + batch_size])), 0, 1)
     stats = _stream_statistics(trained.model, trained.variables, frames, jnp.asarray(labels[i:i + batch_size]),
                                jax.random.fold_in(jax.random.key(seed), i), num_samples, num_frames, decay_rate)
-    totals = stats if totals is None else {k: (a.merge(stats[k][0]), b.merge(stats[k][1]))
-                                           for k, (a, b) in totals.items()}
-  rows = []
-  for method, passes in (("single", 1), ("mc", num_samples), ("temporal", 1)):
-    if method in totals:
-      metrics, consistency = totals[method]
-      rows.append({"method": method, "passes_per_frame": passes, **metrics.compute(), **consistency.compute()})
-  return rows
+    totals = temporal.merge_statistics(totals, stats)
+  return temporal.statistics_rows(totals, num_samples)
 
 
 def _attack(trained: TrainedModel, kind: str, pgd_steps: int, seed: int):
