@@ -1,5 +1,9 @@
 """The CamVid segmentation recipe of the paper (Appendix A.2) for the U-Nets.
 
+Arguments (``:<args>``, parsed by ``smoothing_jax.config_base.parse_config_arg``): ``model``
+(default ``unet_mcdo_smoothing``), ``dataset`` (default ``camvid``; or ``npz:<dir>``),
+positionally or as ``name=value``; flag ``runlocal``: a CPU smoke run.
+
   --config=configs/camvid_unet.py                                  # unet_mcdo_smoothing on camvid
   --config=configs/camvid_unet.py:unet_mcdo,camvid
   --config=configs/camvid_unet.py:unet_dnn_smoothing,npz:<dir>,runlocal --config.num_classes=11   # CPU smoke run
@@ -16,14 +20,16 @@ Evaluate temporal smoothing with ``--mode=streams``.  The global batch of 3 need
 """
 from ml_collections.config_dict import placeholder
 
-from smoothing_jax.config_base import base_config, shrink_for_cpu
+from smoothing_jax.config_base import base_config, parse_config_arg, shrink_for_cpu
+
+ARGS = {"model": "unet_mcdo_smoothing", "dataset": "camvid"}  # positional, with defaults
 
 
-def get_config(arg: str = "unet_mcdo_smoothing,camvid"):
-  model, dataset, *variant = arg.split(",")
+def get_config(arg: str = ""):
+  args = parse_config_arg(arg, ARGS)
   config = base_config()
-  config.model = model
-  config.dataset = dataset
+  config.model = args.model
+  config.dataset = args.dataset
   config.download = False           # CamVid is prepared from a manual download
   config.optimizer = "adam"
   config.batch_size = 3
@@ -45,7 +51,7 @@ def get_config(arg: str = "unet_mcdo_smoothing,camvid"):
   config.model_kwargs.encoder_convs = placeholder(tuple)
   config.model_kwargs.decoder_convs = placeholder(tuple)
   config.model_kwargs.dropout_stages = placeholder(tuple)
-  if "runlocal" in variant:
+  if args.runlocal:
     shrink_for_cpu(config)
     config.batch_size = 2
     config.base_batch_size = 2

@@ -1,5 +1,10 @@
 """iBNN on CIFAR (Trinh et al., Table 2 and Algorithm 1): VGG-16 or WRN-28-10, K components.
 
+Arguments (``:<args>``, parsed by ``smoothing_jax.config_base.parse_config_arg``): ``model``
+(default ``vgg_ibnn_16``), ``dataset`` (default ``cifar10``; ``cifar100``, or ``npz:<dir>`` with
+the CIFAR-10 setting), ``num_components`` K (default ``4``), positionally or as ``name=value``;
+flag ``runlocal``: a CPU smoke run.
+
   --config=configs/cifar_ibnn.py:vgg_ibnn_16,cifar10,4
   --config=configs/cifar_ibnn.py:wideresnet_ibnn_28_10,cifar100,16
   --config=configs/cifar_ibnn.py:vgg_ibnn_16,cifar10,4,runlocal        # CPU smoke run
@@ -19,7 +24,10 @@ to train only the posterior).  WRN-28-10: ``configs/cifar_resnet.py:wideresnet_d
 VGG-16: ``configs/cifar_resnet.py:vgg_dnn_16,… --config.model_kwargs.batch_norm=False
 --config.model_kwargs.classifier=mlp512``.
 """
-from smoothing_jax.config_base import base_config, shrink_for_cpu
+from smoothing_jax.config_base import base_config, parse_config_arg, shrink_for_cpu
+
+ARGS = {"model": "vgg_ibnn_16", "dataset": "cifar10",  # positional, with defaults
+        "num_components": 4}
 
 # (model, dataset): λ₀, λ₁, σ₀ of the μ initialisation, prior std s, weight decay (paper Table 2).
 TABLE_2 = {
@@ -30,15 +38,16 @@ TABLE_2 = {
 }
 
 
-def get_config(arg: str = "vgg_ibnn_16,cifar10,4"):
-  model, dataset, num_components, *variant = arg.split(",")
+def get_config(arg: str = ""):
+  args = parse_config_arg(arg, ARGS)
+  model, dataset = args.model, args.dataset
   base_dataset = dataset.split(":")[0] if not dataset.startswith("npz:") else "cifar10"
   if (model, base_dataset) not in TABLE_2:
     raise ValueError(f"No Table 2 setting for ({model}, {dataset}); known: {sorted(TABLE_2)}.")
   det_lr, variational_lr, init_std, prior_std, weight_decay = TABLE_2[(model, base_dataset)]
   config = base_config()
   config.model = model
-  config.model_kwargs.num_components = int(num_components)
+  config.model_kwargs.num_components = args.num_components
   config.model_kwargs.noise_init_std = init_std
   config.dataset = dataset
   config.batch_size = 128
@@ -55,7 +64,8 @@ def get_config(arg: str = "vgg_ibnn_16,cifar10,4"):
   config.ibnn.kl_anneal_epochs = 200
   config.ibnn.eval_samples = 5
   config.eval_every_epochs = 10
-  if "runlocal" in variant:
+  config.ece_bins = 15              # the reference's (IB ``ECELoss(n_bins=15)``) and the paper's
+  if args.runlocal:
     shrink_for_cpu(config)
     config.ibnn.eval_samples = 2
   config.lock()

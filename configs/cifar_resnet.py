@@ -1,21 +1,28 @@
 """CIFAR recipe of the paper (Appendix A) for any registered CNN.
 
+Arguments (``:<args>``, parsed by ``smoothing_jax.config_base.parse_config_arg``): ``model``
+(default ``resnet_mcdo_smoothing_18``), ``dataset`` (default ``cifar10``; TFDS name or
+``npz:<dir>``), positionally or as ``name=value``; flag ``runlocal``: a CPU smoke run.
+
   --config=configs/cifar_resnet.py                                  # resnet_mcdo_smoothing_18, cifar10
   --config=configs/cifar_resnet.py:resnet_mcdo_smoothing_18,cifar100
+  --config=configs/cifar_resnet.py:model=vgg_dnn_16,dataset=cifar100
   --config=configs/cifar_resnet.py:vgg_dnn_smoothing_16,cifar10,runlocal   # CPU smoke run
 
 SGD (momentum 0.9, no Nesterov), lr 0.1 at batch 128, weight decay 5e-4,
 200 epochs after 1 linear warm-up epoch, lr × 0.2 at epochs 60/130/160 (the
 paper's text; the reference code uses 60/120/160), random crop + flip.
 """
-from smoothing_jax.config_base import base_config, shrink_for_cpu
+from smoothing_jax.config_base import base_config, parse_config_arg, shrink_for_cpu
+
+ARGS = {"model": "resnet_mcdo_smoothing_18", "dataset": "cifar10"}  # positional, with defaults
 
 
-def get_config(arg: str = "resnet_mcdo_smoothing_18,cifar10"):
-  model, dataset, *variant = arg.split(",")
+def get_config(arg: str = ""):
+  args = parse_config_arg(arg, ARGS)
   config = base_config()
-  config.model = model
-  config.dataset = dataset
+  config.model = args.model
+  config.dataset = args.dataset
   config.batch_size = 128
   config.learning_rate = 0.1
   config.weight_decay = 5e-4
@@ -23,7 +30,7 @@ def get_config(arg: str = "resnet_mcdo_smoothing_18,cifar10"):
   config.warmup_epochs = 1
   config.lr_milestones = (60, 130, 160)
   config.lr_decay = 0.2
-  if "runlocal" in variant:
+  if args.runlocal:
     shrink_for_cpu(config)
   config.lock()
   return config

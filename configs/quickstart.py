@@ -4,11 +4,17 @@ Default: ``resnet_mcdo_smoothing_18`` at width 16 on scikit-learn's bundled
 handwritten digits (1,797 real 8×8 images upsampled to 32×32; no network), then
 an ensemble-size table and a reliability diagram.  The same recipe runs on
 CIFAR-10 with ``--config.dataset=cifar10`` (TFDS) or ``--config.dataset=npz:<dir>``.
+
+Arguments (``:<args>``, parsed by ``smoothing_jax.config_base.parse_config_arg``): no positional
+ones; flag ``runlocal``: a 10-step smoke run of a narrower model.
 """
-from smoothing_jax.config_base import base_config
+from smoothing_jax.config_base import base_config, parse_config_arg
+
+ARGS = {}  # no positional arguments
 
 
 def get_config(arg: str = ""):
+  args = parse_config_arg(arg, ARGS)
   config = base_config()
   config.model = "resnet_mcdo_smoothing_18"
   config.model_kwargs.width = 16
@@ -26,7 +32,7 @@ def get_config(arg: str = ""):
   config.checkpoint_every_steps = 100
   config.eval_batch_size = 500
   config.ensemble_sizes = (1, 2, 5, 10)
-  if "runlocal" in arg.split(","):
+  if args.runlocal:
     config.num_train_steps = 10
     config.model_kwargs.width = 8
     config.ensemble_sizes = (1, 2)

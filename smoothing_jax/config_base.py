@@ -1,4 +1,8 @@
 """Infrastructure defaults shared by every experiment config (the recipes live in ``configs/``)."""
+import difflib
+import types
+from typing import Any, Mapping, NoReturn, Sequence
+
 import ml_collections
 from ml_collections.config_dict import placeholder
 
@@ -10,7 +14,8 @@ def base_config() -> ml_collections.ConfigDict:
   # (stem defaults to the dataset's geometry).
   config.model = "resnet_mcdo_smoothing_18"
   config.model_kwargs = ml_collections.ConfigDict(
-      {"temperature": placeholder(float), "blur_size": placeholder(int), "blur_same": placeholder(bool),
+      {"prob": placeholder(str), "temperature": placeholder(float), "blur_size": placeholder(int),
+       "blur_same": placeholder(bool), "pad_mode": placeholder(str),
        "classifier": placeholder(str), "width": placeholder(int), "stochastic_depth": placeholder(float),
        "num_components": placeholder(int), "noise_init_std": placeholder(float),
        "batch_norm": placeholder(bool)})
@@ -80,3 +85,53 @@ def shrink_for_cpu(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
   config.eval_batch_size = 256
   config.ensemble_sizes = (1, 2, 5)
   return config
+
+
+def parse_config_arg(arg: str, positional: Mapping[str, Any],
+                     flags: Sequence[str] = ("runlocal",)) -> types.SimpleNamespace:
+  """Parses the ``<args>`` of ``--config=configs/<file>.py:<args>`` (``get_config``'s argument).
+
+  ``arg`` is comma-separated: values of the ``positional`` arguments in order, then ``name=value``
+  pairs for them, and bare ``flags`` anywhere (values may hold ':' and '/', not ',').
+  ``positional`` maps each name to its default, which a missing argument takes and whose type
+  converts the value.  Returns the arguments and the flags (True when given) as attributes.
+  Raises ValueError naming the bad argument and listing the accepted ones.
+  """
+  def fail(item: str, reason: str) -> NoReturn:
+    listed = ", ".join(f"{name} (default {default!r})" for name, default in positional.items())
+    accepted = (f"positional arguments {listed} (in this order, or as name=value)" if positional
+                else "no positional arguments")
+    raise ValueError(f"Bad config argument {item!r} in {arg!r}: {reason}. Accepted: {accepted}; "
+                     f"flags {', '.join(flags) or '(none)'}.")
+
+  values, given, raised, keyword = dict(positional), [], set(), False
+  names = list(positional)
+  for item in arg.split(",") if arg else ():
+    if item in flags:
+      raised.add(item)
+      continue
+    name, eq, value = item.partition("=")
+    if eq and name.isidentifier():
+      keyword = True
+      if name not in positional:
+        fail(item, f"unknown name {name!r}")
+    else:
+      name, value = names[len(given)] if len(given) < len(names) else None, item
+      close = difflib.get_close_matches(item, flags, n=1, cutoff=0.8)
+      if close:
+        fail(item, f"unknown flag (did you mean {close[0]!r}?)")
+      if keyword:
+        fail(item, "a positional argument after name=value")
+      if name is None:
+        fail(item, f"too many positional arguments (at most {len(names)})")
+    if not value:
+      fail(item, "empty value")
+    if name in given:
+      fail(item, f"{name} given twice")
+    given.append(name)
+    kind = type(positional[name])
+    try:
+      values[name] = kind(value)
+    except ValueError:
+      fail(item, f"{name} must be {kind.__name__}")
+  return types.SimpleNamespace(**values, **{flag: flag in raised for flag in flags})

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from smoothing_jax.data import CORRUPTIONS, create_pipeline
+from smoothing_jax.data import CORRUPTIONS, corruption_dataset, create_pipeline
 from smoothing_jax.ibnn import ibnn_predict
 from smoothing_jax.inference import ensemble_predict, mc_predict, stack_variables
 from smoothing_jax import temporal
@@ -49,12 +49,16 @@ def _nested_metrics(sample_probs, labels, mask, sizes, num_bins):
 
 
 def _write_table(rows: list, path_stem: str):
-  with open(path_stem + ".json", "w") as f:
+  """``rows`` as ``<path_stem>.json`` and ``.csv``, each written to a temporary file and renamed
+  into place, so a reader (or a crash) never sees half a table."""
+  with open(path_stem + ".json.tmp", "w") as f:
     json.dump(rows, f, indent=2)
-  with open(path_stem + ".csv", "w", newline="") as f:
+  os.replace(path_stem + ".json.tmp", path_stem + ".json")
+  with open(path_stem + ".csv.tmp", "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
+  os.replace(path_stem + ".csv.tmp", path_stem + ".csv")
 
 
 def plot_ensemble_sizes(rows: list, title: str = ""):
@@ -130,20 +134,44 @@ def evaluate_ensemble_sizes(workdirs: Sequence[str], output_dir: str, config=Non
   return rows
 
 
-def read_corruption_table(path: str) -> dict:
-  """Per-(type, severity) ``{"nll", "err", "ece"}`` from a CSV with columns type, severity, NLL, Acc, ECE.
+# The reference's AlexNet results (SS resources/results), shipped in smoothing_jax/data/baselines.
+BASELINES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "baselines")
+DEFAULT_BASELINES = {"cifar100": "cifar100_alexnet_dnn_corrupted.csv",
+                     "imagenet2012": "imagenet_alexnet_dnn_corrupted.csv"}
 
-  This is the reference's ``*_corrupted.csv`` layout; accuracies and ECEs given in
-  percent (any value above 1) are converted to fractions.
+
+def default_baseline(base: str) -> Optional[str]:
+  """Path of the shipped AlexNet baseline for a dataset (``cifar100``, ``imagenet2012``), else None."""
+  return os.path.join(BASELINES_DIR, DEFAULT_BASELINES[base]) if base in DEFAULT_BASELINES else None
+
+
+def read_corruption_table(path: str) -> dict:
+  """Per-(type, severity) ``{"nll", "err", "ece"}`` from a corruption results CSV, in either layout:
+
+  * the reference's (SS ``ops/tests.py::save_metrics``, e.g. the shipped AlexNet files): no
+    header, rows ``severity, type, nll, cutoff_0, cutoff_1, acc_0, acc_1, unc_0, unc_1, iou_0,
+    iou_1, freq_0, freq_1, top5, brier, ece[, ecse]`` in fractions (``acc_0`` = accuracy);
+  * with a header naming ``type, severity, NLL, Acc, ECE`` (our ``corruptions.csv``); accuracies
+    and ECEs given in percent (any accuracy above 1) are converted to fractions.
   """
   with open(path, newline="") as f:
-    rows = list(csv.DictReader(f))
-  if not rows or not {"type", "severity", "NLL", "Acc", "ECE"} <= set(rows[0]):
-    raise ValueError(f"{path}: need columns type, severity, NLL, Acc, ECE; got {list(rows[0]) if rows else []}.")
-  percent = any(float(r["Acc"]) > 1 for r in rows)
-  scale = 100.0 if percent else 1.0
+    rows = [r for r in csv.reader(f) if r]
+  if rows and rows[0][0].strip().isdigit():
+    bad = [i + 1 for i, r in enumerate(rows) if len(r) not in (16, 17) or not r[0].strip().isdigit()]
+    if bad:
+      raise ValueError(f"{path}: rows {bad[:5]} do not have the reference layout (16 or 17 columns: "
+                       "severity, type, nll, cutoff_0, cutoff_1, acc_0, ..., brier, ece[, ecse]).")
+    return {(r[1], int(r[0])): {"nll": float(r[2]), "err": 1.0 - float(r[5]), "ece": float(r[15])}
+            for r in rows}
+  header = rows[0] if rows else []
+  if not {"type", "severity", "NLL", "Acc", "ECE"} <= set(header):
+    raise ValueError(f"{path}: need a header with columns type, severity, NLL, Acc, ECE, or the "
+                     f"reference's headerless rows (severity, type, nll, ...); got {header}.")
+  records = [dict(zip(header, r)) for r in rows[1:]]
+  scale = 100.0 if any(float(r["Acc"]) > 1 for r in records) else 1.0
   return {(r["type"], int(float(r["severity"]))): {
-      "nll": float(r["NLL"]), "err": 1.0 - float(r["Acc"]) / scale, "ece": float(r["ECE"]) / scale} for r in rows}
+      "nll": float(r["NLL"]), "err": 1.0 - float(r["Acc"]) / scale, "ece": float(r["ECE"]) / scale}
+      for r in records}
 
 
 def corruption_aggregates(table: dict, baseline: Optional[dict] = None,
@@ -151,10 +179,15 @@ def corruption_aggregates(table: dict, baseline: Optional[dict] = None,
   """Paper Eqs. 34–36: per corruption Σ_s value(c, s) / Σ_s baseline(c, s), averaged over corruptions.
 
   ``table`` and ``baseline`` map ``(type, severity)`` to ``{"nll", "err", "ece"}``.
-  Always returns the unnormalised means (``mean_err``, ``mean_nll``, ``mean_ece``);
-  with a baseline also ``mCE``, ``mCNLL`` and ``mCECE``.
+  Only the types in ``corruptions`` (default: the 15 standard ones) count.  Always returns the
+  unnormalised means over them (``mean_err``, ``mean_nll``, ``mean_ece``); with a baseline also
+  ``mCE``, ``mCNLL`` and ``mCECE``.
   """
-  out = {f"mean_{k}": float(np.mean([v[k] for v in table.values()])) for k in ("err", "nll", "ece")}
+  counted = [v for (t, _), v in table.items() if t in corruptions]
+  if not counted:
+    raise ValueError(f"No results for the corruptions {tuple(corruptions)}; the table has "
+                     f"{sorted({t for t, _ in table})}.")
+  out = {f"mean_{k}": float(np.mean([v[k] for v in counted])) for k in ("err", "nll", "ece")}
   if baseline is not None:
     for key, name in (("err", "mCE"), ("nll", "mCNLL"), ("ece", "mCECE")):
       ratios = []
@@ -170,10 +203,18 @@ def corruption_aggregates(table: dict, baseline: Optional[dict] = None,
 
 def evaluate_corruptions(workdir: str, output_dir: str, baseline_csv: Optional[str] = None, num_samples: int = 1,
                          config=None, corruptions: Sequence[str] = CORRUPTIONS, seed: int = 0) -> dict:
-  """NLL / accuracy / ECE on every (corruption, severity 1–5); writes ``corruptions.{json,csv}``."""
+  """NLL / accuracy / ECE on every (corruption, severity 1–5).
+
+  ``corruptions.{json,csv}`` is rewritten after every (type, severity), so a failure late
+  in the sweep keeps what was computed.  ``baseline_csv`` None takes the shipped AlexNet
+  baseline of CIFAR-100-C / ImageNet-C (:func:`default_baseline`); the aggregates go to
+  ``corruption_aggregates.json``.
+  """
   os.makedirs(output_dir, exist_ok=True)
   config, _, variables = load_checkpoint(workdir, config)
   pipeline, model, replicated, data_sharding = _evaluation_setup(config)
+  baseline_csv = baseline_csv or default_baseline(pipeline.spec.base)
+  baseline = read_corruption_table(baseline_csv) if baseline_csv else None  # bad files fail first
   num_samples = num_samples if model.dropout_rate > 0 else 1
 
   @functools.partial(jax.jit, in_shardings=(replicated, data_sharding, replicated), out_shardings=replicated)
@@ -186,7 +227,7 @@ def evaluate_corruptions(workdir: str, output_dir: str, baseline_csv: Optional[s
   for corruption in corruptions:
     for severity in range(1, 6):
       total = None
-      name = f"{pipeline.spec.base}_corrupted/{corruption}_{severity}"
+      name = corruption_dataset(pipeline.spec.base, corruption, severity)
       for i, batch in enumerate(pipeline.eval_batches(eval_batch_size(config, data_sharding.mesh), name)):
         stats = step(variables, shard_batch(batch, data_sharding), jax.random.fold_in(jax.random.key(seed), i))
         total = stats if total is None else total.merge(stats)
@@ -194,11 +235,12 @@ def evaluate_corruptions(workdir: str, output_dir: str, baseline_csv: Optional[s
       table[(corruption, severity)] = {"nll": m["nll"], "err": 1.0 - m["acc"], "ece": m["ece"]}
       rows.append({"type": corruption, "severity": severity, "NLL": m["nll"], "Acc": m["acc"], "ECE": m["ece"],
                    "count": m["count"]})
-  _write_table(rows, os.path.join(output_dir, "corruptions"))
-  baseline = read_corruption_table(baseline_csv) if baseline_csv else None
+      if jax.process_index() == 0:
+        _write_table(rows, os.path.join(output_dir, "corruptions"))
   aggregates = corruption_aggregates(table, baseline, corruptions)
-  with open(os.path.join(output_dir, "corruption_aggregates.json"), "w") as f:
-    json.dump(aggregates, f, indent=2)
+  if jax.process_index() == 0:
+    with open(os.path.join(output_dir, "corruption_aggregates.json"), "w") as f:
+      json.dump(aggregates, f, indent=2)
   return aggregates
 
 

@@ -211,9 +211,13 @@ def gaussian_blend(images, gamma: float, rng):
 
 
 def salt_and_pepper(images, probability: float, rng):
-  """Each input value set to 0 or 1 with probability p/2 each (after normalisation, as the reference)."""
+  """IB ``ood_test.add_imnoise``: u ~ U(0, 1) per value; 0 where u < p, 1 where u > 1 − p.
+
+  So 2p of the values change in all (p each to 0 and to 1; at p = 0.5 every value), set on the
+  normalised inputs as in the reference.
+  """
   u = jax.random.uniform(rng, images.shape)
-  return jnp.where(u < probability / 2, 0.0, jnp.where(u < probability, 1.0, images))
+  return jnp.where(u > 1.0 - probability, 1.0, jnp.where(u < probability, 0.0, images))
 
 
 def ood_entropy_curves(predict: Callable, images, kind: str = "blend", levels: Optional[Sequence[float]] = None,

@@ -223,6 +223,24 @@ def test_filter_normalised_directions(problem):
   np.testing.assert_allclose(np.linalg.norm(direction, axis=1), np.linalg.norm(kernel, axis=1), rtol=1e-5)
 
 
+@pytest.mark.parametrize("name,kwargs", [
+    ("vit_ti", dict(hidden_dim=8, depth=1, num_heads=1, head_dim=8, mlp_dim=8, patch_size=4)),
+    ("alternet_18", dict(width=4, stage_sizes=(1, 1, 1, 2), msa_blocks=(0, 0, 0, 1), num_heads=(1, 1, 1, 1),
+                         head_dim=4, window_size=2)),
+])
+def test_directions_leave_position_parameters_alone(name, kwargs):
+  """HV ``create_bases(model, kws=["pos_embed", "relative_position"])``: zero directions there."""
+  model = get_model(name, 3, **kwargs)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3))))["params"]
+  params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), shapes)
+  d = random_direction(params, jax.random.key(0))
+  flat = {"/".join(str(k.key) for k in path): np.asarray(v)
+          for path, v in jax.tree_util.tree_flatten_with_path(d)[0]}
+  position = [k for k in flat if "pos_embedding" in k or "relative_position" in k]
+  assert position and all(np.all(flat[k] == 0) for k in position)
+  assert any(np.any(v != 0) for k, v in flat.items() if k.endswith("kernel") and v.ndim > 1)
+
+
 def test_loss_surface_centre_is_the_plain_loss(problem, tmp_path):
   loss_fn, params, _, _ = problem
   d1 = random_direction(params, jax.random.key(1))

@@ -68,3 +68,22 @@ def test_converted_logits_equal_the_reference(name, overrides, build):
     expected = torch_model(torch.from_numpy(images.transpose(0, 3, 1, 2))).numpy()
   logits = get_model(name, 10, **overrides).apply(variables, jnp.asarray(images))
   np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_preact_mcdo_bottleneck_has_the_reference_shortcut_batchnorm():
+  """SS ``preresnet_mcdo_block.Bottleneck``: shortcut = conv1×1 + BatchNorm (``shortcut.1.*`` keys).
+
+  A dropout rate of 1e-9 keeps every unit in float32 (keep probability rounds to 1, scale to 1),
+  so the MC-dropout network is deterministic and its logits must equal the reference's.
+  """
+  torch_model = ref.randomize(ref.ResNet((3, 4, 6, 3), True, 10, width=4, preact=True, mcdo=True))
+  state_dict = {k: v.numpy() for k, v in torch_model.state_dict().items()}
+  assert "layer2.0.shortcut.1.running_var" in state_dict
+  overrides = dict(width=4, dropout_rate=1e-9)
+  variables = from_torch_state_dict("preresnet_mcdo_50", state_dict, **overrides)
+  images = np.random.default_rng(0).normal(size=(2, 32, 32, 3)).astype(np.float32)
+  with torch.no_grad():
+    expected = torch_model(torch.from_numpy(images.transpose(0, 3, 1, 2))).numpy()
+  logits = get_model("preresnet_mcdo_50", 10, **overrides).apply(
+      variables, jnp.asarray(images), rngs={"dropout": jax.random.key(0)})
+  np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)

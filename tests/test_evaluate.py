@@ -4,7 +4,8 @@ import pathlib
 
 import pytest
 
-from smoothing_jax.evaluate import corruption_aggregates, read_corruption_table
+from smoothing_jax.data import CORRUPTIONS, corruption_dataset, parse_dataset
+from smoothing_jax.evaluate import corruption_aggregates, default_baseline, read_corruption_table
 
 MODEL = {("a", 1): {"err": .2, "nll": 1.0, "ece": .1}, ("a", 2): {"err": .4, "nll": 2.0, "ece": .1},
          ("b", 1): {"err": .1, "nll": 0.5, "ece": .05}, ("b", 2): {"err": .3, "nll": 1.5, "ece": .15}}
@@ -20,7 +21,11 @@ def test_corruption_aggregates_hand_worked():
   assert out["mean_err"] == pytest.approx(0.25)
   assert out["mean_nll"] == pytest.approx(1.25)
   assert out["mean_ece"] == pytest.approx(0.1)
-  assert set(corruption_aggregates(MODEL)) == {"mean_err", "mean_nll", "mean_ece"}
+  assert set(corruption_aggregates(MODEL, corruptions=("a", "b"))) == {"mean_err", "mean_nll", "mean_ece"}
+  # Only the requested types count in the means.
+  assert corruption_aggregates(MODEL, corruptions=("a",))["mean_err"] == pytest.approx(0.3)
+  with pytest.raises(ValueError, match="No results for the corruptions"):
+    corruption_aggregates(MODEL)
 
 
 def test_baseline_must_cover_every_severity():
@@ -34,6 +39,50 @@ def test_reference_csv_layout_in_percent(tmp_path):
   table = read_corruption_table(str(path))
   assert table[("fog", 1)] == pytest.approx({"nll": 0.9, "err": 0.176, "ece": 0.101})
   assert table[("fog", 2)]["err"] == pytest.approx(0.2)
+
+
+# The reference's own summary of its AlexNet files (shared reference_semantics.md, "AlexNet corruption
+# baselines"): means over the 15 standard types × 5 severities.
+@pytest.mark.parametrize("base,err,nll,ece", [("cifar100", 0.5899, 4.012, 0.312),
+                                              ("imagenet2012", 0.8054, 4.893, 0.095)])
+def test_shipped_alexnet_baselines_load_in_the_reference_layout(base, err, nll, ece):
+  table = read_corruption_table(default_baseline(base))
+  assert {s for _, s in table} == {1, 2, 3, 4, 5} and set(CORRUPTIONS) <= {t for t, _ in table}
+  out = corruption_aggregates(table, table)
+  assert out["mean_err"] == pytest.approx(err, abs=5e-5)
+  assert out["mean_nll"] == pytest.approx(nll, abs=5e-4)
+  assert out["mean_ece"] == pytest.approx(ece, abs=5e-4)
+  assert out["mCE"] == out["mCNLL"] == out["mCECE"] == pytest.approx(1.0)
+
+
+def test_reference_csv_layout_without_header(tmp_path):
+  """SS ``save_metrics`` rows: severity, type, nll, cutoff_0, cutoff_1, acc_0, ..., brier, ece."""
+  path = tmp_path / "alexnet.csv"
+  path.write_text("1,zoom_blur,2.5,0.0,0.9,0.4952,0.77,0.0,0.8,0.34,0.59,1.0,0.43,0.76,0.73,0.2423\n"
+                  "2,zoom_blur,2.7,0.0,0.9,0.45,0.77,0.0,0.8,0.34,0.59,1.0,0.43,0.76,0.73,0.25\n")
+  table = read_corruption_table(str(path))
+  assert table[("zoom_blur", 1)] == pytest.approx({"nll": 2.5, "err": 0.5048, "ece": 0.2423})
+  assert table[("zoom_blur", 2)]["err"] == pytest.approx(0.55)
+  path.write_text("1,zoom_blur,2.5,0.0\n")
+  with pytest.raises(ValueError, match="reference layout"):
+    read_corruption_table(str(path))
+
+
+@pytest.mark.parametrize("base,builder", [("cifar10", "cifar10_corrupted"), ("cifar100", "cifar100_corrupted"),
+                                          ("imagenet2012", "imagenet2012_corrupted")])
+def test_every_requested_corruption_is_a_config_of_its_builder(base, builder):
+  """TFDS calls CIFAR-10-C's glass blur ``frosted_glass_blur`` and its elastic ``elastic``."""
+  import tensorflow_datasets as tfds
+
+  import smoothing_jax.data  # noqa: F401  (registers cifar100_corrupted)
+  configs = {c.name for c in tfds.builder_cls(builder).BUILDER_CONFIGS}
+  for corruption in CORRUPTIONS:
+    for severity in range(1, 6):
+      spec = parse_dataset(corruption_dataset(base, corruption, severity))
+      name, _, config = spec.tfds_name.partition("/")
+      assert name == builder and config in configs, (corruption, severity, spec.tfds_name)
+      assert spec.corruption == (corruption, severity)
+  assert parse_dataset("cifar10_corrupted/elastic_2").corruption == ("elastic_transform", 2)
 
 
 @pytest.mark.parametrize("path,arg", [("configs/cifar_resnet.py", "vgg_mcdo_smoothing_16,cifar100,runlocal"),

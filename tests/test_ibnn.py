@@ -168,6 +168,20 @@ def test_bad_settings_are_rejected():
     ibnn.ibnn_predict(get_model("vgg_dnn_16", 10), {}, jnp.zeros((1, 32, 32, 3)), rng=jax.random.key(0))
 
 
+def test_salt_and_pepper_matches_the_reference():
+  """IB ``ood_test.add_imnoise`` in numpy: ``img[u < p] = 0`` then ``img[u > 1 - p] = 1``."""
+  images = np.random.default_rng(0).normal(size=(4, 16, 16, 3)).astype(np.float32)
+  key = jax.random.key(3)
+  u = np.asarray(jax.random.uniform(key, images.shape))
+  for p in (0.1, 0.25, 0.5):
+    expected = images.copy()
+    expected[u < p] = 0.0
+    expected[u > 1 - p] = 1.0
+    noisy = np.asarray(ibnn.salt_and_pepper(jnp.asarray(images), p, key))
+    np.testing.assert_array_equal(noisy, expected)
+    assert abs(np.mean(noisy != images) - 2 * p) < 0.03  # 2p of the values change
+
+
 def test_ood_curves_rise_with_blending(tiny_vgg):
   model, variables = tiny_vgg
   images = jax.random.normal(jax.random.key(8), (4, 32, 32, 3))

@@ -55,6 +55,18 @@ def test_prob_matches_numpy(kind, expected):
   np.testing.assert_allclose(apply(Prob(kind, 10.0), jnp.asarray(x)), expected(x), rtol=1e-5, atol=1e-5)
 
 
+def test_prob_default_temperature_per_kind():
+  """SS ``TanhBlurBlock(temp=1e1)`` and ``ScalingBlurBlock(temp=5e0)`` (paper App. B.1: τ = 5)."""
+  x = jnp.array([[[[-3.0, 2.0, 40.0]]]])
+  np.testing.assert_allclose(apply(Prob("scale"), x)[0, 0, 0], [0.0, 0.4, 8.0], rtol=1e-6)
+  np.testing.assert_allclose(apply(Prob("tanh"), x)[0, 0, 0], [0.0, 10 * math.tanh(0.2), 10 * math.tanh(4.0)],
+                             rtol=1e-6)
+  # A smoothing model with prob="scale" divides by 5 unless told otherwise: a 1×1 map of 2 becomes
+  # ReLU(2/5) = 0.4, then the size-2 zero-padded average over 2×2 windows gives 0.1 at every corner.
+  smooth = apply(Smooth(prob="scale"), jnp.full((1, 1, 1, 1), 2.0))
+  np.testing.assert_allclose(smooth[0, :, :, 0], [[0.1, 0.1], [0.1, 0.1]], rtol=1e-6)
+
+
 def test_prob_tanh_saturates_at_temperature():
   out = apply(Prob("tanh", 2.0), jnp.array([[[[-100.0, 0.5, 100.0]]]]))
   np.testing.assert_allclose(out[0, 0, 0], [0.0, 2.0 * math.tanh(0.25), 2.0], rtol=1e-6)

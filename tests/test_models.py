@@ -53,11 +53,23 @@ def test_wrn_count_matches_closed_form():
   assert num_params("wideresnet_dnn_28_10", 100) == wrn_param_count(28, 10, 100)
 
 
-@pytest.mark.parametrize("family", ["resnet_{}_18", "preresnet_{}_50", "vgg_{}_11", "alexnet_{}",
+@pytest.mark.parametrize("family", ["resnet_{}_18", "preresnet_{}_18", "vgg_{}_11", "alexnet_{}",
                                     "wideresnet_{}_28_10"])
 def test_dropout_and_smoothing_add_no_parameters(family):
   counts = {v: num_params(family.format(v), 10) for v in ("dnn", "mcdo", "dnn_smoothing", "mcdo_smoothing")}
   assert len(set(counts.values())) == 1, counts
+
+
+# Counted on SS's own classes (xxxnell/spatial-smoothing@5297b6e, models/preresnet.py, CIFAR stem
+# ``stem=False``, 100 classes): its MC-dropout bottleneck has a BatchNorm after the 1×1 shortcut
+# (models/preresnet_mcdo_block.py), the dnn bottleneck has none, so mcdo = dnn + 2·(256+512+1024+2048).
+@pytest.mark.parametrize("depth,dnn,mcdo", [(50, 23_697_572, 23_705_252), (101, None, 42_697_380),
+                                            (152, None, 58_341_028)])
+def test_preact_bottleneck_counts_equal_the_reference_classes(depth, dnn, mcdo):
+  if dnn is not None:
+    assert num_params(f"preresnet_dnn_{depth}", 100) == num_params(f"preresnet_dnn_smoothing_{depth}", 100) == dnn
+  assert num_params(f"preresnet_mcdo_{depth}", 100) == mcdo
+  assert num_params(f"preresnet_mcdo_smoothing_{depth}", 100) == mcdo
 
 
 def test_registry_has_the_reference_grid():

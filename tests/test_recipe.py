@@ -161,6 +161,29 @@ def test_vit_recipe_config_and_schedule():
   np.testing.assert_allclose(schedule(50 + 3000), 0.0, atol=1e-12)
 
 
+def test_vit_config_sets_hv_dropout_and_lets_the_command_line_change_it():
+  from absl import flags
+  from ml_collections import config_flags
+
+  from configs import cifar_vit
+  from smoothing_jax.models import get_model
+  kwargs = cifar_vit.get_config("vit_ti,cifar100").model_kwargs
+  assert (kwargs.dropout_rate_train, kwargs.embedding_dropout_rate) == (0.0, 0.0)  # HV
+  argv = ["prog", f"--config={cifar_vit.__file__}:vit_ti,cifar100",
+          "--config.model_kwargs.dropout_rate_train=0.1",
+          "--config.model_kwargs.embedding_dropout_rate=0.2"]
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)  # locked, as in main
+  values(argv)
+  given = {k: v for k, v in values.config.model_kwargs.items() if v is not None}  # as create_model
+  model = get_model("vit_ti", 10, **given)
+  assert (model.dropout_rate_train, model.embedding_dropout_rate) == (0.1, 0.2)
+  # AlterNet has no such options: the keys are absent, so its model still builds.
+  kwargs = cifar_vit.get_config("alternet_50,cifar100").model_kwargs
+  assert "dropout_rate_train" not in kwargs and "embedding_dropout_rate" not in kwargs
+  get_model("alternet_50", 10, **{k: v for k, v in kwargs.items() if v is not None})
+
+
 def test_adamw_with_clipping_matches_a_hand_computed_step():
   from configs import cifar_vit
   config = cifar_vit.get_config("vit_ti,cifar100")

@@ -293,6 +293,19 @@ def micro_vit():
   return model, init(model, x), x, y
 
 
+def test_vit_has_no_dropout_by_default_as_in_the_reference(micro_vit):
+  """HV ``models/vit.py`` (newest commit): ``ViT(..., dropout=0.0, emb_dropout=0.0, sd=0.0)``, so a
+  training-mode forward pass does not depend on the dropout key; a rate of 0.1 makes it depend."""
+  model, variables, x, _ = micro_vit
+  assert (model.dropout_rate_train, model.embedding_dropout_rate, model.stochastic_depth) == (0.0, 0.0, 0.0)
+
+  def train_logits(m, seed):
+    return m.apply(variables, x, train=True, rngs={"dropout": jax.random.key(seed)})
+  np.testing.assert_array_equal(train_logits(model, 0), train_logits(model, 1))
+  dropped = model.clone(dropout_rate_train=0.1, embedding_dropout_rate=0.1)
+  assert not np.allclose(train_logits(dropped, 0), train_logits(dropped, 1))
+
+
 def test_feature_taps_of_vit_are_token_maps_with_kinds(micro_vit):
   from smoothing_jax.analysis.features import block_kinds, feature_maps, feature_variance
   model, variables, x, _ = micro_vit

@@ -48,7 +48,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-  def __init__(self, cin, channels, stride, bottleneck, preact, groups=1, width_per_group=64):
+  def __init__(self, cin, channels, stride, bottleneck, preact, groups=1, width_per_group=64, mcdo=False):
     super().__init__()
     exp = 4 if bottleneck else 1
     width = int(channels * width_per_group / 64) * groups
@@ -57,7 +57,8 @@ class Block(nn.Module):
     sc = []
     if stride != 1 or cin != cout:
       sc.append(conv(cin, cout, 1, stride))
-      if not preact:
+      # SS preresnet_dnn_block: no BN on the shortcut; preresnet_mcdo_block.Bottleneck has one.
+      if not preact or (mcdo and bottleneck):
         sc.append(nn.BatchNorm2d(cout))
     self.shortcut = nn.Sequential(*sc)
     if bottleneck:
@@ -95,7 +96,7 @@ class Block(nn.Module):
 
 class ResNet(nn.Module):
   def __init__(self, stages, bottleneck, num_classes, width=64, preact=False, smoothing=False, mlp=False,
-               groups=1, width_per_group=64):
+               groups=1, width_per_group=64, mcdo=False):
     super().__init__()
     self.layer0 = nn.Sequential(conv(3, width, 3, 1, 1)) if preact else nn.Sequential(
         conv(3, width, 3, 1, 1), nn.BatchNorm2d(width), nn.ReLU())
@@ -104,7 +105,7 @@ class ResNet(nn.Module):
       blocks = []
       for j in range(n):
         blocks.append(Block(cin, width * 2 ** (i - 1), 2 if i > 1 and j == 0 else 1, bottleneck, preact,
-                            groups, width_per_group))
+                            groups, width_per_group, mcdo))
         cin = width * 2 ** (i - 1) * exp
       setattr(self, f"layer{i}", nn.Sequential(*blocks))
       smooth = smoothing and not (preact and i == len(stages))

@@ -6,11 +6,14 @@ comparable across networks:
     filter of θ (Flax kernels keep the output axis last);
   * ``"reference"`` (SS/HV code, ``torch.norm(w, dim=0)``): normalised along the
     output-channel axis, separately for every (input, kh, kw) position.
-1-D tensors (biases, BatchNorm scale/offset) get zero direction in both.
+1-D tensors (biases, BatchNorm scale/offset) get zero direction in both, and so do
+parameters whose path matches a pattern of ``ignore`` (default: HV's ``kws``, position
+embeddings and relative-position tables, ``ops/loss_landscapes.ignore_kw``).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+import re
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +23,8 @@ import optax
 from smoothing_jax.analysis.hessian import as_pytree
 
 NORMALIZATIONS = ("filter", "reference")
+# HV's loss-landscape ``kws``: regular expressions searched in each parameter's path.
+IGNORED_PARAMETERS = ("pos_embed", "relative_position")
 
 
 def _normalize_direction(d, w, normalization):
@@ -34,14 +39,19 @@ def _normalize_direction(d, w, normalization):
   return d * w_norm / (d_norm + 1e-10)
 
 
-def random_direction(params, rng, normalization: str = "filter"):
-  """A Gaussian direction pytree shaped like ``params``, normalised as described above."""
+def random_direction(params, rng, normalization: str = "filter",
+                     ignore: Sequence[str] = IGNORED_PARAMETERS):
+  """A Gaussian direction pytree shaped like ``params``, normalised as described above; zero on
+  parameters whose ``/``-joined path matches a regular expression of ``ignore``."""
   if normalization not in NORMALIZATIONS:
     raise ValueError(f"Unknown normalization {normalization!r}; choose one of {NORMALIZATIONS}.")
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(rng, len(leaves))
-  directions = [_normalize_direction(jax.random.normal(k, w.shape, w.dtype), w, normalization)
-                for k, w in zip(keys, leaves)]
+  paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  keys = jax.random.split(rng, len(paths_and_leaves))
+  directions = []
+  for k, (path, w) in zip(keys, paths_and_leaves):
+    name = "/".join(str(getattr(p, "key", p)) for p in path)
+    d = _normalize_direction(jax.random.normal(k, w.shape, w.dtype), w, normalization)
+    directions.append(jnp.zeros_like(d) if any(re.search(p, name) for p in ignore) else d)
   return jax.tree.unflatten(treedef, directions)
 
 

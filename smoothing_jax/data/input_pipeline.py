@@ -40,6 +40,10 @@ CORRUPTIONS = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", 
                "zoom_blur", "snow", "frost", "fog", "brightness", "contrast", "elastic_transform", "pixelate",
                "jpeg_compression")
 EXTRA_CORRUPTIONS = ("speckle_noise", "gaussian_blur", "spatter", "saturate")
+# Corruption names above are the canonical ones (the paper's, SS's and Hendrycks' file names);
+# TFDS ``cifar10_corrupted`` names two of them differently.  Our CIFAR-100-C builder and TFDS
+# ``imagenet2012_corrupted`` use the canonical names.
+SOURCE_CORRUPTION_NAMES = {"cifar10": {"glass_blur": "frosted_glass_blur", "elastic_transform": "elastic"}}
 BASES = tuple(NORMALIZATION)
 SEGMENTATION_DATASETS = ("camvid",)  # TFDS builder in smoothing_jax.data.camvid
 
@@ -71,6 +75,21 @@ class DatasetSpec:
   def eval_split(self) -> str:
     return "validation" if self.base == "imagenet2012" else "test"
 
+  @property
+  def tfds_name(self) -> str:
+    """The TFDS builder (and config) to read: corruption types in the source's own naming."""
+    if self.corruption is None:
+      return self.name
+    return corruption_dataset(self.base, *self.corruption, source_names=True)
+
+
+def corruption_dataset(base: str, corruption: str, severity: int, source_names: bool = False) -> str:
+  """``<base>_corrupted/<type>_<severity>`` for a canonical corruption type; ``source_names``
+  spells the type as the TFDS builder of ``base`` does (e.g. ``elastic`` for CIFAR-10-C)."""
+  if source_names:
+    corruption = SOURCE_CORRUPTION_NAMES.get(base, {}).get(corruption, corruption)
+  return f"{base}_corrupted/{corruption}_{severity}"
+
 
 def parse_dataset(name: str) -> DatasetSpec:
   """Parse a dataset string; raise ``ValueError`` naming the supported forms."""
@@ -85,8 +104,10 @@ def parse_dataset(name: str) -> DatasetSpec:
   base, _, config = name.partition("_corrupted/")
   if base in BASES and config:
     ctype, _, severity = config.rpartition("_")
-    if ctype in CORRUPTIONS + EXTRA_CORRUPTIONS and severity in {"1", "2", "3", "4", "5"}:
-      return DatasetSpec(name, "tfds", base, (ctype, int(severity)))
+    canonical = {v: k for k, v in SOURCE_CORRUPTION_NAMES.get(base, {}).items()}.get(ctype, ctype)
+    if canonical in CORRUPTIONS + EXTRA_CORRUPTIONS and severity in {"1", "2", "3", "4", "5"}:
+      return DatasetSpec(corruption_dataset(base, canonical, int(severity)), "tfds", base,
+                         (canonical, int(severity)))
   raise ValueError(
       f"Unknown dataset {name!r}. Supported: {', '.join(BASES + SEGMENTATION_DATASETS)}, "
       "'<base>_corrupted/<type>_<1-5>' "
@@ -96,7 +117,7 @@ def parse_dataset(name: str) -> DatasetSpec:
 # ----------------------------------------------------------------------------- loading
 
 def _tfds_builder(spec: DatasetSpec, data_dir: Optional[str], download: bool):
-  builder = tfds.builder(spec.name, data_dir=data_dir)
+  builder = tfds.builder(spec.tfds_name, data_dir=data_dir)
   if not builder.is_prepared() and download:
     try:
       builder.download_and_prepare()
@@ -107,12 +128,12 @@ def _tfds_builder(spec: DatasetSpec, data_dir: Optional[str], download: bool):
 
 def _missing_message(spec, builder, reason=""):
   if spec.base in SEGMENTATION_DATASETS:
-    return (f"Dataset {spec.name!r} is not prepared in data_dir {builder.data_dir_root!r}. {reason}\nPrepare it "
+    return (f"Dataset {spec.name!r} is not prepared in data_dir {builder.data_dir_root!r}. {reason} Prepare it "
             f"from the downloaded release with `python -m smoothing_jax.data.{spec.base} --manual_dir=<release> "
             f"--data_dir=<dir>` and pass --config.data_dir=<dir>, or train from local arrays with "
             f"--config.dataset=npz:<dir> (uint8 images [N,H,W,3] and label maps [N,H,W] in train.npz/test.npz).")
   return (f"Dataset {spec.name!r} is not prepared in data_dir {builder.data_dir_root!r} "
-          f"(searched {builder.data_dir!r}). {reason}\nPrepare it on a machine with network access with "
+          f"(searched {builder.data_dir!r}). {reason} Prepare it on a machine with network access with "
           f"`tfds build {spec.name.split('/')[0]} --data_dir=<dir>` (ImageNet and CIFAR-100-C need "
           f"--manual_dir) and pass --config.data_dir=<dir>, or train from local arrays with "
           f"--config.dataset=npz:<dir> (uint8 images [N,H,W,3] and labels [N] in train.npz/test.npz).")

@@ -14,6 +14,9 @@ import numpy as np
 # Binomial filters: k ⊗ k / ‖k‖₁² (paper Eq. 4 and Appendix C).
 BLUR_FILTERS = {1: (1.0,), 2: (1.0, 1.0), 3: (1.0, 2.0, 1.0), 5: (1.0, 4.0, 6.0, 4.0, 1.0)}
 PROB_KINDS = ("tanh", "relu6", "scale", None)
+# τ of each kind when none is given: tanh τ = 10 (SS TanhBlurBlock), scale τ = 5 (SS
+# ScalingBlurBlock, paper Appendix B.1).
+DEFAULT_TEMPERATURE = {"tanh": 10.0, "scale": 5.0}
 PAD_MODES = {"constant": "constant", "zero": "constant", "reflect": "reflect",
              "replicate": "edge", "circular": "wrap"}
 
@@ -47,25 +50,33 @@ class Prob(nn.Module):
   kinds:
     ``"tanh"``  — ``ReLU(τ·tanh(x/τ))`` (the reference's TanhBlurBlock, τ = 10);
     ``"relu6"`` — ``ReLU(min(x, 6))``;
-    ``"scale"`` — ``ReLU(x/τ)``;
+    ``"scale"`` — ``ReLU(x/τ)`` (τ = 5: the reference's ScalingBlurBlock, paper Appendix B.1;
+    the ReLU is the paper's Prob = ReLU ∘ bound, a no-op after a post-activation stage);
     ``None``    — identity.
+
+  ``temperature`` None takes the kind's default (:data:`DEFAULT_TEMPERATURE`).
   """
   kind: Optional[str] = "tanh"
-  temperature: float = 10.0
+  temperature: Optional[float] = None
 
   def setup(self):
     if self.kind not in PROB_KINDS:
       raise ValueError(f"Unknown Prob kind {self.kind!r}; choose one of {PROB_KINDS}.")
-    if self.kind in ("tanh", "scale") and not self.temperature > 0:
+    if self.kind in DEFAULT_TEMPERATURE and not self.tau > 0:
       raise ValueError(f"Prob temperature must be > 0, got {self.temperature!r}.")
+
+  @property
+  def tau(self) -> float:
+    """The temperature in use: ``temperature``, or the kind's default."""
+    return DEFAULT_TEMPERATURE.get(self.kind, 1.0) if self.temperature is None else self.temperature
 
   def __call__(self, x):
     if self.kind == "tanh":
-      return nn.relu(self.temperature * jnp.tanh(x / self.temperature))
+      return nn.relu(self.tau * jnp.tanh(x / self.tau))
     if self.kind == "relu6":
       return jnp.clip(x, 0.0, 6.0)
     if self.kind == "scale":
-      return nn.relu(x / self.temperature)
+      return nn.relu(x / self.tau)
     return x
 
 
@@ -103,9 +114,10 @@ class Blur(nn.Module):
 
 
 class Smooth(nn.Module):
-  """Spatial smoothing ``Blur ∘ Prob`` (the reference's TanhBlurBlock)."""
+  """Spatial smoothing ``Blur ∘ Prob`` (the reference's TanhBlurBlock; ``prob="scale"``:
+  ScalingBlurBlock).  ``temperature`` None: the Prob kind's default."""
   prob: Optional[str] = "tanh"
-  temperature: float = 10.0
+  temperature: Optional[float] = None
   blur_size: int = 2
   same: bool = False
   pad_mode: str = "constant"

@@ -133,7 +133,7 @@ class CNN(nn.Module):
   dropout_rate: float = 0.0
   smoothing: bool = False
   prob: Optional[str] = "tanh"
-  temperature: float = 10.0
+  temperature: Optional[float] = None  # None: 10 for "tanh", 5 for "scale" (layers.DEFAULT_TEMPERATURE)
   blur_size: int = 2
   blur_same: bool = False
   pad_mode: str = "constant"

@@ -56,7 +56,10 @@ class ResNetBlock(_Block):
 
 
 class PreActBlock(_Block):
-  """Pre-activation basic/bottleneck block; the 1×1 shortcut (no BN) sees BN-ReLU(x).
+  """Pre-activation basic/bottleneck block; the 1×1 shortcut sees BN-ReLU(x).
+
+  The MC-dropout bottleneck puts a BatchNorm after that shortcut conv (SS/HV
+  ``preresnet_mcdo_block.Bottleneck``); the dnn bottleneck and basic blocks have none.
 
   ``keep`` scales the residual branch (lesion studies); ``drop_path_rate`` is stochastic depth.
   """
@@ -67,6 +70,8 @@ class PreActBlock(_Block):
     pre = nn.relu(self.bn(train, "bn1")(x))
     if self.stride != 1 or x.shape[-1] != out_channels:
       skip = conv(out_channels, 1, self.stride, dtype=self.dtype, name="shortcut_0")(pre)
+      if self.block == "bottleneck" and self.dropout_rate > 0:
+        skip = self.bn(train, "shortcut_1")(skip)
     else:
       skip = x
     if self.block == "basic":

@@ -87,8 +87,8 @@ class ViT(nn.Module):
   mlp_dim: int = 768
   patch_size: Optional[int] = None
   classifier: str = "token"
-  dropout_rate_train: float = 0.1
-  embedding_dropout_rate: float = 0.1
+  dropout_rate_train: float = 0.0      # HV models/vit.py: dropout=0.0, emb_dropout=0.0
+  embedding_dropout_rate: float = 0.0
   stochastic_depth: float = 0.0
   window_size: Optional[int] = None
   kernel_size: Optional[int] = None

@@ -1,0 +1,97 @@
+"""The config-argument parser; every config in ``configs/``: defaults, name=value, rejections."""
+import importlib
+import pathlib
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from smoothing_jax.config_base import parse_config_arg
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = sorted(path.stem for path in (ROOT / "configs").glob("*.py") if path.stem != "__init__")
+
+
+def load(name):
+  return importlib.import_module(f"configs.{name}")
+
+
+def test_parser_forms_and_conversion():
+  spec = {"model": "m0", "dataset": "d0", "k": 4}
+  args = parse_config_arg("m1,npz:/a/b:c,runlocal", spec)
+  assert (args.model, args.dataset, args.k, args.runlocal) == ("m1", "npz:/a/b:c", 4, True)
+  args = parse_config_arg("runlocal,m1,k=7", spec)
+  assert (args.model, args.dataset, args.k, args.runlocal) == ("m1", "d0", 7, True)
+  args = parse_config_arg("", spec)
+  assert (args.model, args.dataset, args.k, args.runlocal) == ("m0", "d0", 4, False)
+  assert parse_config_arg("m,5", {"model": "a", "k": 1}).k == 5
+
+
+@pytest.mark.parametrize("arg,bad", [("m,d,3,x", "'x'"), ("runlokal", "'runlokal'"),
+                                     ("m,size=2", "'size=2'"), ("k=abc", "'k=abc'"),
+                                     ("k=1,m", "'m'"), ("m,model=n", "'model=n'"), ("m,,3", "''"),
+                                     ("dataset=", "'dataset='")])
+def test_parser_rejects_with_the_accepted_list(arg, bad):
+  with pytest.raises(ValueError, match=f"argument {bad} .*model \\(default 'm0'\\), dataset "
+                                       "\\(default 'd0'\\), k \\(default 4\\).*flags runlocal"):
+    parse_config_arg(arg, {"model": "m0", "dataset": "d0", "k": 4})
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_defaults_and_name_value(name):
+  module = load(name)
+  expected = module.get_config().to_dict()
+  assert module.get_config("").to_dict() == expected
+  positional = ",".join(str(default) for default in module.ARGS.values())
+  assert module.get_config(positional).to_dict() == expected
+  named = ",".join(f"{key}={default}" for key, default in module.ARGS.items())
+  assert module.get_config(named).to_dict() == expected
+  if module.ARGS:  # trailing arguments missing: their defaults
+    assert module.get_config(str(next(iter(module.ARGS.values())))).to_dict() == expected
+  local = module.get_config("runlocal")
+  assert 0 < local.num_train_steps != module.get_config().num_train_steps
+  for key, default in module.ARGS.items():
+    assert f"``{key}``" in module.__doc__ and f"``{default}``" in module.__doc__
+  assert "``runlocal``" in module.__doc__
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("extra,reason", [("runlokal", "unknown flag"), ("nmae=1", "unknown name"),
+                                          ("extra", "too many positional")])
+def test_config_rejects_bad_arguments(name, extra, reason):
+  module = load(name)
+  arg = ",".join([*(str(default) for default in module.ARGS.values()), extra])
+  with pytest.raises(ValueError) as error:
+    module.get_config(arg)
+  message = str(error.value)
+  assert f"{extra!r}" in message and reason in message and "runlocal" in message
+  for key, default in module.ARGS.items():
+    assert f"{key} (default {default!r})" in message
+
+
+def test_cifar_resnet_model_alone_and_names():
+  from configs import cifar_resnet
+  config = cifar_resnet.get_config("vgg_dnn_16")
+  assert (config.model, config.dataset) == ("vgg_dnn_16", "cifar10")
+  config = cifar_resnet.get_config("model=vgg_dnn_16,dataset=cifar100")
+  assert (config.model, config.dataset) == ("vgg_dnn_16", "cifar100")
+
+
+def test_config_flags_pass_datasets_with_colons():
+  argv = ["prog", f"--config={ROOT}/configs/cifar_resnet.py:resnet_dnn_18,npz:/some/dir,runlocal"]
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)
+  values(argv)
+  assert (values.config.model, values.config.dataset, values.config.num_train_steps) == (
+      "resnet_dnn_18", "npz:/some/dir", 20)
+
+
+def test_cifar_ibnn_arguments_and_ece_bins():
+  from configs import cifar_ibnn
+  config = cifar_ibnn.get_config("vgg_ibnn_16,cifar10,4,runlocal")
+  assert config.model_kwargs.num_components == 4 and config.num_train_steps == 20
+  assert cifar_ibnn.get_config("num_components=16").model_kwargs.num_components == 16
+  with pytest.raises(ValueError, match="'num_components=abc'.*num_components \\(default 4\\)"):
+    cifar_ibnn.get_config("num_components=abc")
+  # The iBNN reference evaluates with IB ``ECELoss(n_bins=15)`` (and the paper says 15 bins).
+  assert config.ece_bins == 15 and cifar_ibnn.get_config().ece_bins == 15

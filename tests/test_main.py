@@ -1,0 +1,89 @@
+"""The command line with bad input: one line naming the problem, a non-zero exit, no traceback."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Runs each command line through absl's app.run in one process (imports and compiles are paid
+# once); every case uses different --config.<key> overrides, which absl defines once per process.
+DRIVER = r"""
+import contextlib, io, json, os, sys
+from absl import app
+from smoothing_jax import main
+results = []
+for argv, env in json.loads(sys.argv[1]):
+  main.FLAGS.unparse_flags()
+  os.environ.update(env)
+  sys.argv = ["smoothing_jax.main"] + argv
+  err = io.StringIO()
+  try:
+    with contextlib.redirect_stderr(err):
+      app.run(main.main, argv=sys.argv, flags_parser=main.parse_flags)
+    results.append({"code": 0, "stderr": err.getvalue()})
+  except SystemExit as e:
+    results.append({"code": e.code, "stderr": err.getvalue()})
+  except Exception as e:  # the traceback a user asked for
+    results.append({"code": "raised", "stderr": f"{type(e).__name__}: {e}"})
+  for key in env:
+    del os.environ[key]
+print("RESULTS" + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def cli_results(tmp_path_factory):
+  root = tmp_path_factory.mktemp("cli")
+  rng = np.random.default_rng(0)
+  good, floats = root / "good", root / "floats"
+  for directory, dtype in ((good, np.uint8), (floats, np.float32)):
+    directory.mkdir()
+    for split in ("train", "test"):
+      np.savez(directory / f"{split}.npz", images=rng.integers(0, 255, (8, 8, 8, 3)).astype(dtype),
+               labels=rng.integers(0, 2, 8))
+  workdir = str(root / "workdir")
+  cases = {
+      "config argument typo": (["--config=configs/cifar_resnet.py:resnet_dnn_18,cifar10,runlokal"], {}),
+      "unknown config key": (["--config=configs/cifar_resnet.py", "--config.not_a_key=3"], {}),
+      "missing dataset": (["--config=configs/cifar_resnet.py:resnet_dnn_18,npz:/missing,runlocal"], {}),
+      "wrong dtype": (["--config=configs/quickstart.py", f"--config.dataset=npz:{floats}"], {}),
+      "unknown model": ([f"--config=configs/cifar_resnet.py:resnet_dnn_18x,npz:{good},runlocal"], {}),
+      "model/dataset mismatch": ([f"--config=configs/camvid_unet.py:unet_dnn,npz:{good},runlocal",
+                                  "--config.num_devices=1"], {}),
+      "missing checkpoint": (["--config=configs/quickstart.py", "--mode=evaluate"], {}),
+      "traceback on request": ([f"--config=configs/cifar_resnet.py:vgg_dnn_16x,npz:{good},runlocal"],
+                               {"SMOOTHING_JAX_TRACEBACK": "1"}),
+  }
+  payload = json.dumps([(argv + [f"--workdir={workdir}"], env) for argv, env in cases.values()])
+  env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3")
+  out = subprocess.run([sys.executable, "-c", DRIVER, payload], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+  line = [x for x in out.stdout.splitlines() if x.startswith("RESULTS")]
+  assert line, out.stdout[-2000:] + out.stderr[-2000:]
+  return dict(zip(cases, json.loads(line[0][len("RESULTS"):])))
+
+
+@pytest.mark.parametrize("case,code,expected", [
+    ("config argument typo", 2, "Bad config argument 'runlokal'"),
+    ("unknown config key", 2, "unknown config key 'not_a_key'"),
+    ("missing dataset", 1, "/missing/train.npz does not exist"),
+    ("wrong dtype", 1, "'images' must be uint8 [N,H,W,3], got float32"),
+    ("unknown model", 1, "Unknown model name 'resnet_dnn_18x'"),
+    ("model/dataset mismatch", 1, "does not fit dataset"),
+    ("missing checkpoint", 1, "No checkpoint in"),
+])
+def test_user_errors_print_one_line(cli_results, case, code, expected):
+  result = cli_results[case]
+  errors = [line for line in result["stderr"].splitlines() if "smoothing_jax.main: error:" in line]
+  assert result["code"] == code, result
+  assert len(errors) == 1 and expected in errors[0], result["stderr"][-3000:]
+  assert "Traceback" not in result["stderr"]
+
+
+def test_the_traceback_is_kept_on_request(cli_results):
+  result = cli_results["traceback on request"]
+  assert result["code"] == "raised" and "Unknown model name 'vgg_dnn_16x'" in result["stderr"]
