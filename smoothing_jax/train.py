@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import functools
 import json
+import logging as std_logging
 import os
 import signal
+import sys
 from typing import Any, Optional
 
 import jax
@@ -305,7 +307,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        stop_after_steps: Optional[int] = None) -> TrainState:
   """Train ``config.model`` on ``config.dataset``, writing checkpoints and metrics to ``workdir``.
 
-  Resumes from the latest checkpoint in ``workdir/checkpoints``.  ``stop_after_steps``
+  Resumes from the latest intact checkpoint in ``workdir/checkpoints`` onto this run's
+  devices, whatever device count wrote it (``restore_latest``; newer steps that fail to
+  restore are renamed by ``set_aside_newer_steps``, not deleted).  ``stop_after_steps``
   ends this run early (after a checkpoint), as a preemption would.
   """
   os.makedirs(workdir, exist_ok=True)
@@ -331,11 +335,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   state = jax.device_put(create_train_state(config, model, init_rng, pipeline.image_shape, schedule), replicated)
 
   checkpoint_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
-  manager = ocp.CheckpointManager(checkpoint_dir, options=ocp.CheckpointManagerOptions(
-      max_to_keep=config.keep_checkpoints, create=True))
+  manager = ocp.CheckpointManager(
+      checkpoint_dir, item_handlers=ocp.StandardCheckpointHandler(),
+      options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True))
   objective = ibnn_objective(config, model, pipeline)
-  if manager.latest_step() is not None:
-    state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
+  try:  # onto this run's mesh, whatever device count wrote the checkpoint
+    resumed = restore_latest(manager, abstract_tree(state, replicated))
+    if resumed is not None:
+      set_aside_newer_steps(manager, resumed[0])
+  except BaseException:
+    manager.close()
+    raise
+  if resumed is not None:
+    state = resumed[1]
     logging.info("Resumed from step %d of %s", int(state.step), checkpoint_dir)
   elif objective is not None and config.ibnn.pretrained_workdir:
     _, det_step, det = load_checkpoint(config.ibnn.pretrained_workdir)
@@ -402,15 +414,149 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   return state
 
 
+class NoIntactCheckpointError(FileNotFoundError):
+  """Every checkpoint step in a directory failed to restore."""
+
+
+def abstract_tree(tree, sharding):
+  """``tree`` with arrays (or orbax array metadata) as ``jax.ShapeDtypeStruct`` on ``sharding``."""
+  def leaf(x):
+    if isinstance(x, (jax.Array, np.ndarray, ocp.metadata.ArrayMetadata)):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return x
+  return jax.tree.map(leaf, tree)
+
+
+def _short_reason(error: BaseException) -> str:
+  """First line of the innermost cause of ``error`` (orbax wraps TensorStore's), its spec cut."""
+  for _ in range(10):
+    if error.__cause__ is None:
+      break
+    error = error.__cause__
+  line = (str(error).strip().splitlines() or [""])[0].split(" [tensorstore_spec")[0]
+  return f"{type(error).__name__}: {line[:600]}"
+
+
+# "<checkpoint dir>/<step>/" of the restores under way or failed (see _late_read_error).
+_RESTORED_STEP_DIRS = set()
+
+
+def _late_read_error(error) -> bool:
+  """True for a late error of the reads that a failed orbax restore abandoned.
+
+  orbax restores on a fresh event loop and closes it at the first failed read; the other
+  reads then end in the closed loop and are reported at any later time, burying the real
+  error ("Event loop is closed", "Future exception was never retrieved", "Exception
+  ignored in: <coroutine ...>").  They name the step's directory, as does the real error.
+  """
+  if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+    return True
+  for _ in range(5):
+    if error is None:
+      return False
+    if any(step_dir in str(error) for step_dir in _RESTORED_STEP_DIRS):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+class _LateReadErrorFilter(std_logging.Filter):
+  def filter(self, record):
+    return not (record.exc_info and _late_read_error(record.exc_info[1]))
+
+
+def _mute_late_read_errors():
+  """Drop the late read errors of failed restores from asyncio's log and unraisable reports."""
+  asyncio_logger = std_logging.getLogger("asyncio")
+  if not any(isinstance(f, _LateReadErrorFilter) for f in asyncio_logger.filters):
+    asyncio_logger.addFilter(_LateReadErrorFilter())
+  previous = sys.unraisablehook
+  if getattr(previous, "mutes_late_read_errors", False):
+    return
+
+  def hook(unraisable):
+    if not _late_read_error(unraisable.exc_value):
+      previous(unraisable)
+
+  hook.mutes_late_read_errors = True
+  sys.unraisablehook = hook
+
+
+def restore_latest(manager: ocp.CheckpointManager, target):
+  """``(step, tree)`` of the newest step of ``manager`` that restores; None if it has no steps.
+
+  ``target`` is the abstract tree to restore onto (``abstract_tree``: shapes, dtypes and
+  the current devices' shardings), or a function of the step returning it.  Steps are
+  tried newest first; one that fails (e.g. corrupted files) is skipped with a warning
+  naming it and why.  Nothing is deleted.  Raises ``NoIntactCheckpointError`` (a
+  ``FileNotFoundError``) naming the directory when every step fails.
+  """
+  _mute_late_read_errors()
+  failures = []
+  for step in sorted(manager.all_steps(), reverse=True):
+    step_dir = os.path.join(manager.directory, str(step), "")
+    _RESTORED_STEP_DIRS.add(step_dir)  # before any read can fail
+    try:
+      tree = target(step) if callable(target) else target
+      restored = manager.restore(step, args=ocp.args.StandardRestore(tree))
+    except Exception as error:  # noqa: BLE001  (whatever the reason, an older step may restore)
+      failures.append((step, _short_reason(error)))
+      logging.warning("Checkpoint step %d in %s cannot be restored (%s); trying an older step.",
+                      step, manager.directory, failures[-1][1])
+      continue
+    _RESTORED_STEP_DIRS.discard(step_dir)
+    return step, restored
+  if failures:
+    steps = ", ".join(str(s) for s, _ in failures)
+    raise NoIntactCheckpointError(
+        f"No intact checkpoint in {manager.directory}: steps {steps} failed to restore (step "
+        f"{failures[0][0]}: {failures[0][1]}); nothing was deleted.") from None
+  return None
+
+
+def set_aside_newer_steps(manager: ocp.CheckpointManager, step: int):
+  """Rename the steps newer than ``step`` (they failed to restore) to ``<step>.corrupt[.n]``.
+
+  Nothing is deleted: the files stay for inspection (remove them by hand), but orbax no
+  longer sees them, so the resumed run can save those steps again and ``max_to_keep``
+  never counts or removes them.
+  """
+  newer = [s for s in manager.all_steps() if s > step]
+  if not newer:
+    return
+  if jax.process_index() == 0:
+    for s in newer:
+      source = os.path.join(manager.directory, str(s))
+      destination, n = source + ".corrupt", 0
+      while os.path.exists(destination):
+        n += 1
+        destination = f"{source}.corrupt.{n}"
+      os.rename(source, destination)
+      logging.warning("Unreadable checkpoint step %d moved to %s (not deleted).", s, destination)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("set_aside_newer_steps")
+  manager.reload()
+
+
 def load_checkpoint(workdir: str, config: Optional[ml_collections.ConfigDict] = None):
-  """Model and variables of the latest checkpoint in ``workdir`` (config from ``workdir/config.json``)."""
+  """Config, step and variables of the latest intact checkpoint in ``workdir``.
+
+  The config comes from ``workdir/config.json`` unless given.  Variables are restored
+  replicated on all current devices, whatever device count wrote them; corrupted newer
+  steps are skipped with a warning (``restore_latest``).  Raises ``FileNotFoundError``
+  when there is no checkpoint or none restores.
+  """
   if config is None:
     with open(os.path.join(workdir, "config.json")) as f:
       config = ml_collections.ConfigDict(json.load(f))
   checkpoint_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
-  with ocp.CheckpointManager(checkpoint_dir, options=ocp.CheckpointManagerOptions(read_only=True)) as manager:
-    step = manager.latest_step()
-    if step is None:
-      raise FileNotFoundError(f"No checkpoint in {checkpoint_dir}.")
-    restored = manager.restore(step, args=ocp.args.StandardRestore())
-  return config, step, {"params": restored["params"], "batch_stats": restored["batch_stats"]}
+  replicated = NamedSharding(create_mesh(), P())
+  with ocp.CheckpointManager(checkpoint_dir, options=ocp.CheckpointManagerOptions(read_only=True),
+                             item_handlers=ocp.StandardCheckpointHandler()) as manager:
+    restored = restore_latest(
+        manager, lambda step: abstract_tree(manager.item_metadata(step).tree, replicated))
+  if restored is None:
+    raise FileNotFoundError(f"No checkpoint in {checkpoint_dir}.")
+  step, tree = restored
+  return config, step, {"params": tree["params"], "batch_stats": tree["batch_stats"]}
