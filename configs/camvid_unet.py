@@ -6,7 +6,8 @@ positionally or as ``name=value``; flag ``runlocal``: a CPU smoke run.
 
   --config=configs/camvid_unet.py                                  # unet_mcdo_smoothing on camvid
   --config=configs/camvid_unet.py:unet_mcdo,camvid
-  --config=configs/camvid_unet.py:unet_dnn_smoothing,npz:<dir>,runlocal --config.num_classes=11   # CPU smoke run
+  # CPU smoke run
+  --config=configs/camvid_unet.py:unet_dnn_smoothing,npz:<dir>,runlocal --config.num_classes=11
 
 Pixel-wise cross-entropy with median-frequency class balancing and the void
 label masked; Adam (lr 1e-3, β 0.9 / 0.999, no weight decay), batch 3, 130

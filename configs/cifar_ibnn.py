@@ -29,7 +29,8 @@ from smoothing_jax.config_base import base_config, parse_config_arg, shrink_for_
 ARGS = {"model": "vgg_ibnn_16", "dataset": "cifar10",  # positional, with defaults
         "num_components": 4}
 
-# (model, dataset): λ₀, λ₁, σ₀ of the μ initialisation, prior std s, weight decay (paper Table 2).
+# (model, dataset): λ₀, λ₁, σ₀ of the μ initialisation, prior std s, weight decay
+# (paper Table 2).
 TABLE_2 = {
     ("vgg_ibnn_16", "cifar10"): (0.05, 1.2, 0.75, 0.3, 5e-4),
     ("vgg_ibnn_16", "cifar100"): (0.05, 1.6, 0.75, 0.3, 3e-4),

@@ -4,7 +4,7 @@ Arguments (``:<args>``, parsed by ``smoothing_jax.config_base.parse_config_arg``
 (default ``resnet_mcdo_smoothing_18``), ``dataset`` (default ``cifar10``; TFDS name or
 ``npz:<dir>``), positionally or as ``name=value``; flag ``runlocal``: a CPU smoke run.
 
-  --config=configs/cifar_resnet.py                                  # resnet_mcdo_smoothing_18, cifar10
+  --config=configs/cifar_resnet.py  # resnet_mcdo_smoothing_18, cifar10
   --config=configs/cifar_resnet.py:resnet_mcdo_smoothing_18,cifar100
   --config=configs/cifar_resnet.py:model=vgg_dnn_16,dataset=cifar100
   --config=configs/cifar_resnet.py:vgg_dnn_smoothing_16,cifar10,runlocal   # CPU smoke run

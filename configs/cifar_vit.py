@@ -62,13 +62,39 @@ def get_config(arg: str = ""):
 
 
 _ARCH_OPTIONS = {
-    "vit": {"hidden_dim": int, "depth": int, "num_heads": int, "head_dim": int, "mlp_dim": int, "patch_size": int,
-            "window_size": int, "kernel_size": int},
-    "alternet": {"stage_sizes": tuple, "msa_blocks": tuple, "num_heads": tuple, "head_dim": int, "window_size": int},
+    "vit": {
+        "hidden_dim": int,
+        "depth": int,
+        "num_heads": int,
+        "head_dim": int,
+        "mlp_dim": int,
+        "patch_size": int,
+        "window_size": int,
+        "kernel_size": int
+    },
+    "alternet": {
+        "stage_sizes": tuple,
+        "msa_blocks": tuple,
+        "num_heads": tuple,
+        "head_dim": int,
+        "window_size": int
+    },
 }
 # Narrow models for CPU smoke runs.
 _RUNLOCAL_SIZES = {
-    "vit": {"hidden_dim": 32, "depth": 2, "num_heads": 2, "head_dim": 16, "mlp_dim": 64, "patch_size": 4},
-    "alternet": {"width": 8, "stage_sizes": (1, 2, 2, 2), "msa_blocks": (0, 1, 1, 1), "num_heads": (1, 2, 2, 2),
-                 "head_dim": 8},
+    "vit": {
+        "hidden_dim": 32,
+        "depth": 2,
+        "num_heads": 2,
+        "head_dim": 16,
+        "mlp_dim": 64,
+        "patch_size": 4
+    },
+    "alternet": {
+        "width": 8,
+        "stage_sizes": (1, 2, 2, 2),
+        "msa_blocks": (0, 1, 1, 1),
+        "num_heads": (1, 2, 2, 2),
+        "head_dim": 8
+    },
 }

@@ -1,4 +1,5 @@
-"""ImageNet recipe of the paper (Appendix A): ``--config=configs/imagenet_resnet.py:resnet_mcdo_smoothing_50``.
+"""ImageNet recipe of the paper (Appendix A):
+``--config=configs/imagenet_resnet.py:resnet_mcdo_smoothing_50``.
 
 Arguments (``:<args>``, parsed by ``smoothing_jax.config_base.parse_config_arg``): ``model``
 (default ``resnet_mcdo_smoothing_50``), ``dataset`` (default ``imagenet2012``), positionally or

@@ -5,7 +5,7 @@ objective (NLL + L2, BatchNorm in inference mode, fixed dropout key), one HVP
 (forward-over-reverse), and a top-1 eigenvalue by power iteration, for
 ``resnet_dnn_smoothing_18`` on CIFAR-shaped batches.  With PyTorch installed it
 also times the double-backward HVP of an equivalent PyTorch network (the
-``tests/torch_reference.py`` re-implementation) as the peer comparison.
+``smoothing_jax.torch_reference`` re-implementation) as the peer comparison.
 
   python experiments/bench_hessian.py                               # batch 128, full width
   python experiments/bench_hessian.py --batch-size 32 --width 16 --max-iters 20   # quick
@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
-import sys
 import time
 
 import jax
@@ -38,8 +36,7 @@ def torch_hvp_seconds(width, images, labels, repeats):
     import torch
   except ImportError:
     return None
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-  from tests.torch_reference import ResNet, randomize
+  from smoothing_jax.torch_reference import ResNet, randomize
   device = "cuda" if torch.cuda.is_available() else "cpu"
   net = randomize(ResNet((2, 2, 2, 2), False, 10, width=width, smoothing=True)).to(device).eval()
   x = torch.from_numpy(np.asarray(images).transpose(0, 3, 1, 2)).to(device)
@@ -66,7 +63,8 @@ def torch_hvp_seconds(width, images, labels, repeats):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model", default="resnet_dnn_smoothing_18")
   parser.add_argument("--batch-size", type=int, default=128)
   parser.add_argument("--width", type=int, default=None)
@@ -80,8 +78,8 @@ def main(argv=None):
   labels = jnp.arange(args.batch_size) % 10
   variables = jax.jit(model.init)(jax.random.key(1), images[:1])
   params = variables["params"]
-  loss_fn = Partial(functools.partial(training_loss, model, 5e-4), variables["batch_stats"], jax.random.key(2),
-                    images, labels)
+  loss_fn = Partial(functools.partial(training_loss, model, 5e-4), variables["batch_stats"],
+                    jax.random.key(2), images, labels)
   grad_fn = jax.jit(jax.grad(lambda p, f: f(p)))
   vector = jax.tree.map(lambda p: jax.random.normal(jax.random.key(3), p.shape), params)
 
@@ -93,16 +91,28 @@ def main(argv=None):
   result = top_eigenvalues(loss_fn, params, k=1, max_iters=args.max_iters, rng=jax.random.key(4))
   jax.block_until_ready(result[0])
   t_eig = time.perf_counter() - start
-  t_torch = torch_hvp_seconds(model.width, images, labels, args.repeats) if args.model == "resnet_dnn_smoothing_18" \
-      else None
-  print(json.dumps({
-      "benchmark": "hessian", "model": args.model, "overrides": overrides, "batch_size": args.batch_size,
-      "num_params": int(sum(p.size for p in jax.tree.leaves(params))), "device": str(jax.devices()[0]),
-      "gradient_seconds": t_grad, "hvp_seconds": t_hvp, "hvp_over_gradient": t_hvp / t_grad,
-      "top1_eigenvalue": float(result.eigenvalues[0]), "top1_iterations": int(result.iterations[0]),
-      "top1_seconds": t_eig, "top1_over_gradient": t_eig / t_grad,
-      "torch_double_backward_hvp_seconds": t_torch,
-      "jax_hvp_speedup_vs_torch": (t_torch / t_hvp) if t_torch else None}, indent=2))
+  t_torch = (torch_hvp_seconds(model.width, images, labels, args.repeats)
+             if args.model == "resnet_dnn_smoothing_18" else None)
+  print(
+      json.dumps(
+          {
+              "benchmark": "hessian",
+              "model": args.model,
+              "overrides": overrides,
+              "batch_size": args.batch_size,
+              "num_params": int(sum(p.size for p in jax.tree.leaves(params))),
+              "device": str(jax.devices()[0]),
+              "gradient_seconds": t_grad,
+              "hvp_seconds": t_hvp,
+              "hvp_over_gradient": t_hvp / t_grad,
+              "top1_eigenvalue": float(result.eigenvalues[0]),
+              "top1_iterations": int(result.iterations[0]),
+              "top1_seconds": t_eig,
+              "top1_over_gradient": t_eig / t_grad,
+              "torch_double_backward_hvp_seconds": t_torch,
+              "jax_hvp_speedup_vs_torch": (t_torch / t_hvp) if t_torch else None
+          },
+          indent=2))
 
 
 if __name__ == "__main__":

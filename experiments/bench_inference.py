@@ -27,7 +27,8 @@ from smoothing_jax.models import get_model
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model", default="resnet_mcdo_smoothing_18")
   parser.add_argument("--num-classes", type=int, default=10)
   parser.add_argument("--batch-size", type=int, default=128)
@@ -35,17 +36,27 @@ def main(argv=None):
   parser.add_argument("--num-samples", type=int, nargs="+", default=[1, 2, 10, 50])
   parser.add_argument("--chunk-size", type=int, default=10,
                       help="mc_predict chunk_size: samples evaluated together (bounds memory)")
-  parser.add_argument("--width", type=int, default=None, help="override the model width (quick runs)")
+  parser.add_argument("--width",
+                      type=int,
+                      default=None,
+                      help="override the model width (quick runs)")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--ibnn-model", default="vgg_ibnn_16")
-  parser.add_argument("--ibnn-components", type=int, default=4, help="K (0 skips the iBNN measurement)")
+  parser.add_argument("--ibnn-components",
+                      type=int,
+                      default=4,
+                      help="K (0 skips the iBNN measurement)")
   parser.add_argument("--ibnn-samples", type=int, default=5, help="S per component")
   args = parser.parse_args(argv)
 
   overrides = {} if args.width is None else {"width": args.width}
   model = get_model(args.model, args.num_classes, **overrides)
-  images = jax.random.normal(jax.random.key(0), (args.batch_size, args.image_size, args.image_size, 3))
-  variables = jax.jit(model.init)({"params": jax.random.key(1), **sample_rngs(jax.random.key(2))}, images[:1])
+  images = jax.random.normal(jax.random.key(0),
+                             (args.batch_size, args.image_size, args.image_size, 3))
+  variables = jax.jit(model.init)({
+      "params": jax.random.key(1),
+      **sample_rngs(jax.random.key(2))
+  }, images[:1])
 
   single_pass = jax.jit(lambda v, x, key: jax.nn.softmax(model.apply(v, x, rngs=sample_rngs(key))))
 
@@ -57,8 +68,9 @@ def main(argv=None):
   results = []
   for n in args.num_samples:
     t_vmap = median_seconds(
-        lambda: mc_predict(model, variables, images, num_samples=n, rng=rng, chunk_size=args.chunk_size).mean_probs,
-        args.repeats)
+        lambda: mc_predict(
+            model, variables, images, num_samples=n, rng=rng, chunk_size=args.chunk_size).
+        mean_probs, args.repeats)
     t_loop = median_seconds(lambda: loop(n, rng), args.repeats)
     results.append({
         "num_samples": n,
@@ -85,24 +97,40 @@ def ibnn_benchmark(args, images):
   if args.width is not None:
     overrides["width"] = args.width
   model = get_model(args.ibnn_model, args.num_classes, **overrides)
-  variables = jax.jit(model.init)({"params": jax.random.key(1), **sample_rngs(jax.random.key(2))}, images[:1])
+  variables = jax.jit(model.init)({
+      "params": jax.random.key(1),
+      **sample_rngs(jax.random.key(2))
+  }, images[:1])
   k, s = args.ibnn_components, args.ibnn_samples
-  single_pass = jax.jit(lambda v, x, c, key: jax.nn.softmax(model.apply(v, x, components=c, rngs=sample_rngs(key))))
+  single_pass = jax.jit(
+      lambda v, x, c, key: jax.nn.softmax(model.apply(v, x, components=c, rngs=sample_rngs(key))))
   rng = jax.random.key(3)
   components = [jax.numpy.full((images.shape[0],), i) for i in range(k)]
 
   def loop():
     keys = jax.random.split(rng, k * s)
-    return sum(single_pass(variables, images, components[i % k], key) for i, key in enumerate(keys)) / (k * s)
+    return sum(
+        single_pass(variables, images, components[i % k], key)
+        for i, key in enumerate(keys)) / (k * s)
 
-  t_single = median_seconds(lambda: single_pass(variables, images, components[0], rng), args.repeats)
-  t_call = median_seconds(lambda: ibnn_predict(model, variables, images, num_samples=s, rng=rng).mean_probs,
-                          args.repeats)
+  t_single = median_seconds(lambda: single_pass(variables, images, components[0], rng),
+                            args.repeats)
+  t_call = median_seconds(
+      lambda: ibnn_predict(model, variables, images, num_samples=s, rng=rng).mean_probs,
+      args.repeats)
   t_loop = median_seconds(loop, args.repeats)
-  result = {"model": args.ibnn_model, "num_components": k, "samples_per_component": s,
-            "predictions": k * s, "ibnn_predict_seconds": t_call, "python_loop_seconds": t_loop,
-            "ibnn_predict_images_per_s": images.shape[0] / t_call, "python_loop_images_per_s": images.shape[0] / t_loop,
-            "speedup_vs_loop": t_loop / t_call, "cost_ratio_vs_ks_single_passes": t_call / (k * s * t_single)}
+  result = {
+      "model": args.ibnn_model,
+      "num_components": k,
+      "samples_per_component": s,
+      "predictions": k * s,
+      "ibnn_predict_seconds": t_call,
+      "python_loop_seconds": t_loop,
+      "ibnn_predict_images_per_s": images.shape[0] / t_call,
+      "python_loop_images_per_s": images.shape[0] / t_loop,
+      "speedup_vs_loop": t_loop / t_call,
+      "cost_ratio_vs_ks_single_passes": t_call / (k * s * t_single)
+  }
   print(json.dumps(result), flush=True)
   return result
 

@@ -1,4 +1,5 @@
-"""Benchmark: train-step throughput with and without spatial smoothing, and the input pipeline alone.
+"""Benchmark: train-step throughput with and without spatial smoothing, and the input pipeline
+alone.
 
 Prints one JSON object, all measured in the same run on the same devices:
   * images/s of a jitted, data-parallel ``train_step`` for each model (default
@@ -11,7 +12,8 @@ Prints one JSON object, all measured in the same run on the same devices:
 
   python experiments/bench_train.py                       # CIFAR, batch 128
   python experiments/bench_train.py --steps 3 --width 16  # quick
-  python experiments/bench_train.py --models vgg_dnn_16:plain vgg_ibnn_16:K4   # iBNN (S=2 rows per image) vs deterministic
+  # iBNN (S=2 rows per image) vs deterministic
+  python experiments/bench_train.py --models vgg_dnn_16:plain vgg_ibnn_16:K4
   python experiments/bench_train.py --recipe vit   # ViT-Ti and AlterNet-50 vs ResNet-50, HV recipe
 
 ``--recipe vit`` times the step of ``configs/cifar_vit.py`` (AdamW, gradient clipping,
@@ -31,12 +33,12 @@ import json
 import os
 import statistics
 import time
-import types
 
 import jax
 import numpy as np
 
 from smoothing_jax import train
+from smoothing_jax.parallel import create_mesh, shard_batch, shardings
 from smoothing_jax.config_base import base_config
 from smoothing_jax.data import create_pipeline
 from smoothing_jax.models import get_model
@@ -47,16 +49,15 @@ DEFAULT_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "da
 def time_train_steps(name, overrides, config, batch, steps):
   fields = {f.name for f in dataclasses.fields(type(get_model(name, 10)))}
   model = get_model(name, 10, **{k: v for k, v in overrides.items() if k in fields})
-  mesh = train.create_mesh()
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  mesh = create_mesh()
+  replicated, data = shardings(mesh)
   schedule = train.create_learning_rate_schedule(config, steps_per_epoch=100)
-  state = jax.device_put(train.create_train_state(config, model, jax.random.key(0), batch["image"].shape[1:],
-                                                  schedule), replicated)
-  sizes = types.SimpleNamespace(num_train=50000, steps_per_epoch=100)
-  step_fn, _ = train.compile_steps(model, schedule, mesh, 10, train.ibnn_objective(config, model, sizes),
-                                   train.training_mixing(config, model))
-  batch = train.shard_batch(batch, data)
+  state = jax.device_put(
+      train.create_train_state(config, model, jax.random.key(0), batch["image"].shape[1:],
+                               schedule), replicated)
+  loss_fn = train.make_loss(config, model, num_train=50000, steps_per_epoch=100)
+  step_fn, _ = train.compile_steps(model, schedule, mesh, 10, loss_fn)
+  batch = shard_batch(batch, data)
   rng = jax.random.key(1)
   flops = step_fn.lower(state, batch, rng).compile().cost_analysis()
   flops = (flops[0] if isinstance(flops, list) else flops).get("flops", float("nan"))
@@ -72,21 +73,30 @@ def time_train_steps(name, overrides, config, batch, steps):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--recipe", choices=("sgd", "vit"), default="sgd",
                       help="sgd: the paper's CNN recipe; vit: configs/cifar_vit.py (HV)")
   parser.add_argument("--models", nargs="+", default=None)
   parser.add_argument("--batch-size", type=int, default=128)
-  parser.add_argument("--steps", type=int, default=10, help="timed steps per model (median reported)")
-  parser.add_argument("--width", type=int, default=None, help="override the model width (quick runs)")
-  parser.add_argument("--dataset", default=f"npz:{DEFAULT_DATA}" if os.path.isdir(DEFAULT_DATA) else "digits",
+  parser.add_argument("--steps",
+                      type=int,
+                      default=10,
+                      help="timed steps per model (median reported)")
+  parser.add_argument("--width",
+                      type=int,
+                      default=None,
+                      help="override the model width (quick runs)")
+  parser.add_argument("--dataset",
+                      default=f"npz:{DEFAULT_DATA}" if os.path.isdir(DEFAULT_DATA) else "digits",
                       help="dataset for the input-pipeline measurement")
   parser.add_argument("--pipeline-batches", type=int, default=50)
   args = parser.parse_args(argv)
 
   if args.recipe == "vit":
     spec = importlib.util.spec_from_file_location(
-        "cifar_vit", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "cifar_vit.py"))
+        "cifar_vit",
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "cifar_vit.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config("vit_ti,cifar10")
@@ -112,9 +122,15 @@ def main(argv=None):
       overrides["num_components"] = int(variant[1:])
     seconds, flops = time_train_steps(name, overrides, config, batch, args.steps)
     base = base or (seconds, flops)
-    row = {"model": entry, "step_seconds": seconds, "images_per_s": args.batch_size / seconds, "flops": flops,
-           "time_ratio": seconds / base[0], "flop_ratio": flops / base[1],
-           "overhead_beyond_flops": (seconds / base[0]) / (flops / base[1]) - 1.0}
+    row = {
+        "model": entry,
+        "step_seconds": seconds,
+        "images_per_s": args.batch_size / seconds,
+        "flops": flops,
+        "time_ratio": seconds / base[0],
+        "flop_ratio": flops / base[1],
+        "overhead_beyond_flops": (seconds / base[0]) / (flops / base[1]) - 1.0
+    }
     results.append(row)
     print(json.dumps(row), flush=True)
 
@@ -127,12 +143,32 @@ def main(argv=None):
   for _ in range(args.pipeline_batches):
     next(iterator)
   pipeline_ips = args.pipeline_batches * args.batch_size / (time.perf_counter() - start)
-  print(json.dumps({
-      "benchmark": "train_step_smoothing_overhead" if args.recipe == "sgd" else "train_step_msa_models",
-      "recipe": args.recipe, "batch_size": args.batch_size, "width": args.width,
-      "device": str(jax.devices()[0]), "num_devices": jax.device_count(), "models": results,
-      "pipeline_dataset": args.dataset, "pipeline_images_per_s": pipeline_ips,
-      "pipeline_vs_fastest_step": pipeline_ips / max(r["images_per_s"] for r in results)}, indent=2))
+  print(
+      json.dumps(
+          {
+              "benchmark":
+                  "train_step_smoothing_overhead"
+                  if args.recipe == "sgd" else "train_step_msa_models",
+              "recipe":
+                  args.recipe,
+              "batch_size":
+                  args.batch_size,
+              "width":
+                  args.width,
+              "device":
+                  str(jax.devices()[0]),
+              "num_devices":
+                  jax.device_count(),
+              "models":
+                  results,
+              "pipeline_dataset":
+                  args.dataset,
+              "pipeline_images_per_s":
+                  pipeline_ips,
+              "pipeline_vs_fastest_step":
+                  pipeline_ips / max(r["images_per_s"] for r in results)
+          },
+          indent=2))
 
 
 if __name__ == "__main__":

@@ -24,12 +24,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from smoothing_jax.analysis import trained as studies  # noqa: E402
-from smoothing_jax.analysis.figure_cli import (chosen_figures, figure_parser, load_workdirs, sizes_with_overrides,  # noqa: E402
-                                               write_json, write_report)
-from smoothing_jax.analysis.features import block_kinds, plot_by_depth, plot_delta_log_amplitude  # noqa: E402
-from smoothing_jax.analysis.lesion import lesion_table, plot_lesion  # noqa: E402
-from smoothing_jax.analysis.spectrum import plot_spectra  # noqa: E402
+from figure_cli import (chosen_figures, figure_parser, load_workdirs,  # noqa: E402
+                        sizes_with_overrides, write_json, write_report)
+
+from smoothing_jax.analysis import trained  # noqa: E402
+from smoothing_jax.analysis.features import block_kinds  # noqa: E402
+from smoothing_jax.analysis.lesion import lesion_table  # noqa: E402
+from smoothing_jax.plots import (plot_by_depth, plot_delta_log_amplitude, plot_lesion,  # noqa: E402
+                                 plot_spectra)
 
 FIGURES = ("spectra", "fourier", "variance", "lesion")
 CPU_SIZES = {"hessian_batches": 8, "hessian_batch_size": 128, "hessian_k": 1, "hessian_iters": 20,
@@ -37,7 +39,8 @@ CPU_SIZES = {"hessian_batches": 8, "hessian_batch_size": 128, "hessian_k": 1, "h
 
 
 def changes_by_kind(by_block: dict, kinds: dict) -> dict:
-  """Mean change of a per-block value across blocks of each kind (value after − value before the block)."""
+  """Mean change of a per-block value across blocks of each kind (value after − value
+  before the block)."""
   names = list(by_block)
   out = {}
   for prev, name in zip(names, names[1:]):
@@ -49,26 +52,40 @@ def run_figure(name: str, models: dict, sizes: dict, out: str) -> dict:
   results, summary = {}, {}
   for label, m in models.items():
     if name == "spectra":
-      r = studies.hessian_spectrum_study(m, num_batches=sizes["hessian_batches"], batch_size=sizes["hessian_batch_size"],
-                                         k=sizes["hessian_k"], max_iters=sizes["hessian_iters"], negative=True)
-      summary[label] = {"mean_positive_max_eigenvalue": r["mean_positive_max_eigenvalue"],
-                        "negative_fraction": r["negative_fraction"], "mean_min_eigenvalue": r["mean_min_eigenvalue"]}
+      r = trained.hessian_spectrum_study(m, num_batches=sizes["hessian_batches"],
+                                         batch_size=sizes["hessian_batch_size"],
+                                         k=sizes["hessian_k"], max_iters=sizes["hessian_iters"],
+                                         negative=True)
+      summary[label] = {
+          "mean_positive_max_eigenvalue": r["mean_positive_max_eigenvalue"],
+          "negative_fraction": r["negative_fraction"],
+          "mean_min_eigenvalue": r["mean_min_eigenvalue"]
+      }
     elif name == "fourier":
-      r = studies.fourier_study(m, num_images=sizes["fourier_images"])
+      r = trained.fourier_study(m, num_images=sizes["fourier_images"])
       high = {block: float(curve[-1]) for block, curve in r.items()}
-      summary[label] = {"high_frequency_change_by_kind": changes_by_kind(high, block_kinds(m.model, high))}
+      summary[label] = {
+          "high_frequency_change_by_kind": changes_by_kind(high, block_kinds(m.model, high))
+      }
     elif name == "variance":
-      r = studies.variance_study(m, num_images=sizes["variance_images"], num_samples=1)
+      r = trained.variance_study(m, num_images=sizes["variance_images"], num_samples=1)
       spatial = {block: v["data"] for block, v in r.items()}
-      summary[label] = {"variance_change_by_kind": changes_by_kind(spatial, block_kinds(m.model, spatial))}
+      summary[label] = {
+          "variance_change_by_kind": changes_by_kind(spatial, block_kinds(m.model, spatial))
+      }
     else:
       if not hasattr(m.model, "units"):
         continue
-      r = studies.lesion_study(m, num_images=sizes["lesion_images"])
+      r = trained.lesion_study(m, num_images=sizes["lesion_images"])
       drops = {}
       for row in r["units"]:
         drops.setdefault(row["kind"], []).append(row["drop"])
-      summary[label] = {"accuracy": r["accuracy"], "mean_drop_by_kind": {k: float(np.mean(v)) for k, v in drops.items()}}
+      summary[label] = {
+          "accuracy": r["accuracy"],
+          "mean_drop_by_kind": {
+              k: float(np.mean(v)) for k, v in drops.items()
+          }
+      }
     results[label] = r
   write_json(os.path.join(out, f"{name}.json"), results)
   fig = _plot(name, results, models, out)
@@ -77,7 +94,8 @@ def run_figure(name: str, models: dict, sizes: dict, out: str) -> dict:
     plt.close(fig)
   if name == "lesion":
     with open(os.path.join(out, "lesion.md"), "w") as f:
-      f.write("\n\n".join(f"## {label}\n\n{lesion_table(r)}" for label, r in results.items()) + "\n")
+      f.write("\n\n".join(f"## {label}\n\n{lesion_table(r)}" for label, r in results.items()) +
+              "\n")
   return summary
 
 
@@ -93,9 +111,12 @@ def _plot(name: str, results: dict, models: dict, out: str):
     fig, axes = plt.subplots(1, len(results) + 1, figsize=(5 * (len(results) + 1), 3.4))
     for ax, (label, curves) in zip(axes, results.items()):
       plot_delta_log_amplitude(curves, label, ax=ax)
-    high = {label: {b: float(c[-1]) for b, c in curves.items()} for label, curves in results.items()}
+    high = {
+        label: {b: float(c[-1]) for b, c in curves.items()} for label, curves in results.items()
+    }
     kinds = {label: block_kinds(models[label].model, by_block) for label, by_block in high.items()}
-    depth_fig = plot_by_depth(high, "Δ log amplitude at π", "high-frequency amplitude (MSA shaded)", kinds)
+    depth_fig = plot_by_depth(high, "Δ log amplitude at π",
+                              "high-frequency amplitude (MSA shaded)", kinds)
     depth_fig.savefig(os.path.join(out, "fourier_by_depth.png"), dpi=150)
     plt.close(depth_fig)
     fig.tight_layout()
@@ -122,8 +143,9 @@ def orderings(summaries: dict, labels: list) -> dict:
       checks["conv_increases_variance"] = variance["conv"] > 0
     spectra = summaries.get("spectra", {})
     if label != labels[0] and label in spectra and labels[0] in spectra:
-      checks["smaller_positive_max_eigenvalue_than_" + labels[0]] = (
-          spectra[label]["mean_positive_max_eigenvalue"] < spectra[labels[0]]["mean_positive_max_eigenvalue"])
+      checks["smaller_positive_max_eigenvalue_than_" +
+             labels[0]] = (spectra[label]["mean_positive_max_eigenvalue"]
+                           < spectra[labels[0]]["mean_positive_max_eigenvalue"])
     out[label] = checks
   return out
 

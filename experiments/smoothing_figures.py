@@ -22,44 +22,63 @@ import matplotlib
 matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 
-from smoothing_jax.analysis import trained as studies  # noqa: E402
-from smoothing_jax.analysis.figure_cli import (chosen_figures, figure_parser, load_workdirs, sizes_with_overrides,  # noqa: E402
-                                               write_json, write_report)
-from smoothing_jax.analysis.features import plot_by_depth, plot_delta_log_amplitude  # noqa: E402
-from smoothing_jax.analysis.frequency_noise import plot_accuracy_vs_frequency  # noqa: E402
-from smoothing_jax.analysis.perturbation import plot_relative_confidence  # noqa: E402
-from smoothing_jax.analysis.robustness import plot_attack_accuracy  # noqa: E402
-from smoothing_jax.analysis.spectrum import plot_spectra  # noqa: E402
+from figure_cli import (chosen_figures, figure_parser, load_workdirs,  # noqa: E402
+                        sizes_with_overrides, write_json, write_report)
 
-FIGURES = ("spectra", "fourier", "variance", "landscape", "frequency_noise", "consistency", "adversarial")
-CPU_SIZES = dict(num_batches=8, batch_size=128, max_iters=20, num_images=256, num_samples=5, grid=11,
-                 frequencies=11, sequences=100)
-PAPER_SIZES = dict(num_batches=100, batch_size=128, max_iters=100, num_images=1000, num_samples=50, grid=21,
-                   frequencies=21, sequences=1000)
+from smoothing_jax.analysis import trained  # noqa: E402
+from smoothing_jax.plots import (plot_accuracy_vs_frequency, plot_attack_accuracy,  # noqa: E402
+                                 plot_by_depth, plot_delta_log_amplitude, plot_relative_confidence,
+                                 plot_spectra)
+
+FIGURES = ("spectra", "fourier", "variance", "landscape", "frequency_noise", "consistency",
+           "adversarial")
+CPU_SIZES = dict(num_batches=8,
+                 batch_size=128,
+                 max_iters=20,
+                 num_images=256,
+                 num_samples=5,
+                 grid=11,
+                 frequencies=11,
+                 sequences=100)
+PAPER_SIZES = dict(num_batches=100,
+                   batch_size=128,
+                   max_iters=100,
+                   num_images=1000,
+                   num_samples=50,
+                   grid=21,
+                   frequencies=21,
+                   sequences=1000)
 
 
 def compute(name: str, model, sizes: dict) -> dict:
   """One figure's data for one trained model."""
   if name == "spectra":
-    return studies.hessian_spectrum_study(model, num_batches=sizes["num_batches"], batch_size=sizes["batch_size"],
+    return trained.hessian_spectrum_study(model, num_batches=sizes["num_batches"],
+                                          batch_size=sizes["batch_size"],
                                           max_iters=sizes["max_iters"])
   if name == "fourier":
-    return studies.fourier_study(model, num_images=sizes["num_images"])
+    return trained.fourier_study(model, num_images=sizes["num_images"])
   if name == "variance":
-    return studies.variance_study(model, num_images=sizes["num_images"] // 2, num_samples=sizes["num_samples"])
+    return trained.variance_study(model, num_images=sizes["num_images"] // 2,
+                                  num_samples=sizes["num_samples"])
   if name == "landscape":
-    return studies.landscape_study(model, num_points=sizes["grid"], batch_size=4 * sizes["batch_size"])
+    return trained.landscape_study(model, num_points=sizes["grid"],
+                                   batch_size=4 * sizes["batch_size"])
   if name == "frequency_noise":
-    return studies.frequency_noise_study(model, tuple(np.linspace(0, 1, sizes["frequencies"])),
-                                         num_images=4 * sizes["num_images"], num_samples=sizes["num_samples"])
+    return trained.frequency_noise_study(model,
+                                         tuple(np.linspace(0, 1, sizes["frequencies"])),
+                                         num_images=4 * sizes["num_images"],
+                                         num_samples=sizes["num_samples"])
   if name == "consistency":
-    return studies.consistency_study(model, num_images=sizes["sequences"], num_samples=sizes["num_samples"])
-  return studies.adversarial_study(model, num_images=sizes["num_images"], num_samples=sizes["num_samples"])
+    return trained.consistency_study(model, num_images=sizes["sequences"],
+                                     num_samples=sizes["num_samples"])
+  return trained.adversarial_study(model, num_images=sizes["num_images"],
+                                   num_samples=sizes["num_samples"])
 
 
 def stage_ends(by_tap: dict) -> list:
-  """Values of the last tap of every stage (taps are named ``layer<s>_<j>`` / ``smooth<s>_0``): what each
-  stage hands to the next, with or without a smoothing layer at its end."""
+  """Values of the last tap of every stage (taps are named ``layer<s>_<j>`` / ``smooth<s>_0``):
+  what each stage hands to the next, with or without a smoothing layer at its end."""
   last = {}
   for tap, value in by_tap.items():
     last[re.search(r"\d+", tap).group()] = value
@@ -78,7 +97,8 @@ def summarize(name: str, r: dict):
     loss = np.asarray(r["loss"])
     return float(loss.mean() - loss[loss.shape[0] // 2, loss.shape[1] // 2])
   if name == "frequency_noise":  # accuracy lost to noise at frequencies >= 0.5π
-    return r["clean_accuracy"] - float(np.mean(np.asarray(r["accuracy"])[np.asarray(r["frequencies"]) >= 0.5]))
+    return r["clean_accuracy"] - float(
+        np.mean(np.asarray(r["accuracy"])[np.asarray(r["frequencies"]) >= 0.5]))
   if name == "consistency":
     return {k: r[k] for k in ("consistency", "cec", "relative_confidence")}
   return float(np.mean([row["accuracy"] for row in r["attacks"]]))
@@ -103,8 +123,12 @@ def _plot(name: str, results: dict):
     fig.tight_layout()
     return fig
   if name == "variance":
-    return plot_by_depth({f"{label} ({kind})": {b: v[kind] for b, v in r.items()}
-                          for label, r in results.items() for kind in ("data", "model")}, "feature-map variance")
+    return plot_by_depth(
+        {
+            f"{label} ({kind})": {
+                b: v[kind] for b, v in r.items()
+            } for label, r in results.items() for kind in ("data", "model")
+        }, "feature-map variance")
   if name == "landscape":
     fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 3.8))
     for ax, (label, r) in zip(np.atleast_1d(axes), results.items()):
@@ -114,32 +138,45 @@ def _plot(name: str, results: dict):
     fig.tight_layout()
     return fig
   if name == "frequency_noise":
-    return plot_accuracy_vs_frequency({label: (r["frequencies"], r["accuracy"]) for label, r in results.items()})
+    return plot_accuracy_vs_frequency({
+        label: (r["frequencies"], r["accuracy"]) for label, r in results.items()
+    })
   if name == "consistency":
-    return plot_relative_confidence({label: r["relative_confidence_curve"] for label, r in results.items()})
+    return plot_relative_confidence({
+        label: r["relative_confidence_curve"] for label, r in results.items()
+    })
   return plot_attack_accuracy({label: r["attacks"] for label, r in results.items()})
 
 
 def orderings(summaries: dict) -> dict:
   """Does each model differ from the first in the direction the paper reports for smoothing?"""
-  checks = {"spectra": ("smaller_mean_max_eigenvalue", lambda s, b: s < b),
-            "fourier": ("lower_high_frequency_amplitude", lambda s, b: s < b),
-            "variance": ("lower_feature_variance", lambda s, b: s["data"] < b["data"] and s["model"] <= b["model"]),
-            "landscape": ("flatter_landscape", lambda s, b: s < b),
-            "frequency_noise": ("smaller_accuracy_drop_under_high_frequency_noise", lambda s, b: s < b),
-            "consistency": ("more_consistent", lambda s, b: s["consistency"] > b["consistency"]),
-            "adversarial": ("more_adversarially_robust", lambda s, b: s > b)}
+  checks = {
+      "spectra": ("smaller_mean_max_eigenvalue", lambda s, b: s < b),
+      "fourier": ("lower_high_frequency_amplitude", lambda s, b: s < b),
+      "variance": ("lower_feature_variance",
+                   lambda s, b: s["data"] < b["data"] and s["model"] <= b["model"]),
+      "landscape": ("flatter_landscape", lambda s, b: s < b),
+      "frequency_noise": ("smaller_accuracy_drop_under_high_frequency_noise", lambda s, b: s < b),
+      "consistency": ("more_consistent", lambda s, b: s["consistency"] > b["consistency"]),
+      "adversarial": ("more_adversarially_robust", lambda s, b: s > b)
+  }
   out = {}
   for name, per_model in summaries.items():
     key, holds = checks[name]
     base_label, *others = list(per_model)
-    out[name] = {label: {key: bool(holds(per_model[label], per_model[base_label]))} for label in others}
+    out[name] = {
+        label: {
+            key: bool(holds(per_model[label], per_model[base_label]))
+        } for label in others
+    }
   return out
 
 
 def main(argv=None):
   parser = figure_parser(__doc__, FIGURES, CPU_SIZES)
-  parser.add_argument("--full", action="store_true", help="the paper's sizes instead of CPU-scale ones")
+  parser.add_argument("--full",
+                      action="store_true",
+                      help="the paper's sizes instead of CPU-scale ones")
   args = parser.parse_args(argv)
   figures = chosen_figures(parser, args, FIGURES)
   sizes = sizes_with_overrides(parser, args, PAPER_SIZES if args.full else CPU_SIZES)

@@ -1,7 +1,8 @@
 """Temporal smoothing (VQ-BNN) on data streams of real test images, for trained classifiers.
 
   python experiments/temporal_smoothing.py --out results/temporal \
-      --workdir "MC dropout=workdirs/resnet_mcdo_18" --workdir "MC dropout + smoothing=workdirs/resnet_mcdo_smoothing_18"
+      --workdir "MC dropout=workdirs/resnet_mcdo_18" \
+      --workdir "MC dropout + smoothing=workdirs/resnet_mcdo_smoothing_18"
 
 Each test image becomes a clip of ``length`` frames translated by up to
 ``max_shift`` pixels (a camera drifting over a still scene).  For every workdir:
@@ -18,10 +19,11 @@ import os
 import matplotlib
 
 matplotlib.use("Agg")
-from smoothing_jax.analysis import trained as studies  # noqa: E402
-from smoothing_jax.analysis.figure_cli import (figure_parser, load_workdirs, sizes_with_overrides,  # noqa: E402
-                                               write_json, write_report)
-from smoothing_jax.evaluate import plot_stream_table  # noqa: E402
+from figure_cli import (figure_parser, load_workdirs, sizes_with_overrides,  # noqa: E402
+                        write_json, write_report)
+
+from smoothing_jax.analysis import trained  # noqa: E402
+from smoothing_jax.plots import plot_stream_table  # noqa: E402
 
 SIZES = {"num_images": 1000, "length": 6, "max_shift": 3, "num_samples": 10}
 COLUMNS = (("nll", "NLL", 1, ".4f"), ("acc", "Acc (%)", 100, ".2f"), ("ece", "ECE (%)", 100, ".2f"),
@@ -44,11 +46,13 @@ def main(argv=None):
   sizes = sizes_with_overrides(parser, args, SIZES)
   os.makedirs(args.out, exist_ok=True)
   models = load_workdirs(args.workdir)
-  results = {label: studies.temporal_smoothing_study(m, **sizes) for label, m in models.items()}
+  results = {label: trained.temporal_smoothing_study(m, **sizes) for label, m in models.items()}
   write_json(os.path.join(args.out, "temporal.json"), results, indent=1)
   with open(os.path.join(args.out, "temporal.md"), "w") as f:
     f.write(markdown_table(results))
-  plot_stream_table(results, "translated test-image streams").savefig(os.path.join(args.out, "temporal.png"), dpi=120)
+  plot_stream_table(results,
+                    "translated test-image streams").savefig(os.path.join(args.out, "temporal.png"),
+                                                             dpi=120)
   summary = {}
   for label, rows in results.items():
     by_method = {r["method"]: r for r in rows}

@@ -6,7 +6,8 @@ import jax
 
 
 def median_seconds(fn, repeats: int) -> float:
-  """Median wall time of ``fn()`` over ``repeats`` runs, after one untimed run (compile + warm-up)."""
+  """Median wall time of ``fn()`` over ``repeats`` runs, after one untimed run (compile +
+  warm-up)."""
   jax.block_until_ready(fn())
   times = []
   for _ in range(repeats):

@@ -13,12 +13,19 @@ def base_config() -> ml_collections.ConfigDict:
   # Model: a registry name plus module options; None means the family's default
   # (stem defaults to the dataset's geometry).
   config.model = "resnet_mcdo_smoothing_18"
-  config.model_kwargs = ml_collections.ConfigDict(
-      {"prob": placeholder(str), "temperature": placeholder(float), "blur_size": placeholder(int),
-       "blur_same": placeholder(bool), "pad_mode": placeholder(str),
-       "classifier": placeholder(str), "width": placeholder(int), "stochastic_depth": placeholder(float),
-       "num_components": placeholder(int), "noise_init_std": placeholder(float),
-       "batch_norm": placeholder(bool)})
+  config.model_kwargs = ml_collections.ConfigDict({
+      "prob": placeholder(str),
+      "temperature": placeholder(float),
+      "blur_size": placeholder(int),
+      "blur_same": placeholder(bool),
+      "pad_mode": placeholder(str),
+      "classifier": placeholder(str),
+      "width": placeholder(int),
+      "stochastic_depth": placeholder(float),
+      "num_components": placeholder(int),
+      "noise_init_std": placeholder(float),
+      "batch_norm": placeholder(bool)
+  })
   config.num_classes = -1           # -1: from the dataset
   # Data.
   config.dataset = "cifar10"
@@ -26,11 +33,13 @@ def base_config() -> ml_collections.ConfigDict:
   config.download = True            # let TFDS download missing datasets
   config.seed = 0
   config.num_devices = -1           # -1: all devices of all hosts
-  config.crop_size = placeholder(tuple)  # segmentation: random (h, w) training crop (None: whole image)
+  config.crop_size = placeholder(
+      tuple)  # segmentation: random (h, w) training crop (None: whole image)
   # Optimisation (recipe values are set by each config).
   config.batch_size = 128           # global batch
   config.base_batch_size = 128      # batch of the recipe's learning rate (linear scaling)
-  config.optimizer = "sgd"          # "sgd" (coupled L2, the paper's CNN recipe), "adam" or "adamw" (decoupled)
+  config.optimizer = "sgd"          # "sgd" (coupled L2, the paper's CNN recipe), "adam" or
+                                    # "adamw" (decoupled)
   config.learning_rate = 0.1
   config.momentum = 0.9
   config.nesterov = False
@@ -49,17 +58,22 @@ def base_config() -> ml_collections.ConfigDict:
   config.mixup_alpha = 0.0          # Mixup Beta(α, α) (on device, in the train step)
   config.cutmix_alpha = 0.0         # CutMix Beta(α, α)
   config.mixup_switch_prob = 0.5    # P(CutMix) when both are on
-  config.randaugment = ml_collections.ConfigDict({"num_layers": 0, "magnitude": 9.0, "magnitude_std": 0.0})
+  config.randaugment = ml_collections.ConfigDict({
+      "num_layers": 0,
+      "magnitude": 9.0,
+      "magnitude_std": 0.0
+  })
   # iBNN (models with node noise, e.g. vgg_ibnn_16): ELBO and posterior optimiser.
   config.ibnn = ml_collections.ConfigDict({
-      "num_train_samples": 2,        # S: repeats of each example per step (Algorithm 1)
+      "num_train_samples": 2,  # S: repeats of each example per step (Algorithm 1)
       "prior_mean": 1.0,
-      "prior_std": 0.1,              # s of N(1, s²): 0.1 WRN, 0.3 VGG
-      "kl_anneal_epochs": 200,       # β: 0 → 1 linearly per epoch
-      "variational_lr": 2.4,         # constant, no weight decay
-      "eval_samples": 5,             # S at evaluation: K×S predictions
+      "prior_std": 0.1,  # s of N(1, s²): 0.1 WRN, 0.3 VGG
+      "kl_anneal_epochs": 200,  # β: 0 → 1 linearly per epoch
+      "variational_lr": 2.4,  # constant, no weight decay
+      "eval_samples": 5,  # S at evaluation: K×S predictions
       "freeze_deterministic": False,  # train only the posterior (with pretrained_workdir)
-      "pretrained_workdir": placeholder(str),  # initialise W from a deterministic run of the same architecture
+      "pretrained_workdir":
+          placeholder(str),  # initialise W from a deterministic run of the same architecture
   })
   # Logging, evaluation and checkpoints.
   config.log_every_steps = 100

@@ -20,15 +20,21 @@ from flax import traverse_util
 from smoothing_jax.layers import blur_kernel
 from smoothing_jax.models import get_model
 
-_LEAF_NAMES = {("params", "kernel"): "weight", ("params", "bias"): "bias", ("params", "scale"): "weight",
-               ("batch_stats", "mean"): "running_mean", ("batch_stats", "var"): "running_var"}
+_LEAF_NAMES = {
+    ("params", "kernel"): "weight",
+    ("params", "bias"): "bias",
+    ("params", "scale"): "weight",
+    ("batch_stats", "mean"): "running_mean",
+    ("batch_stats", "var"): "running_var"
+}
 _BLUR_FILTER = re.compile(r"^smooth\d+\.\d+\.layer1\.filter$")
 
 
 def torch_key(path) -> str:
   """Reference ``state_dict`` key of a Flax variable path ``(collection, module..., leaf)``."""
   collection, *modules, leaf = path
-  return ".".join([re.sub(r"_(\d+)$", r".\1", m) for m in modules] + [_LEAF_NAMES[(collection, leaf)]])
+  return ".".join([re.sub(r"_(\d+)$", r".\1", m) for m in modules] +
+                  [_LEAF_NAMES[(collection, leaf)]])
 
 
 def _to_flax(array: np.ndarray, leaf: str) -> np.ndarray:
@@ -46,19 +52,21 @@ def _abstract_variables(model):
 
 
 def _infer_num_classes(model_name, state_dict, overrides) -> int:
-  one, two = (traverse_util.flatten_dict(dict(_abstract_variables(get_model(model_name, n, **overrides))))
-              for n in (1, 2))
+  one, two = (traverse_util.flatten_dict(
+      dict(_abstract_variables(get_model(model_name, n, **overrides)))) for n in (1, 2))
   # The output layer's bias is the only bias whose shape follows num_classes.
   (output_bias,) = [p for p in one if p[-1] == "bias" and one[p].shape != two[p].shape]
   key = torch_key(output_bias)
   if key not in state_dict:
-    raise ValueError(f"Cannot infer num_classes: classifier key {key!r} is missing from the state_dict.")
+    raise ValueError(
+        f"Cannot infer num_classes: classifier key {key!r} is missing from the state_dict.")
   return int(np.shape(state_dict[key])[0])
 
 
 def from_torch_state_dict(model_name: str, state_dict: Mapping[str, np.ndarray], *,
                           num_classes: Optional[int] = None, **overrides) -> dict:
-  """Map a reference ``state_dict`` (names → numpy arrays) onto ``get_model(model_name)`` variables.
+  """Map a reference ``state_dict`` (names → numpy arrays) onto ``get_model(model_name)``
+  variables.
 
   Args:
     model_name: registry name, e.g. ``"resnet_dnn_18"``.
@@ -83,7 +91,8 @@ def from_torch_state_dict(model_name: str, state_dict: Mapping[str, np.ndarray],
       continue
     value = _to_flax(state_dict[key], path[-1])
     if value.shape != abstract.shape:
-      mismatched.append(f"{key}: reference {state_dict[key].shape} -> {value.shape}, expected {abstract.shape}")
+      mismatched.append(
+          f"{key}: reference {state_dict[key].shape} -> {value.shape}, expected {abstract.shape}")
       continue
     converted[path] = jnp.asarray(value, abstract.dtype)
 
@@ -94,16 +103,19 @@ def from_torch_state_dict(model_name: str, state_dict: Mapping[str, np.ndarray],
       continue
     if _BLUR_FILTER.match(key) and model.smoothing:
       expected = blur_kernel(model.blur_size)
-      if value.ndim != 4 or value.shape[-2:] != expected.shape or not np.allclose(value[:, 0], expected):
+      if value.ndim != 4 or value.shape[-2:] != expected.shape or not np.allclose(
+          value[:, 0], expected):
         mismatched.append(f"{key}: blur filter does not match blur_size={model.blur_size}")
       continue
     unexpected.append(key)
 
   if missing or unexpected or mismatched:
     lines = [f"state_dict does not match {model_name!r} (num_classes={num_classes}):"]
-    for title, items in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", mismatched)):
+    for title, items in (("missing keys", missing), ("unexpected keys", unexpected),
+                         ("shape mismatches", mismatched)):
       if items:
-        lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:20]) + (" ..." if len(items) > 20 else ""))
+        lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:20]) +
+                     (" ..." if len(items) > 20 else ""))
     raise ValueError("\n".join(lines))
   return traverse_util.unflatten_dict(converted)
 

@@ -21,31 +21,38 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from smoothing_jax.data import CORRUPTIONS, corruption_dataset, create_pipeline
 from smoothing_jax.ibnn import ibnn_predict
 from smoothing_jax.inference import ensemble_predict, mc_predict, stack_variables
 from smoothing_jax import temporal
-from smoothing_jax.metrics import UncertaintyMetrics, class_iou, plot_reliability_diagram
-from smoothing_jax.train import create_mesh, create_model, eval_batch_size, load_checkpoint, shard_batch
+from smoothing_jax.metrics import UncertaintyMetrics, class_iou
+from smoothing_jax import workdir as workdir_lib
+from smoothing_jax.models import is_ibnn
+from smoothing_jax.parallel import create_mesh, eval_batch_size, evaluate_batches, shardings
+from smoothing_jax.plots import (plot_ensemble_sizes, plot_reliability_diagram,
+                                 plot_stream_examples, plot_stream_table)
 
-METRIC_COLUMNS = ("nll", "acc", "ece", "top5", "brier", "acc90", "unc90", "freq90", "iou", "iou90", "ecse")
+METRIC_COLUMNS = ("nll", "acc", "ece", "top5", "brier", "acc90", "unc90", "freq90", "iou", "iou90",
+                  "ecse")
 STREAM_COLUMNS = ("nll", "acc", "ece", "iou", "iou90", "acc90", "unc90", "freq90", "consistency")
 
 
-def _evaluation_setup(config):
-  """Input pipeline, model and (replicated, batch-sharded) shardings for a checkpoint's config."""
-  pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir, config.download)
-  mesh = create_mesh(config.num_devices)
-  return pipeline, create_model(config, pipeline), NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+def _evaluation_setup(workdir: str, config=None):
+  """``(config, model, variables, pipeline, replicated, batch-sharded)`` of a trained workdir;
+  ``config`` (evaluation settings) replaces the recorded one."""
+  config, model, variables = workdir_lib.load(workdir, config)
+  pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir,
+                             config.download)
+  return (config, model, variables, pipeline) + shardings(create_mesh(config.num_devices))
 
 
 def _nested_metrics(sample_probs, labels, mask, sizes, num_bins):
   """Metrics of the mean of the first n samples, for each n in ``sizes``."""
   cumulative = jnp.cumsum(sample_probs, axis=0)
-  return tuple(UncertaintyMetrics.from_model_output(cumulative[n - 1] / n, labels, mask, num_bins=num_bins)
-               for n in sizes)
+  return tuple(
+      UncertaintyMetrics.from_model_output(cumulative[n - 1] / n, labels, mask, num_bins=num_bins)
+      for n in sizes)
 
 
 def _write_table(rows: list, path_stem: str):
@@ -61,27 +68,10 @@ def _write_table(rows: list, path_stem: str):
   os.replace(path_stem + ".csv.tmp", path_stem + ".csv")
 
 
-def plot_ensemble_sizes(rows: list, title: str = ""):
-  """NLL, accuracy and ECE against ensemble size (paper Fig. 3 layout); returns the Figure."""
-  import matplotlib.pyplot as plt
-  sizes = [r["ensemble_size"] for r in rows]
-  fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
-  for ax, (key, label, scale) in zip(axes, (("nll", "NLL", 1), ("acc", "Accuracy (%)", 100),
-                                            ("ece", "ECE (%)", 100))):
-    ax.plot(sizes, [scale * r[key] for r in rows], "o-")
-    ax.set_xscale("log")
-    ax.set_xticks(sizes, [str(s) for s in sizes])
-    ax.set_xlabel("ensemble size")
-    ax.set_ylabel(label)
-    ax.grid(alpha=0.3)
-  fig.suptitle(title)
-  fig.tight_layout()
-  return fig
-
-
 def evaluate_ensemble_sizes(workdirs: Sequence[str], output_dir: str, config=None,
                             sizes: Optional[Sequence[int]] = None, seed: int = 0) -> list:
-  """Test metrics against ensemble size for one MC-dropout or iBNN workdir, or several deep-ensemble workdirs.
+  """Test metrics against ensemble size for one MC-dropout or iBNN workdir, or several
+  deep-ensemble workdirs.
 
   iBNN: the first n of the S·K predictions (sample-major, so n = K is one draw of
   every component), up to all K·S with S = ``config.ibnn.eval_samples``.
@@ -90,47 +80,51 @@ def evaluate_ensemble_sizes(workdirs: Sequence[str], output_dir: str, config=Non
   ``reliability.png`` (the largest ensemble) into ``output_dir``.
   """
   os.makedirs(output_dir, exist_ok=True)
-  members = [load_checkpoint(w, config) for w in workdirs]
-  config = members[0][0]
-  pipeline, model, replicated, data_sharding = _evaluation_setup(config)
+  config, model, first, pipeline, replicated, data_sharding = _evaluation_setup(workdirs[0], config)
+  members = [first] + [workdir_lib.load(w, config)[2] for w in workdirs[1:]]
   rng = jax.random.key(seed)
 
-  if getattr(model, "num_components", 0) > 0:  # iBNN: S draws of each of the K components
+  if is_ibnn(model):  # iBNN: S draws of each of the K components
     total = model.num_components * config.ibnn.eval_samples
     sizes = sorted({n for n in (sizes or config.ensemble_sizes) if n < total} | {total})
-    variables = members[0][2]
+    variables = first
 
     def predict(v, images, key):
-      return ibnn_predict(model, v, images, num_samples=config.ibnn.eval_samples, rng=key).sample_probs
+      return ibnn_predict(model, v, images, num_samples=config.ibnn.eval_samples,
+                          rng=key).sample_probs
   elif len(members) > 1:  # deep ensemble: sizes 1..M, one sample per member
     sizes = list(range(1, len(members) + 1))
-    variables = stack_variables([m[2] for m in members])
+    variables = stack_variables(members)
 
     def predict(v, images, key):
       return ensemble_predict(model, v, images, rng=key).sample_probs
   else:
     sizes = sorted(set(sizes or config.ensemble_sizes)) if model.dropout_rate > 0 else [1]
-    variables = members[0][2]
+    variables = first
 
     def predict(v, images, key):
       return mc_predict(model, v, images, num_samples=max(sizes), rng=key,
                         chunk_size=config.eval_chunk_size).sample_probs
 
-  @functools.partial(jax.jit, in_shardings=(replicated, data_sharding, replicated), out_shardings=replicated)
+  @functools.partial(jax.jit,
+                     in_shardings=(replicated, data_sharding, replicated),
+                     out_shardings=replicated)
   def step(v, batch, key):
-    return _nested_metrics(predict(v, batch["image"], key), batch["label"], batch["mask"], sizes, config.ece_bins)
+    return _nested_metrics(predict(v, batch["image"], key), batch["label"], batch["mask"], sizes,
+                           config.ece_bins)
 
-  totals = None
-  for i, batch in enumerate(pipeline.eval_batches(eval_batch_size(config, data_sharding.mesh))):
-    stats = step(variables, shard_batch(batch, data_sharding), jax.random.fold_in(rng, i))
-    totals = stats if totals is None else tuple(a.merge(b) for a, b in zip(totals, stats))
+  totals = evaluate_batches(step, variables,
+                            pipeline.eval_batches(eval_batch_size(config, data_sharding.mesh)),
+                            data_sharding, rng)
   rows = [{"ensemble_size": n, **{k: m[k] for k in ("count",) + METRIC_COLUMNS}}
           for n, m in zip(sizes, (t.compute() for t in totals))]
   _write_table(rows, os.path.join(output_dir, "ensemble_sizes"))
   kind = "deep ensemble" if len(members) > 1 else config.model
-  plot_ensemble_sizes(rows, f"{kind} on {config.dataset}").savefig(os.path.join(output_dir, "ensemble_sizes.png"))
-  plot_reliability_diagram(totals[-1], f"{kind}, N={sizes[-1]}: ECE {100 * rows[-1]['ece']:.2f}%").savefig(
-      os.path.join(output_dir, "reliability.png"))
+  plot_ensemble_sizes(rows, f"{kind} on {config.dataset}").savefig(
+      os.path.join(output_dir, "ensemble_sizes.png"))
+  plot_reliability_diagram(totals[-1],
+                           f"{kind}, N={sizes[-1]}: ECE {100 * rows[-1]['ece']:.2f}%").savefig(
+                               os.path.join(output_dir, "reliability.png"))
   return rows
 
 
@@ -141,7 +135,8 @@ DEFAULT_BASELINES = {"cifar100": "cifar100_alexnet_dnn_corrupted.csv",
 
 
 def default_baseline(base: str) -> Optional[str]:
-  """Path of the shipped AlexNet baseline for a dataset (``cifar100``, ``imagenet2012``), else None."""
+  """Path of the shipped AlexNet baseline for a dataset (``cifar100``, ``imagenet2012``), else
+  None."""
   return os.path.join(BASELINES_DIR, DEFAULT_BASELINES[base]) if base in DEFAULT_BASELINES else None
 
 
@@ -157,10 +152,13 @@ def read_corruption_table(path: str) -> dict:
   with open(path, newline="") as f:
     rows = [r for r in csv.reader(f) if r]
   if rows and rows[0][0].strip().isdigit():
-    bad = [i + 1 for i, r in enumerate(rows) if len(r) not in (16, 17) or not r[0].strip().isdigit()]
+    bad = [
+        i + 1 for i, r in enumerate(rows) if len(r) not in (16, 17) or not r[0].strip().isdigit()
+    ]
     if bad:
-      raise ValueError(f"{path}: rows {bad[:5]} do not have the reference layout (16 or 17 columns: "
-                       "severity, type, nll, cutoff_0, cutoff_1, acc_0, ..., brier, ece[, ecse]).")
+      raise ValueError(
+          f"{path}: rows {bad[:5]} do not have the reference layout (16 or 17 columns: "
+          "severity, type, nll, cutoff_0, cutoff_1, acc_0, ..., brier, ece[, ecse]).")
     return {(r[1], int(r[0])): {"nll": float(r[2]), "err": 1.0 - float(r[5]), "ece": float(r[15])}
             for r in rows}
   header = rows[0] if rows else []
@@ -176,7 +174,8 @@ def read_corruption_table(path: str) -> dict:
 
 def corruption_aggregates(table: dict, baseline: Optional[dict] = None,
                           corruptions: Sequence[str] = CORRUPTIONS) -> dict:
-  """Paper Eqs. 34–36: per corruption Σ_s value(c, s) / Σ_s baseline(c, s), averaged over corruptions.
+  """Paper Eqs. 34–36: per corruption Σ_s value(c, s) / Σ_s baseline(c, s), averaged over
+  corruptions.
 
   ``table`` and ``baseline`` map ``(type, severity)`` to ``{"nll", "err", "ece"}``.
   Only the types in ``corruptions`` (default: the 15 standard ones) count.  Always returns the
@@ -195,14 +194,22 @@ def corruption_aggregates(table: dict, baseline: Optional[dict] = None,
         severities = sorted(s for (t, s) in table if t == c)
         missing = [s for s in severities if (c, s) not in baseline]
         if not severities or missing:
-          raise ValueError(f"Corruption {c!r}: results for severities {severities}, baseline lacks {missing}.")
-        ratios.append(sum(table[(c, s)][key] for s in severities) / sum(baseline[(c, s)][key] for s in severities))
+          raise ValueError(
+              f"Corruption {c!r}: results for severities {severities}, baseline lacks {missing}.")
+        ratios.append(
+            sum(table[(c, s)][key] for s in severities) /
+            sum(baseline[(c, s)][key] for s in severities))
       out[name] = float(np.mean(ratios))
   return out
 
 
-def evaluate_corruptions(workdir: str, output_dir: str, baseline_csv: Optional[str] = None, num_samples: int = 1,
-                         config=None, corruptions: Sequence[str] = CORRUPTIONS, seed: int = 0) -> dict:
+def evaluate_corruptions(workdir: str,
+                         output_dir: str,
+                         baseline_csv: Optional[str] = None,
+                         num_samples: int = 1,
+                         config=None,
+                         corruptions: Sequence[str] = CORRUPTIONS,
+                         seed: int = 0) -> dict:
   """NLL / accuracy / ECE on every (corruption, severity 1–5).
 
   ``corruptions.{json,csv}`` is rewritten after every (type, severity), so a failure late
@@ -211,30 +218,39 @@ def evaluate_corruptions(workdir: str, output_dir: str, baseline_csv: Optional[s
   ``corruption_aggregates.json``.
   """
   os.makedirs(output_dir, exist_ok=True)
-  config, _, variables = load_checkpoint(workdir, config)
-  pipeline, model, replicated, data_sharding = _evaluation_setup(config)
+  config, model, variables, pipeline, replicated, data_sharding = _evaluation_setup(workdir, config)
   baseline_csv = baseline_csv or default_baseline(pipeline.spec.base)
   baseline = read_corruption_table(baseline_csv) if baseline_csv else None  # bad files fail first
   num_samples = num_samples if model.dropout_rate > 0 else 1
 
-  @functools.partial(jax.jit, in_shardings=(replicated, data_sharding, replicated), out_shardings=replicated)
+  @functools.partial(jax.jit,
+                     in_shardings=(replicated, data_sharding, replicated),
+                     out_shardings=replicated)
   def step(v, batch, key):
-    pred = mc_predict(model, v, batch["image"], num_samples=num_samples, rng=key, chunk_size=config.eval_chunk_size)
+    pred = mc_predict(model,
+                      v,
+                      batch["image"],
+                      num_samples=num_samples,
+                      rng=key,
+                      chunk_size=config.eval_chunk_size)
     return UncertaintyMetrics.from_model_output(pred.mean_probs, batch["label"], batch["mask"],
                                                 num_bins=config.ece_bins)
 
   rows, table = [], {}
   for corruption in corruptions:
     for severity in range(1, 6):
-      total = None
       name = corruption_dataset(pipeline.spec.base, corruption, severity)
-      for i, batch in enumerate(pipeline.eval_batches(eval_batch_size(config, data_sharding.mesh), name)):
-        stats = step(variables, shard_batch(batch, data_sharding), jax.random.fold_in(jax.random.key(seed), i))
-        total = stats if total is None else total.merge(stats)
-      m = total.compute()
+      batches = pipeline.eval_batches(eval_batch_size(config, data_sharding.mesh), name)
+      m = evaluate_batches(step, variables, batches, data_sharding, jax.random.key(seed)).compute()
       table[(corruption, severity)] = {"nll": m["nll"], "err": 1.0 - m["acc"], "ece": m["ece"]}
-      rows.append({"type": corruption, "severity": severity, "NLL": m["nll"], "Acc": m["acc"], "ECE": m["ece"],
-                   "count": m["count"]})
+      rows.append({
+          "type": corruption,
+          "severity": severity,
+          "NLL": m["nll"],
+          "Acc": m["acc"],
+          "ECE": m["ece"],
+          "count": m["count"]
+      })
       if jax.process_index() == 0:
         _write_table(rows, os.path.join(output_dir, "corruptions"))
   aggregates = corruption_aggregates(table, baseline, corruptions)
@@ -242,51 +258,6 @@ def evaluate_corruptions(workdir: str, output_dir: str, baseline_csv: Optional[s
     with open(os.path.join(output_dir, "corruption_aggregates.json"), "w") as f:
       json.dump(aggregates, f, indent=2)
   return aggregates
-
-
-def plot_stream_examples(frames, labels, predictions: dict, palette, title: str = ""):
-  """One clip: the labelled frame, its ground truth, and per method the predicted classes and
-  confidence (max probability).  ``frames [T, H, W, 3]`` uint8, ``labels [H, W]``,
-  ``predictions {method: probs [H, W, C]}``, ``palette [C + 1, 3]`` (last row: void)."""
-  import matplotlib.pyplot as plt
-  palette = np.asarray(palette, np.uint8)
-  num_classes = palette.shape[0] - 1
-  fig, axes = plt.subplots(2, 1 + len(predictions), figsize=(3.2 * (1 + len(predictions)), 5.2), squeeze=False)
-  axes[0, 0].imshow(frames[-1])
-  axes[0, 0].set_title("frame")
-  axes[1, 0].imshow(palette[np.where((labels >= 0) & (labels < num_classes), labels, num_classes)])
-  axes[1, 0].set_title("ground truth")
-  for col, (method, probs) in enumerate(predictions.items(), start=1):
-    axes[0, col].imshow(palette[np.argmax(probs, -1)])
-    axes[0, col].set_title(f"{method}: prediction")
-    image = axes[1, col].imshow(np.max(probs, -1), vmin=0, vmax=1, cmap="viridis")
-    axes[1, col].set_title(f"{method}: confidence")
-  fig.colorbar(image, ax=axes[1, :].tolist(), fraction=0.02)
-  for ax in axes.flat:
-    ax.axis("off")
-  fig.suptitle(title)
-  return fig
-
-
-def plot_stream_table(results, title: str = ""):
-  """NLL, ECE, accuracy and consistency bars for each inference method: ``results`` is one model's
-  rows (``[{"method", "nll", ...}]``) or ``{model label: rows}``; returns the Figure."""
-  import matplotlib.pyplot as plt
-  results = {"": results} if isinstance(results, list) else results
-  bars = [(f"{label}\n{r['method']}".strip(), r) for label, rows in results.items() for r in rows]
-  colours = plt.cm.tab10(np.arange(len(bars)) % 10)
-  fig, axes = plt.subplots(1, 4, figsize=(3.5 + 1.1 * len(bars) * 4 / 3, 3.6))
-  for ax, (key, label, scale) in zip(axes, (("nll", "NLL", 1), ("ece", "ECE (%)", 100), ("acc", "Accuracy (%)", 100),
-                                            ("consistency", "Consistency (%)", 100))):
-    values = [scale * r[key] for _, r in bars]
-    ax.bar(range(len(bars)), values, color=colours)
-    low, high = min(values), max(values)
-    ax.set_ylim(max(0.0, low - 0.5 * (high - low + 1e-3)), high + 0.25 * (high - low + 1e-3))
-    ax.set_xticks(range(len(bars)), [b[0] for b in bars], rotation=60, ha="right", fontsize=7)
-    ax.set_title(label)
-  fig.suptitle(title)
-  fig.tight_layout()
-  return fig
 
 
 def evaluate_streams(workdir: str, output_dir: str, config=None, *, num_samples: int = 50,
@@ -304,46 +275,61 @@ def evaluate_streams(workdir: str, output_dir: str, config=None, *, num_samples:
   """
   from smoothing_jax.data import camvid
   os.makedirs(output_dir, exist_ok=True)
-  config, _, variables = load_checkpoint(workdir, config)
-  pipeline, model, replicated, data_sharding = _evaluation_setup(config)
+  config, model, variables, pipeline, replicated, data_sharding = _evaluation_setup(workdir, config)
   frames_uint8, labels, _ = camvid.load_clips(split, config.data_dir)
   if frames_uint8.shape[1] < num_frames + 1:
-    raise ValueError(f"Clips of {frames_uint8.shape[1]} frames are too short for num_frames={num_frames} "
-                     "(need num_frames + 1 to smooth the last two frames fully).")
+    raise ValueError(
+        f"Clips of {frames_uint8.shape[1]} frames are too short for num_frames={num_frames} "
+        "(need num_frames + 1 to smooth the last two frames fully).")
 
-  @functools.partial(jax.jit, in_shardings=(replicated, data_sharding, replicated), out_shardings=replicated)
+  @functools.partial(jax.jit,
+                     in_shardings=(replicated, data_sharding, replicated),
+                     out_shardings=replicated)
   def step(v, batch, key):
     frames = jnp.swapaxes(batch["frames"], 0, 1)  # [T, B, H, W, 3]
     predictions = temporal.stream_predictions(model, v, frames, rng=key, num_samples=num_samples,
                                               num_frames=num_frames, decay_rate=decay_rate,
                                               chunk_size=config.eval_chunk_size)
-    return temporal.stream_statistics(predictions, batch["label"], batch["mask"], config.ece_bins), {
-        k: p[-1, 0] for k, p in predictions.items()}
+    return temporal.stream_statistics(predictions, batch["label"], batch["mask"],
+                                      config.ece_bins), {
+                                          k: p[-1, 0] for k, p in predictions.items()
+                                      }
 
-  batch_size = eval_batch_size(config, data_sharding.mesh) // jax.process_count()  # this process's rows
-  num_batches = -(-camvid.num_examples("clips", split, config.data_dir) // jax.process_count() // batch_size)
-  totals, examples = None, None
-  for i in range(num_batches):  # the same count on every process; missing rows are padding
-    start = i * batch_size
-    n = max(0, min(batch_size, len(labels) - start))
-    batch = {"frames": np.zeros((batch_size,) + frames_uint8.shape[1:], np.float32),
-             "label": np.full((batch_size,) + labels.shape[1:], camvid.VOID, np.int32),
-             "mask": np.zeros((batch_size,), np.float32)}
-    batch["frames"][:n] = pipeline.normalize(frames_uint8[start:start + n])
-    batch["label"][:n], batch["mask"][:n] = labels[start:start + n], 1.0
-    stats, first = step(variables, shard_batch(batch, data_sharding), jax.random.fold_in(jax.random.key(seed), i))
-    examples = examples if examples is not None else jax.device_get(first)
-    totals = temporal.merge_statistics(totals, stats)
+  batch_size = eval_batch_size(config,
+                               data_sharding.mesh) // jax.process_count()  # this process's rows
+  num_batches = -(-camvid.num_examples("clips", split, config.data_dir) // jax.process_count() //
+                  batch_size)
+
+  def clip_batches():  # the same count on every process; missing rows are padding
+    for start in range(0, num_batches * batch_size, batch_size):
+      n = max(0, min(batch_size, len(labels) - start))
+      batch = {"frames": np.zeros((batch_size,) + frames_uint8.shape[1:], np.float32),
+               "label": np.full((batch_size,) + labels.shape[1:], camvid.VOID, np.int32),
+               "mask": np.zeros((batch_size,), np.float32)}
+      batch["frames"][:n] = pipeline.normalize(frames_uint8[start:start + n])
+      batch["label"][:n], batch["mask"][:n] = labels[start:start + n], 1.0
+      yield batch
+
+  totals, examples = evaluate_batches(step, variables, clip_batches(), data_sharding,
+                                      jax.random.key(seed))
+  examples = jax.device_get(examples)  # the first batch's predictions
   columns = ("method", "passes_per_frame", "count") + STREAM_COLUMNS
   rows = [{k: row[k] for k in columns} for row in temporal.statistics_rows(totals, num_samples)]
   if jax.process_index() == 0:  # results are replicated; one process writes them
     _write_table(rows, os.path.join(output_dir, "streams"))
     with open(os.path.join(output_dir, "streams_class_iou.json"), "w") as f:
-      json.dump({r["method"]: dict(zip(camvid.CLASSES, class_iou(totals[r["method"]][0].confusion).tolist()))
-                 for r in rows}, f, indent=2)
+      json.dump(
+          {
+              r["method"]:
+                  dict(zip(camvid.CLASSES,
+                           class_iou(totals[r["method"]][0].confusion).tolist())) for r in rows
+          },
+          f,
+          indent=2)
     plot_stream_table(rows, f"{config.model} on CamVid {split} clips").savefig(
         os.path.join(output_dir, "streams.png"))
-    plot_stream_examples(frames_uint8[0], labels[0], {r["method"]: examples[r["method"]] for r in rows},
-                         camvid.palette(), f"{config.model}: first {split} clip").savefig(
-                             os.path.join(output_dir, "stream_examples.png"))
+    plot_stream_examples(frames_uint8[0], labels[0], {
+        r["method"]: examples[r["method"]] for r in rows
+    }, camvid.palette(), f"{config.model}: first {split} clip").savefig(
+        os.path.join(output_dir, "stream_examples.png"))
   return rows

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from smoothing_jax.inference import Prediction, _mean_probs, sample_rngs
+from smoothing_jax.inference import Prediction, log_probs, mean_probs, sample_rngs
 from smoothing_jax.layers.node_noise import VARIATIONAL_PARAMS
+from smoothing_jax.models import is_ibnn
 from smoothing_jax.metrics import uncertainty_decomposition
 
 
@@ -72,11 +73,12 @@ def num_noise_nodes(params) -> int:
 
 def gaussian_kl(mean, std, prior_mean, prior_std):
   """KL(N(mean, std²) ‖ N(prior_mean, prior_std²)), elementwise."""
-  return (jnp.log(prior_std / std) + (std ** 2 + (mean - prior_mean) ** 2) / (2 * prior_std ** 2) - 0.5)
+  return (jnp.log(prior_std / std) + (std**2 + (mean - prior_mean)**2) / (2 * prior_std**2) - 0.5)
 
 
 def kl_divergence(params, prior_std: float, prior_mean: float = 1.0):
-  """Σ over layers and elements of KL(N(mean_k μ_k, (√Σ_k σ_k² / K)²) ‖ N(prior_mean, prior_std²)).
+  """Σ over layers and elements of
+  KL(N(mean_k μ_k, (√Σ_k σ_k² / K)²) ‖ N(prior_mean, prior_std²)).
 
   The Gaussian of the average of the K components (paper Eqs. 22–24, the
   reference's ``StoLayer.kl``), for the input noise z and the bias noise s.
@@ -87,12 +89,15 @@ def kl_divergence(params, prior_std: float, prior_mean: float = 1.0):
       if mean_name in layer:
         mean, std = layer[mean_name], jax.nn.softplus(layer[rho_name])
         k = mean.shape[0]
-        total += jnp.sum(gaussian_kl(mean.mean(0), jnp.sqrt(jnp.sum(std ** 2, 0)) / k, prior_mean, prior_std))
+        total += jnp.sum(
+            gaussian_kl(mean.mean(0),
+                        jnp.sqrt(jnp.sum(std**2, 0)) / k, prior_mean, prior_std))
   return total
 
 
 def kl_weight(step, objective: Objective):
-  """β annealed linearly per epoch: 0 in epoch 0, 1 from epoch ``kl_anneal_epochs`` on (always 1 if that is 0)."""
+  """β annealed linearly per epoch: 0 in epoch 0, 1 from epoch ``kl_anneal_epochs`` on (always 1
+  if that is 0)."""
   if objective.kl_anneal_epochs <= 0:
     return jnp.ones(())
   epoch = step // objective.steps_per_epoch
@@ -107,10 +112,19 @@ def repeat_batch(images, labels, num_repeats: int, num_components: int):
 
 
 def elbo_loss(model, objective: Objective, params, batch_stats, images, labels, rng, step):
-  """Negative ELBO per example (training mode): mean NLL over the B·S rows + β·KL/N.  Returns ``(loss, aux)``."""
-  images, labels, components = repeat_batch(images, labels, objective.num_repeats, objective.num_components)
-  logits, updates = model.apply({"params": params, "batch_stats": batch_stats}, images, train=True,
-                                components=components, mutable=["batch_stats"], rngs=sample_rngs(rng))
+  """Negative ELBO per example (training mode): mean NLL over the B·S rows + β·KL/N.
+  Returns ``(loss, aux)``."""
+  images, labels, components = repeat_batch(images, labels, objective.num_repeats,
+                                            objective.num_components)
+  logits, updates = model.apply({
+      "params": params,
+      "batch_stats": batch_stats
+  },
+                                images,
+                                train=True,
+                                components=components,
+                                mutable=["batch_stats"],
+                                rngs=sample_rngs(rng))
   nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
   kl = kl_divergence(params, objective.prior_std, objective.prior_mean)
   beta = kl_weight(step, objective)
@@ -119,12 +133,17 @@ def elbo_loss(model, objective: Objective, params, batch_stats, images, labels, 
                 "batch_stats": updates.get("batch_stats", {})}
 
 
-def create_optimizer(det_schedule, variational_lr: float, weight_decay: float, momentum: float = 0.9,
+def create_optimizer(det_schedule,
+                     variational_lr: float,
+                     weight_decay: float,
+                     momentum: float = 0.9,
                      freeze_deterministic: bool = False) -> optax.GradientTransformation:
-  """Two learning rates (``optax.multi_transform``): SGD-Nesterov with weight decay and ``det_schedule``
-  for the weights; SGD-Nesterov at the constant ``variational_lr`` without weight decay for the posterior."""
+  """Two learning rates (``optax.multi_transform``): SGD-Nesterov with weight decay and
+  ``det_schedule`` for the weights; SGD-Nesterov at the constant ``variational_lr`` without weight
+  decay for the posterior."""
   deterministic = optax.set_to_zero() if freeze_deterministic else optax.chain(
-      optax.add_decayed_weights(weight_decay), optax.sgd(det_schedule, momentum=momentum, nesterov=True))
+      optax.add_decayed_weights(weight_decay),
+      optax.sgd(det_schedule, momentum=momentum, nesterov=True))
   return optax.multi_transform(
       {"deterministic": deterministic,
        "variational": optax.sgd(variational_lr, momentum=momentum, nesterov=True)}, param_labels)
@@ -135,19 +154,24 @@ def load_deterministic(params, det_params):
 
   Raises a ValueError naming the first path whose presence or shape differs.
   """
-  flat_det = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(det_params)}
+  flat_det = {
+      jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(det_params)
+  }
   wanted = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(params)
             if not _is_variational(p)}
   for key in sorted(set(wanted) ^ set(flat_det)):
     where = "the iBNN model" if key in wanted else "the deterministic checkpoint"
-    raise ValueError(f"Deterministic checkpoint does not match the iBNN architecture: {key} is only in {where}.")
+    raise ValueError(
+        f"Deterministic checkpoint does not match the iBNN architecture: {key} is only in {where}.")
   for key, value in wanted.items():
     if value.shape != flat_det[key].shape:
-      raise ValueError(f"Deterministic checkpoint does not match the iBNN architecture: {key} has shape "
-                       f"{flat_det[key].shape}, the iBNN model {value.shape}.")
+      raise ValueError(
+          f"Deterministic checkpoint does not match the iBNN architecture: {key} has shape "
+          f"{flat_det[key].shape}, the iBNN model {value.shape}.")
 
   def pick(path, value):
-    return value if _is_variational(path) else jnp.asarray(flat_det[jax.tree_util.keystr(path)], value.dtype)
+    return value if _is_variational(path) else jnp.asarray(flat_det[jax.tree_util.keystr(path)],
+                                                           value.dtype)
   return jax.tree_util.tree_map_with_path(pick, params)
 
 
@@ -160,12 +184,10 @@ def _ibnn_log_probs(model, variables, images, rng, num_samples):
     index, component_keys = args
     components = jnp.full((images.shape[0],), index)
 
-    def one(key):
-      logits = model.apply(variables, images, train=False, components=components, rngs=sample_rngs(key))
-      return jax.nn.log_softmax(logits.astype(jnp.float32))
-    return jax.vmap(one)(component_keys)
-  log_probs = jax.lax.map(component, (jnp.arange(k), keys))          # [K, S, B, C]
-  return jnp.swapaxes(log_probs, 0, 1).reshape((k * num_samples,) + log_probs.shape[2:])
+    return jax.vmap(lambda key: log_probs(model, variables, images, key, components=components))(
+        component_keys)
+  samples = jax.lax.map(component, (jnp.arange(k), keys))          # [K, S, B, C]
+  return jnp.swapaxes(samples, 0, 1).reshape((k * num_samples,) + samples.shape[2:])
 
 
 def ibnn_predict(model, variables, images, *, num_samples: int = 5, rng) -> Prediction:
@@ -176,10 +198,12 @@ def ibnn_predict(model, variables, images, *, num_samples: int = 5, rng) -> Pred
   """
   if num_samples < 1:
     raise ValueError(f"num_samples (S) must be >= 1, got {num_samples}.")
-  if getattr(model, "num_components", 0) < 1:
-    raise ValueError("ibnn_predict needs an iBNN model (num_components >= 1), e.g. get_model('vgg_ibnn_16', 10).")
-  log_probs = _ibnn_log_probs(model, variables, images, rng, num_samples)
-  return Prediction(jnp.exp(log_probs), _mean_probs(log_probs))
+  if not is_ibnn(model):
+    raise ValueError(
+        "ibnn_predict needs an iBNN model (num_components >= 1), e.g. get_model('vgg_ibnn_16', 10)."
+    )
+  samples = _ibnn_log_probs(model, variables, images, rng, num_samples)
+  return Prediction(jnp.exp(samples), mean_probs(samples))
 
 
 def fold_component(variables, k: int):
@@ -206,7 +230,8 @@ def fold_component(variables, k: int):
 
 
 def gaussian_blend(images, gamma: float, rng):
-  """x̂ = (1 − γ)·x + γ·ε with ε ~ N(0, 1) (in the normalised input space, as the reference)."""
+  """x̂ = (1 − γ)·x + γ·ε with ε ~ N(0, 1) (in the normalised input space, as the
+  reference)."""
   return (1.0 - gamma) * images + gamma * jax.random.normal(rng, images.shape, images.dtype)
 
 
@@ -220,7 +245,10 @@ def salt_and_pepper(images, probability: float, rng):
   return jnp.where(u > 1.0 - probability, 1.0, jnp.where(u < probability, 0.0, images))
 
 
-def ood_entropy_curves(predict: Callable, images, kind: str = "blend", levels: Optional[Sequence[float]] = None,
+def ood_entropy_curves(predict: Callable,
+                       images,
+                       kind: str = "blend",
+                       levels: Optional[Sequence[float]] = None,
                        rng=None) -> dict:
   """Mean total / aleatoric / epistemic entropy vs corruption level (paper Fig. 8).
 
@@ -235,21 +263,8 @@ def ood_entropy_curves(predict: Callable, images, kind: str = "blend", levels: O
   rng = jax.random.key(0) if rng is None else rng
   curves = {"levels": np.asarray(levels), "total": [], "aleatoric": [], "epistemic": []}
   for i, level in enumerate(levels):
-    parts = uncertainty_decomposition(predict(corrupt[kind](images, float(level), jax.random.fold_in(rng, i))))
+    parts = uncertainty_decomposition(
+        predict(corrupt[kind](images, float(level), jax.random.fold_in(rng, i))))
     for key in ("total", "aleatoric", "epistemic"):
       curves[key].append(float(jnp.mean(parts[key])))
   return {k: np.asarray(v) for k, v in curves.items()}
-
-
-def plot_ood_curves(curves: dict, title: str = ""):
-  """Total, aleatoric and epistemic entropy against the corruption level; returns the Figure."""
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(5, 3.2))
-  for key, style in (("total", "k-"), ("aleatoric", "b--"), ("epistemic", "r-.")):
-    ax.plot(curves["levels"], curves[key], style, label=key)
-  ax.set_xlabel("corruption level")
-  ax.set_ylabel("entropy (nats)")
-  ax.set_title(title)
-  ax.legend()
-  fig.tight_layout()
-  return fig

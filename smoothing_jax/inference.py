@@ -24,13 +24,26 @@ class Prediction(NamedTuple):
 
 
 def sample_rngs(key) -> dict:
-  """One stochastic forward pass's RNG streams: MC dropout (``"dropout"``) and iBNN node noise (``"noise"``)."""
+  """One stochastic forward pass's RNG streams: MC dropout (``"dropout"``) and iBNN node noise
+  (``"noise"``)."""
   return {"dropout": key, "noise": jax.random.fold_in(key, 1)}
 
 
-def _mean_probs(log_probs):
-  """Mean of per-sample probabilities, computed as exp(logsumexp − log N)."""
-  return jnp.exp(jax.nn.logsumexp(log_probs, axis=0) - jnp.log(log_probs.shape[0]))
+def log_probs(model: nn.Module, variables, images, rng=None, **apply_kwargs):
+  """One evaluation-mode pass, ``log softmax`` in float32: ``[B, ..., C]``.
+
+  ``rng`` seeds the pass's stochastic layers (:func:`sample_rngs`; None for deterministic
+  models); ``apply_kwargs`` go to ``model.apply`` (e.g. iBNN ``components``, ``block_mask``).
+  Every predictor (MC dropout, ensembles, iBNN, VQ-BNN, attacks) builds on this pass.
+  """
+  rngs = None if rng is None else sample_rngs(rng)
+  logits = model.apply(variables, images, train=False, rngs=rngs, **apply_kwargs)
+  return jax.nn.log_softmax(logits.astype(jnp.float32))
+
+
+def mean_probs(sample_log_probs):
+  """Mean of per-sample probabilities ``[N, ...] → [...]``, as exp(logsumexp − log N)."""
+  return jnp.exp(jax.nn.logsumexp(sample_log_probs, axis=0) - jnp.log(sample_log_probs.shape[0]))
 
 
 def _map_in_chunks(fn, xs, chunk_size: Optional[int]):
@@ -47,10 +60,8 @@ def _map_in_chunks(fn, xs, chunk_size: Optional[int]):
 
 @functools.partial(jax.jit, static_argnames=("model", "num_samples", "chunk_size"))
 def _mc_log_probs(model, variables, images, rng, num_samples, chunk_size):
-  def one_sample(key):
-    logits = model.apply(variables, images, train=False, rngs=sample_rngs(key))
-    return jax.nn.log_softmax(logits.astype(jnp.float32))
-  return _map_in_chunks(one_sample, jax.random.split(rng, num_samples), chunk_size)
+  return _map_in_chunks(lambda key: log_probs(model, variables, images, key),
+                        jax.random.split(rng, num_samples), chunk_size)
 
 
 def check_rng(rng):
@@ -83,8 +94,8 @@ def mc_predict(model: nn.Module, variables, images, *, num_samples: int, rng,
   if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
     raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}.")
   check_images(images)
-  log_probs = _mc_log_probs(model, variables, images, check_rng(rng), num_samples, chunk_size)
-  return Prediction(jnp.exp(log_probs), _mean_probs(log_probs))
+  samples = _mc_log_probs(model, variables, images, check_rng(rng), num_samples, chunk_size)
+  return Prediction(jnp.exp(samples), mean_probs(samples))
 
 
 def stack_variables(variables_list: Sequence) -> dict:
@@ -94,20 +105,18 @@ def stack_variables(variables_list: Sequence) -> dict:
   structure = jax.tree.structure(variables_list[0])
   for i, v in enumerate(variables_list[1:], start=1):
     if jax.tree.structure(v) != structure:
-      raise ValueError(f"Variable tree {i} does not have the structure of tree 0 (different architectures?).")
+      raise ValueError(
+          f"Variable tree {i} does not have the structure of tree 0 (different architectures?).")
   return jax.tree.map(lambda *xs: jnp.stack(xs), *variables_list)
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
 def _ensemble_log_probs(model, stacked_variables, images, rng):
-  def one_member(variables, key):
-    rngs = None if key is None else {"dropout": key}
-    logits = model.apply(variables, images, train=False, rngs=rngs)
-    return jax.nn.log_softmax(logits.astype(jnp.float32))
   if rng is None:
-    return jax.vmap(lambda v: one_member(v, None))(stacked_variables)
+    return jax.vmap(lambda v: log_probs(model, v, images))(stacked_variables)
   members = jax.tree.leaves(stacked_variables)[0].shape[0]
-  return jax.vmap(one_member)(stacked_variables, jax.random.split(rng, members))
+  return jax.vmap(lambda v, key: log_probs(model, v, images, key))(
+      stacked_variables, jax.random.split(rng, members))
 
 
 def ensemble_predict(model: nn.Module, stacked_variables, images, *, rng=None) -> Prediction:
@@ -118,5 +127,5 @@ def ensemble_predict(model: nn.Module, stacked_variables, images, *, rng=None) -
   """
   check_images(images)
   rng = None if rng is None else check_rng(rng)
-  log_probs = _ensemble_log_probs(model, stacked_variables, images, rng)
-  return Prediction(jnp.exp(log_probs), _mean_probs(log_probs))
+  samples = _ensemble_log_probs(model, stacked_variables, images, rng)
+  return Prediction(jnp.exp(samples), mean_probs(samples))

@@ -19,10 +19,13 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from smoothing_jax import evaluate, train  # noqa: E402
-from smoothing_jax.data import DatasetUnavailableError  # noqa: E402
+from smoothing_jax.data import (DatasetUnavailableError,  # noqa: E402
+                                hide_accelerators_from_tensorflow)
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Experiment config file (ml_collections get_config()).",
+config_flags.DEFINE_config_file("config",
+                                None,
+                                "Experiment config file (ml_collections get_config()).",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and results.")
 flags.DEFINE_enum("mode", "train", ["train", "evaluate", "corruptions", "streams"], "What to run.")
@@ -30,11 +33,13 @@ flags.DEFINE_list("ensemble_workdirs", [], "evaluate: workdirs of deep-ensemble 
 flags.DEFINE_string("baseline_csv", None, "corruptions: baseline table (reference layout or ours); "
                     "default: the shipped AlexNet results on CIFAR-100-C / ImageNet-C.")
 flags.DEFINE_integer("num_samples", 1, "corruptions: MC dropout samples per prediction.")
-flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() (multi-host TPU/GPU jobs).")
+flags.DEFINE_bool("multihost", False,
+                  "Call jax.distributed.initialize() (multi-host TPU/GPU jobs).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 # Errors a user can cause (bad dataset, arrays, model name, config value, missing checkpoint):
-# one line on stderr and exit status 1; the traceback with --verbosity=1 or SMOOTHING_JAX_TRACEBACK=1.
+# one line on stderr and exit status 1; the traceback with --verbosity=1 or
+# SMOOTHING_JAX_TRACEBACK=1.
 USER_ERRORS = (ValueError, TypeError, OSError, DatasetUnavailableError, FloatingPointError)
 TRACEBACK_ENV = "SMOOTHING_JAX_TRACEBACK"
 
@@ -92,16 +97,19 @@ def parse_flags(argv):
     # A config file's own exception arrives as a formatted traceback: keep its last line.
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     flag = lines[0].split(":", 1)[0] if lines else ""
-    _exit_with_error(_unknown_config_key(argv) or (f"{flag}: {lines[-1]}" if len(lines) > 1 else str(e)), 2)
+    _exit_with_error(
+        _unknown_config_key(argv) or (f"{flag}: {lines[-1]}" if len(lines) > 1 else str(e)), 2)
   except (AttributeError, KeyError, TypeError, ValueError) as e:  # a bad --config.<key>=value
     if _show_tracebacks(argv):
       raise
-    _exit_with_error(_unknown_config_key(argv) or f"bad config override: {type(e).__name__}: {e}", 2)
+    _exit_with_error(
+        _unknown_config_key(argv) or f"bad config override: {type(e).__name__}: {e}", 2)
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  hide_accelerators_from_tensorflow()  # tf.data feeds the host; the accelerators are JAX's
   try:
     run(FLAGS.config, FLAGS.workdir, FLAGS.mode)  # the other flags are read where they are used
   except USER_ERRORS as e:
@@ -122,23 +130,31 @@ def run(config, workdir: str, mode: str):
     train.train_and_evaluate(config, workdir)
     rows = evaluate.evaluate_ensemble_sizes([workdir], results_dir, config)
   elif mode == "streams":
-    rows = evaluate.evaluate_streams(workdir, results_dir, config, num_samples=max(config.ensemble_sizes))
+    rows = evaluate.evaluate_streams(workdir,
+                                     results_dir,
+                                     config,
+                                     num_samples=max(config.ensemble_sizes))
     print("\nmethod   | passes | NLL    | Acc (%) | ECE (%) | mIoU (%) | Cons (%)")
     for r in rows:
-      print(f"{r['method']:8s} | {r['passes_per_frame']:6d} | {r['nll']:.4f} | {100 * r['acc']:7.2f} | "
-            f"{100 * r['ece']:7.2f} | {100 * r['iou']:8.2f} | {100 * r['consistency']:8.2f}")
+      print(
+          f"{r['method']:8s} | {r['passes_per_frame']:6d} | {r['nll']:.4f} | "
+          f"{100 * r['acc']:7.2f} | {100 * r['ece']:7.2f} | {100 * r['iou']:8.2f} | "
+          f"{100 * r['consistency']:8.2f}")
     print(f"\nResults: {results_dir}/streams.{{json,csv,png}}, {results_dir}/stream_examples.png")
     return
   elif mode == "evaluate":
-    rows = evaluate.evaluate_ensemble_sizes(FLAGS.ensemble_workdirs or [workdir], results_dir, config)
+    rows = evaluate.evaluate_ensemble_sizes(FLAGS.ensemble_workdirs or [workdir], results_dir,
+                                            config)
   else:
-    aggregates = evaluate.evaluate_corruptions(workdir, results_dir, FLAGS.baseline_csv, FLAGS.num_samples,
-                                               config)
+    aggregates = evaluate.evaluate_corruptions(workdir, results_dir, FLAGS.baseline_csv,
+                                               FLAGS.num_samples, config)
     print(f"Corruption robustness: {aggregates}\nTables in {results_dir}/corruptions.{{json,csv}}")
     return
   print("\nensemble size | NLL    | Acc (%) | ECE (%)")
   for r in rows:
-    print(f"{r['ensemble_size']:13d} | {r['nll']:.4f} | {100 * r['acc']:7.2f} | {100 * r['ece']:7.2f}")
+    print(
+        f"{r['ensemble_size']:13d} | {r['nll']:.4f} | {100 * r['acc']:7.2f} | {100 * r['ece']:7.2f}"
+    )
   print(f"\nResults: {results_dir}/ensemble_sizes.{{json,csv,png}}, {results_dir}/reliability.png; "
         f"TensorBoard: tensorboard --logdir {workdir}")
 

@@ -24,8 +24,6 @@ once (identical for equal batch sizes).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import clu.metrics
 import flax
 import jax
@@ -45,22 +43,25 @@ def uncertainty_decomposition(sample_probs) -> dict:
   entropy), epistemic = total − aleatoric (mutual information).
   """
   if sample_probs.ndim != 3:
-    raise ValueError(f"sample_probs must have shape [num_samples, batch, classes], got {sample_probs.shape}.")
+    raise ValueError(
+        f"sample_probs must have shape [num_samples, batch, classes], got {sample_probs.shape}.")
   total = entropy(jnp.mean(sample_probs, axis=0))
   aleatoric = jnp.mean(entropy(sample_probs), axis=0)
   return {"total": total, "aleatoric": aleatoric, "epistemic": total - aleatoric}
 
 
 def label_mask(labels, num_classes: int, mask=None):
-  """0/1 weights ``[B, ...]`` of the positions that count: label in ``[0, num_classes)`` (void / ignore
-  labels are not), times an optional per-example ``mask [B]`` broadcast over the label's other axes."""
+  """0/1 weights ``[B, ...]`` of the positions that count: label in ``[0, num_classes)`` (void /
+  ignore labels are not), times an optional per-example ``mask [B]`` broadcast over the label's
+  other axes."""
   labels = jnp.asarray(labels)
   valid = ((labels >= 0) & (labels < num_classes)).astype(jnp.float32)
   return valid if mask is None else valid * _broadcast_mask(mask, labels.shape)
 
 
 def _broadcast_mask(mask, shape):
-  """A 0/1 ``mask`` over the leading axes of ``shape`` (e.g. per example ``[B]``) extended to ``shape``."""
+  """A 0/1 ``mask`` over the leading axes of ``shape`` (e.g. per example ``[B]``) extended to
+  ``shape``."""
   mask = jnp.asarray(mask, jnp.float32)
   return jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (len(shape) - mask.ndim)), shape)
 
@@ -69,12 +70,16 @@ def _check_predictions(probs, labels, mask):
   if probs.ndim < 2:
     raise ValueError(f"probs must have shape [..., classes], got {probs.shape}.")
   if labels.shape != probs.shape[:-1]:
-    raise ValueError(f"labels shape {labels.shape} does not match probs shape {probs.shape} without the class axis.")
+    raise ValueError(
+        f"labels shape {labels.shape} does not match probs shape {probs.shape} without the "
+        "class axis."
+    )
   if not jnp.issubdtype(labels.dtype, jnp.integer):
     raise TypeError(f"labels must be integer class indices, got dtype {labels.dtype}.")
   if mask is not None and jnp.shape(mask) != labels.shape[:jnp.ndim(mask)]:
-    raise ValueError(f"mask shape {jnp.shape(mask)} does not match (the leading axes of) labels shape "
-                     f"{labels.shape}.")
+    raise ValueError(
+        f"mask shape {jnp.shape(mask)} does not match (the leading axes of) labels shape "
+        f"{labels.shape}.")
 
 
 @flax.struct.dataclass
@@ -112,7 +117,8 @@ class UncertaintyMetrics(clu.metrics.Metric):
     _check_predictions(probs, labels, mask)
     num_classes = probs.shape[-1]
     probs = probs.reshape(-1, num_classes).astype(jnp.float32)
-    w = label_mask(labels, num_classes, mask).reshape(-1)  # labels outside [0, C) (void) never count
+    w = label_mask(labels, num_classes,
+                   mask).reshape(-1)  # labels outside [0, C) (void) never count
     labels = jnp.where(w > 0, labels.reshape(-1), 0)
 
     conf = jnp.max(probs, axis=-1)
@@ -146,16 +152,17 @@ class UncertaintyMetrics(clu.metrics.Metric):
       raise ValueError("Cannot merge metrics computed with different cutoff or num_bins.")
     return jax.tree.map(jnp.add, self, other)
 
-  def reduce(self) -> "UncertaintyMetrics":
-    """Sum a stacked (e.g. per-device) leading axis."""
-    return jax.tree.map(lambda x: jnp.sum(x, axis=0), self)
-
   def reliability(self) -> dict:
-    """Reliability-diagram data: per-bin ``accuracy``, ``confidence``, ``count`` and bin ``edges``."""
+    """Reliability-diagram data: per-bin ``accuracy``, ``confidence``, ``count`` and bin
+    ``edges``."""
     count = np.asarray(self.bin_count, np.float64)
     safe = np.maximum(count, 1.0)
-    return {"accuracy": np.asarray(self.bin_correct) / safe, "confidence": np.asarray(self.bin_confidence) / safe,
-            "count": count, "edges": np.linspace(0.0, 1.0, count.shape[0] + 1)}
+    return {
+        "accuracy": np.asarray(self.bin_correct) / safe,
+        "confidence": np.asarray(self.bin_confidence) / safe,
+        "count": count,
+        "edges": np.linspace(0.0, 1.0, count.shape[0] + 1)
+    }
 
   def compute(self) -> dict:
     n = float(self.count)
@@ -193,7 +200,8 @@ class TemporalConsistency(clu.metrics.Metric):
     ``mask [...]``: optional 0/1 weights of the positions that count."""
     probs, previous_probs = jnp.asarray(probs), jnp.asarray(previous_probs)
     if probs.shape != previous_probs.shape or probs.ndim < 2:
-      raise ValueError(f"probs {probs.shape} and previous_probs {previous_probs.shape} must both be [..., C].")
+      raise ValueError(
+          f"probs {probs.shape} and previous_probs {previous_probs.shape} must both be [..., C].")
     agree = (jnp.argmax(probs, -1) == jnp.argmax(previous_probs, -1)).astype(jnp.float32)
     w = jnp.ones(agree.shape, jnp.float32) if mask is None else _broadcast_mask(mask, agree.shape)
     return cls(agree=jnp.sum(w * agree), total=jnp.sum(w))
@@ -210,9 +218,6 @@ class TemporalConsistency(clu.metrics.Metric):
   def merge(self, other: "TemporalConsistency") -> "TemporalConsistency":
     return jax.tree.map(jnp.add, self, other)
 
-  def reduce(self) -> "TemporalConsistency":
-    return jax.tree.map(lambda x: jnp.sum(x, axis=0), self)
-
   def compute(self) -> dict:
     if float(self.total) == 0:
       raise ValueError("No frame pairs were accumulated (total is 0).")
@@ -220,7 +225,8 @@ class TemporalConsistency(clu.metrics.Metric):
 
 
 def class_iou(confusion) -> np.ndarray:
-  """Per-class TP / (TP + FP + FN) ``[C]`` from a confusion matrix (rows = true class); NaN without label support."""
+  """Per-class TP / (TP + FP + FN) ``[C]`` from a confusion matrix (rows = true class); NaN
+  without label support."""
   cm = np.asarray(confusion, np.float64)
   tp = np.diag(cm)
   support = cm.sum(axis=1)
@@ -236,31 +242,5 @@ def mean_iou(confusion) -> float:
 
 def evaluate(probs, labels, mask=None, *, num_bins: int = 10, cutoff: float = 0.9) -> dict:
   """All metrics of one set of predictions ``probs [..., C]`` with ``labels [...]``."""
-  return UncertaintyMetrics.from_model_output(probs, labels, mask, num_bins=num_bins, cutoff=cutoff).compute()
-
-
-def plot_reliability_diagram(metrics: UncertaintyMetrics, title: Optional[str] = None):
-  """Reliability diagram (accuracy per confidence bin) above a confidence histogram.
-
-  Returns the matplotlib ``Figure``; save it with ``fig.savefig("reliability.png")``.
-  """
-  import matplotlib.pyplot as plt
-  rel = metrics.reliability()
-  edges = rel["edges"]
-  centers, width = (edges[:-1] + edges[1:]) / 2, edges[1] - edges[0]
-  fig, (top, bottom) = plt.subplots(2, 1, figsize=(4.5, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-  top.bar(centers, rel["accuracy"], width=width, edgecolor="black", color="tab:blue", label="accuracy")
-  top.bar(centers, rel["confidence"] - rel["accuracy"], bottom=rel["accuracy"], width=width,
-          edgecolor="tab:red", color="tab:red", alpha=0.3, label="gap")
-  top.plot([0, 1], [0, 1], "k--", linewidth=1)
-  top.set_ylabel("accuracy")
-  top.set_ylim(0, 1)
-  stats = metrics.compute()
-  top.set_title(title or f"ECE {100 * stats['ece']:.2f}%  Acc {100 * stats['acc']:.2f}%")
-  top.legend(loc="upper left")
-  bottom.bar(centers, rel["count"] / max(rel["count"].sum(), 1.0), width=width, edgecolor="black", color="gray")
-  bottom.set_xlabel("confidence")
-  bottom.set_ylabel("fraction")
-  bottom.set_xlim(0, 1)
-  fig.tight_layout()
-  return fig
+  return UncertaintyMetrics.from_model_output(probs, labels, mask, num_bins=num_bins,
+                                              cutoff=cutoff).compute()

@@ -29,7 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from smoothing_jax.inference import check_rng, mc_predict, sample_rngs
+from smoothing_jax.inference import check_rng, log_probs, mc_predict
 from smoothing_jax.metrics import TemporalConsistency, UncertaintyMetrics, label_mask
 from smoothing_jax.models.common import check_images
 
@@ -52,11 +52,13 @@ def init_stream(prediction_shape, num_frames: int = NUM_FRAMES, dtype=jnp.float3
   """An empty stream for predictions of shape ``prediction_shape`` (e.g. ``(B, H, W, C)``)."""
   if not isinstance(num_frames, int) or num_frames < 1:
     raise ValueError(f"num_frames (L) must be a positive integer, got {num_frames!r}.")
-  return StreamState(jnp.zeros((num_frames,) + tuple(prediction_shape), dtype), jnp.zeros((), jnp.int32))
+  return StreamState(jnp.zeros((num_frames,) + tuple(prediction_shape), dtype),
+                     jnp.zeros((), jnp.int32))
 
 
 def temporal_weights(frames_seen, num_frames: int, decay_rate=DECAY_RATE):
-  """π ``[L]``: ∝ exp(−λ t) for the ``min(frames_seen, L)`` frames present, 0 for empty slots; sums to 1."""
+  """π ``[L]``: ∝ exp(−λ t) for the ``min(frames_seen, L)`` frames present, 0 for empty slots;
+  sums to 1."""
   t = jnp.arange(num_frames)
   weights = jnp.where(t < frames_seen, jnp.exp(-decay_rate * t.astype(jnp.float32)), 0.0)
   return weights / jnp.maximum(jnp.sum(weights), jnp.finfo(jnp.float32).tiny)
@@ -69,7 +71,8 @@ def temporal_smoothing(state: StreamState, probs, decay_rate=DECAY_RATE):
   it can be the body of a ``lax.scan``.
   """
   if probs.shape != state.history.shape[1:]:
-    raise ValueError(f"Prediction shape {probs.shape} does not match the stream's {state.history.shape[1:]}.")
+    raise ValueError(
+        f"Prediction shape {probs.shape} does not match the stream's {state.history.shape[1:]}.")
   history = jnp.concatenate([probs[None].astype(state.history.dtype), state.history[:-1]])
   frames_seen = state.frames_seen + 1
   weights = temporal_weights(frames_seen, history.shape[0], decay_rate)
@@ -78,9 +81,8 @@ def temporal_smoothing(state: StreamState, probs, decay_rate=DECAY_RATE):
 
 
 def _frame_probs(model, variables, frame, key):
-  """One stochastic forward pass: softmax of the logits, ``[B, ..., C]``."""
-  logits = model.apply(variables, frame, train=False, rngs=sample_rngs(key))
-  return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  """One stochastic forward pass: the predictive probabilities ``[B, ..., C]``."""
+  return jnp.exp(log_probs(model, variables, frame, key))
 
 
 def _stream_step(model, variables, rng, decay_rate, state, frame):
@@ -98,7 +100,8 @@ def _jit_stream_step(model, variables, state, frame, rng, decay_rate):
 def _jit_scan(model, variables, state, frames, rng, decay_rate, num_frames):
   if state is None:  # a new stream: its shape is found while tracing, not on every call
     state = init_stream(prediction_shape(model, variables, frames.shape[1:]), num_frames)
-  return jax.lax.scan(functools.partial(_stream_step, model, variables, rng, decay_rate), state, frames)
+  return jax.lax.scan(functools.partial(_stream_step, model, variables, rng, decay_rate), state,
+                      frames)
 
 
 def prediction_shape(model: nn.Module, variables, frame_shape) -> tuple:
@@ -110,7 +113,8 @@ def prediction_shape(model: nn.Module, variables, frame_shape) -> tuple:
 
 def stream_predict(model: nn.Module, variables, state: StreamState, frame, *, rng,
                    decay_rate=DECAY_RATE):
-  """One jitted VQ-BNN step: predict ``frame [B, H, W, 3]`` once and smooth it with the stream's past.
+  """One jitted VQ-BNN step: predict ``frame [B, H, W, 3]`` once and smooth it with the
+  stream's past.
 
   Frame n of the stream uses dropout/noise key ``fold_in(rng, n)``; keep ``rng``
   fixed along a stream.  Returns ``(new_state, probs)`` with ``probs`` of the
@@ -136,16 +140,28 @@ def vq_bnn_predict(model: nn.Module, variables, frames, *, rng, num_frames: int 
     ``(state, probs [T, B, ..., C])``: the smoothed predictive of every frame.
   """
   if not hasattr(frames, "ndim") or frames.ndim != 5:
-    raise ValueError(f"frames must be [time, batch, height, width, 3], got shape {getattr(frames, 'shape', None)}.")
+    raise ValueError(
+        "frames must be [time, batch, height, width, 3], got shape "
+        f"{getattr(frames, 'shape', None)}."
+    )
   check_images(frames[0])
   if not isinstance(num_frames, int) or num_frames < 1:
     raise ValueError(f"num_frames (L) must be a positive integer, got {num_frames!r}.")
-  return _jit_scan(model, variables, state, frames, check_rng(rng), jnp.float32(decay_rate), num_frames)
+  return _jit_scan(model, variables, state, frames, check_rng(rng), jnp.float32(decay_rate),
+                   num_frames)
 
 
-def stream_predictions(model, variables, frames, *, rng, num_samples: int, num_frames: int = NUM_FRAMES,
-                       decay_rate: float = DECAY_RATE, chunk_size: Optional[int] = None) -> dict:
-  """Predictions of the last two frames of clips ``frames [T, B, H, W, 3]`` by each inference method.
+def stream_predictions(model,
+                       variables,
+                       frames,
+                       *,
+                       rng,
+                       num_samples: int,
+                       num_frames: int = NUM_FRAMES,
+                       decay_rate: float = DECAY_RATE,
+                       chunk_size: Optional[int] = None) -> dict:
+  """Predictions of the last two frames of clips ``frames [T, B, H, W, 3]`` by each inference
+  method.
 
   Returns ``{method: probs [2, B, ..., C]}`` with methods ``"single"`` (one
   forward pass per frame: the deterministic net, or one MC dropout sample),
@@ -165,15 +181,26 @@ def stream_predictions(model, variables, frames, *, rng, num_samples: int, num_f
 
   out = {"single": single(keys[0])}
   if getattr(model, "dropout_rate", 0) > 0 and num_samples > 1:
-    pred = mc_predict(model, variables, last_two, num_samples=num_samples, rng=keys[1], chunk_size=chunk_size)
+    pred = mc_predict(model,
+                      variables,
+                      last_two,
+                      num_samples=num_samples,
+                      rng=keys[1],
+                      chunk_size=chunk_size)
     out["mc"] = pred.mean_probs.reshape(shape + pred.mean_probs.shape[1:])
-  _, smoothed = vq_bnn_predict(model, variables, frames, rng=keys[2], num_frames=num_frames, decay_rate=decay_rate)
+  _, smoothed = vq_bnn_predict(model,
+                               variables,
+                               frames,
+                               rng=keys[2],
+                               num_frames=num_frames,
+                               decay_rate=decay_rate)
   out["temporal"] = smoothed[-2:]
   return out
 
 
 def stream_statistics(predictions: dict, labels, mask=None, num_bins: int = 10) -> dict:
-  """``{method: (UncertaintyMetrics of the labelled last frame, TemporalConsistency of the last pair)}``.
+  """``{method: (UncertaintyMetrics of the labelled last frame,
+  TemporalConsistency of the last pair)}``.
 
   ``labels [B, H, W]`` belong to the last frame; void pixels (outside ``[0, C)``)
   are masked from every metric, the consistency included (the previous frame is
@@ -182,17 +209,12 @@ def stream_statistics(predictions: dict, labels, mask=None, num_bins: int = 10) 
   stats = {}
   for method, probs in predictions.items():
     weights = label_mask(labels, probs.shape[-1], mask)
-    stats[method] = (UncertaintyMetrics.from_model_output(probs[-1], labels, weights, num_bins=num_bins),
+    stats[method] = (UncertaintyMetrics.from_model_output(probs[-1],
+                                                          labels,
+                                                          weights,
+                                                          num_bins=num_bins),
                      TemporalConsistency.from_model_output(probs[-1], probs[-2], weights))
   return stats
-
-
-def merge_statistics(totals: Optional[dict], stats: dict) -> dict:
-  """Add one batch's :func:`stream_statistics` to the running ``totals`` (None: the first batch)."""
-  if totals is None:
-    return stats
-  return {method: (metrics.merge(stats[method][0]), consistency.merge(stats[method][1]))
-          for method, (metrics, consistency) in totals.items()}
 
 
 def statistics_rows(totals: dict, num_samples: int) -> list:
@@ -202,5 +224,10 @@ def statistics_rows(totals: dict, num_samples: int) -> list:
   for method, passes in (("single", 1), ("mc", num_samples), ("temporal", 1)):
     if method in totals:  # (jitted outputs come back with sorted keys: the order is set here)
       metrics, consistency = totals[method]
-      rows.append({"method": method, "passes_per_frame": passes, **metrics.compute(), **consistency.compute()})
+      rows.append({
+          "method": method,
+          "passes_per_frame": passes,
+          **metrics.compute(),
+          **consistency.compute()
+      })
   return rows

@@ -19,11 +19,8 @@ class weights (paper Appendix A.2).
 from __future__ import annotations
 
 import functools
-import json
-import logging as std_logging
 import os
 import signal
-import sys
 from typing import Any, Optional
 
 import jax
@@ -35,50 +32,52 @@ import orbax.checkpoint as ocp
 from absl import logging
 from clu import metric_writers, periodic_actions
 from flax.training import train_state
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from smoothing_jax import ibnn
+from smoothing_jax import workdir as workdir_lib
 from smoothing_jax.data import NUM_CLASSES, create_pipeline
 from smoothing_jax.data.mixup import Mixing, mix_batch
 from smoothing_jax.inference import mc_predict, sample_rngs
 from smoothing_jax.metrics import UncertaintyMetrics, label_mask
-from smoothing_jax.models import get_model, is_segmentation_model
+from smoothing_jax.models import is_ibnn, is_segmentation_model
+from smoothing_jax.parallel import (create_mesh, eval_batch_size, evaluate_batches, shard_batch,
+                                    shardings)
 
 
 class TrainState(train_state.TrainState):
   batch_stats: Any
 
 
-def create_mesh(num_devices: int = -1) -> Mesh:
-  """1-D mesh over all devices (``num_devices`` > 0: the first ``num_devices``)."""
-  devices = jax.devices() if num_devices <= 0 else jax.devices()[:num_devices]
-  return Mesh(np.asarray(devices), ("data",))
-
-
-def eval_batch_size(config, mesh: Mesh) -> int:
-  """``config.eval_batch_size`` rounded up to a multiple of the mesh size (the padding is masked out)."""
-  return -(-config.eval_batch_size // mesh.size) * mesh.size
+def model_spec(config, pipeline) -> dict:
+  """What rebuilds the model without the dataset (recorded in ``config.json``): classes
+  (``config.num_classes`` > 0 overrides the dataset's), stem geometry and image shape."""
+  if config.num_classes <= 0 and pipeline.is_segmentation and pipeline.spec.base not in NUM_CLASSES:
+    raise ValueError(
+        f"Set --config.num_classes for the segmentation dataset {config.dataset!r}: label maps "
+        "mark void pixels with values outside [0, num_classes), so the classes cannot be inferred.")
+  num_classes = config.num_classes if config.num_classes > 0 else NUM_CLASSES.get(
+      pipeline.spec.base, int(pipeline.train_labels.max()) + 1)
+  return {"num_classes": int(num_classes), "stem": pipeline.spec.geometry,
+          "image_shape": [int(d) for d in pipeline.image_shape]}
 
 
 def create_model(config, pipeline):
-  """``config.model`` for ``pipeline``'s classes (``config.num_classes`` > 0 overrides) and geometry."""
-  if config.num_classes <= 0 and pipeline.is_segmentation and pipeline.spec.base not in NUM_CLASSES:
-    raise ValueError(f"Set --config.num_classes for the segmentation dataset {config.dataset!r}: label maps "
-                     "mark void pixels with values outside [0, num_classes), so the classes cannot be inferred.")
-  num_classes = config.num_classes if config.num_classes > 0 else NUM_CLASSES.get(
-      pipeline.spec.base, int(pipeline.train_labels.max()) + 1)
-  overrides = {k: v for k, v in config.model_kwargs.items() if v is not None}
-  overrides.setdefault("stem", pipeline.spec.geometry)
-  model = get_model(config.model, num_classes, **overrides)
+  """``config.model`` for ``pipeline``'s classes and geometry (:func:`model_spec`); a clear error
+  when a segmentation model meets one label per image, or a classifier label maps."""
+  model = workdir_lib.build_model(config, model_spec(config, pipeline))
   if is_segmentation_model(model) != pipeline.is_segmentation:
-    kind = "label maps (segmentation)" if pipeline.is_segmentation else "one label per image (classification)"
-    raise ValueError(f"Model {config.model!r} does not fit dataset {config.dataset!r}, which has {kind}; "
-                     "use a unet_* model for segmentation and a classifier otherwise.")
+    kind = ("label maps (segmentation)"
+            if pipeline.is_segmentation else "one label per image (classification)")
+    raise ValueError(
+        f"Model {config.model!r} does not fit dataset {config.dataset!r}, which has {kind}; "
+        "use a unet_* model for segmentation and a classifier otherwise.")
   return model
 
 
 def create_learning_rate_schedule(config, steps_per_epoch: int) -> optax.Schedule:
-  """The base rate, scaled linearly with ``batch_size / base_batch_size``, on ``config.lr_schedule``:
+  """The base rate, scaled linearly with ``batch_size / base_batch_size``, on
+  ``config.lr_schedule``:
 
   * ``"multistep"``: linear warm-up from 0 for ``warmup_epochs``, then × ``lr_decay`` at
     each milestone epoch (counted after the warm-up: the reference's extra warm-up epoch);
@@ -93,13 +92,17 @@ def create_learning_rate_schedule(config, steps_per_epoch: int) -> optax.Schedul
     decay_steps = int(config.num_epochs * steps_per_epoch)
     if warmup_steps == 0:
       return optax.cosine_decay_schedule(lr, decay_steps)
-    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, warmup_steps + decay_steps, 0.0)
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, warmup_steps + decay_steps,
+                                              0.0)
   if config.lr_schedule == "flat_linear":
     total = (config.warmup_epochs + config.num_epochs) * steps_per_epoch
     return optax.piecewise_interpolate_schedule(
         "linear", lr, {int(0.5 * total): 1.0, int(0.9 * total): config.lr_final_ratio})
   if config.lr_schedule != "multistep":
-    raise ValueError(f"Unknown lr_schedule {config.lr_schedule!r}; choose 'multistep', 'cosine' or 'flat_linear'.")
+    raise ValueError(
+        f"Unknown lr_schedule {config.lr_schedule!r}; choose 'multistep', 'cosine' or "
+        "'flat_linear'."
+    )
   main = optax.piecewise_constant_schedule(
       lr, {int(m * steps_per_epoch): config.lr_decay for m in config.lr_milestones})
   if warmup_steps == 0:
@@ -108,14 +111,14 @@ def create_learning_rate_schedule(config, steps_per_epoch: int) -> optax.Schedul
 
 
 def create_optimizer(config, schedule, model=None) -> optax.GradientTransformation:
-  """``config.optimizer``: "sgd" with coupled (PyTorch ``SGD``) weight decay, "adam" (PyTorch ``Adam``:
-  β 0.9/0.999, coupled weight decay) or "adamw" (PyTorch ``AdamW``: decay lr·wd·w decoupled from
-  the moments); iBNN models get the two-learning-rate optimizer.  ``grad_clip_norm`` > 0 clips
-  the global gradient norm first.
+  """``config.optimizer``: "sgd" with coupled (PyTorch ``SGD``) weight decay, "adam" (PyTorch
+  ``Adam``: β 0.9/0.999, coupled weight decay) or "adamw" (PyTorch ``AdamW``: decay lr·wd·w
+  decoupled from the moments); iBNN models get the two-learning-rate optimizer.
+  ``grad_clip_norm`` > 0 clips the global gradient norm first.
   """
-  if getattr(model, "num_components", 0) > 0:
-    tx = ibnn.create_optimizer(schedule, config.ibnn.variational_lr, config.weight_decay, config.momentum,
-                               config.ibnn.freeze_deterministic)
+  if is_ibnn(model):
+    tx = ibnn.create_optimizer(schedule, config.ibnn.variational_lr, config.weight_decay,
+                               config.momentum, config.ibnn.freeze_deterministic)
   elif config.optimizer == "adamw":
     tx = optax.adamw(schedule, weight_decay=config.weight_decay)
   elif config.optimizer == "adam":
@@ -134,20 +137,26 @@ def training_mixing(config, model) -> Optional[Mixing]:
   """Label smoothing / Mixup / CutMix of the training loss (None when all are off)."""
   if not (config.label_smoothing or config.mixup_alpha or config.cutmix_alpha):
     return None
-  if getattr(model, "num_components", 0) > 0:
-    raise ValueError("label_smoothing / mixup_alpha / cutmix_alpha are not supported with the iBNN ELBO.")
+  if is_ibnn(model):
+    raise ValueError(
+        "label_smoothing / mixup_alpha / cutmix_alpha are not supported with the iBNN ELBO.")
   if is_segmentation_model(model):
-    raise ValueError("label_smoothing / mixup_alpha / cutmix_alpha are for classification, not segmentation models.")
+    raise ValueError(
+        "label_smoothing / mixup_alpha / cutmix_alpha are for classification, not "
+        "segmentation models."
+    )
   return Mixing(model.num_classes, config.label_smoothing, config.mixup_alpha, config.cutmix_alpha,
                 config.mixup_switch_prob).check()
 
 
 def class_weights(config, model, pipeline) -> Optional[np.ndarray]:
-  """Per-class loss weights ``[C]``: ``config.class_balancing`` "median_frequency" (segmentation) or "none"."""
+  """Per-class loss weights ``[C]``: ``config.class_balancing`` "median_frequency"
+  (segmentation) or "none"."""
   if config.class_balancing == "none":
     return None
   if config.class_balancing != "median_frequency":
-    raise ValueError(f"Unknown class_balancing {config.class_balancing!r}; choose 'none' or 'median_frequency'.")
+    raise ValueError(
+        f"Unknown class_balancing {config.class_balancing!r}; choose 'none' or 'median_frequency'.")
   weights = pipeline.class_weights(model.num_classes)
   logging.info("Median-frequency class weights: %s", np.array2string(weights, precision=4))
   return weights
@@ -168,92 +177,116 @@ def cross_entropy(logits, labels, class_weights=None):
   return jnp.sum(weights * losses) / jnp.maximum(jnp.sum(weights), jnp.finfo(jnp.float32).tiny)
 
 
-def ibnn_objective(config, model, pipeline) -> Optional[ibnn.Objective]:
-  """The iBNN ELBO settings for node-noise models (None for every other model)."""
-  if getattr(model, "num_components", 0) < 1:
-    return None
+def ibnn_objective(config, model, num_train: int, steps_per_epoch: int) -> ibnn.Objective:
+  """The iBNN ELBO settings of ``config.ibnn`` for a node-noise model."""
   return ibnn.Objective(model.num_components, config.ibnn.num_train_samples, config.ibnn.prior_mean,
-                        config.ibnn.prior_std, pipeline.num_train, pipeline.steps_per_epoch,
+                        config.ibnn.prior_std, num_train, steps_per_epoch,
                         config.ibnn.kl_anneal_epochs).check()
+
+
+def supervised_loss(model, mixing: Optional[Mixing] = None, class_weights=None):
+  """``loss_fn(params, batch_stats, batch, rng, step) -> (loss, aux)`` of the cross-entropy:
+  :func:`cross_entropy` (per pixel for segmentation, void masked, ``class_weights`` if given),
+  or against soft targets (label smoothing, Mixup / CutMix drawn from ``fold_in(rng, 2)``)."""
+  weights = None if class_weights is None else jnp.asarray(class_weights, jnp.float32)
+  if mixing is None:
+    def inputs(batch, rng):
+      return batch["image"], batch["label"]
+
+    def criterion(logits, labels):
+      return cross_entropy(logits, labels, weights)
+  else:
+    def inputs(batch, rng):
+      return mix_batch(jax.random.fold_in(rng, 2), batch["image"], batch["label"], mixing)
+
+    def criterion(logits, targets):
+      return optax.softmax_cross_entropy(logits.astype(jnp.float32), targets).mean()
+
+  def loss_fn(params, batch_stats, batch, rng, step):
+    images, targets = inputs(batch, rng)
+    logits, updates = model.apply({
+        "params": params,
+        "batch_stats": batch_stats
+    },
+                                  images,
+                                  train=True,
+                                  mutable=["batch_stats"],
+                                  rngs=sample_rngs(rng))
+    return criterion(logits, targets), {"logits": logits, "labels": batch["label"], "metrics": {},
+                                        "batch_stats": updates.get("batch_stats", {})}
+  return loss_fn
+
+
+def make_loss(config, model, *, num_train: int, steps_per_epoch: int, class_weights=None):
+  """The training objective that ``config`` and ``model`` call for, as a ``loss_fn`` for
+  :func:`train_step`: the negative ELBO for iBNN models (:func:`smoothing_jax.ibnn.elbo_loss`;
+  its NLL, KL and β join the metrics), otherwise :func:`supervised_loss`."""
+  if not is_ibnn(model):
+    return supervised_loss(model, training_mixing(config, model), class_weights)
+  training_mixing(config, model)  # rejects label smoothing / Mixup / CutMix with the ELBO
+  objective = ibnn_objective(config, model, num_train, steps_per_epoch)
+
+  def loss_fn(params, batch_stats, batch, rng, step):
+    loss, aux = ibnn.elbo_loss(model, objective, params, batch_stats, batch["image"],
+                               batch["label"], rng, step)
+    metrics = {k: aux.pop(k) for k in ("nll", "kl", "kl_weight")}
+    return loss, {**aux, "metrics": metrics}
+  return loss_fn
 
 
 def create_train_state(config, model, rng, image_shape, schedule) -> TrainState:
   """Initialise parameters and BatchNorm statistics; attach the optimizer."""
-  variables = jax.jit(model.init)({"params": rng, **sample_rngs(rng)}, jnp.zeros((1,) + tuple(image_shape)))
-  return TrainState.create(apply_fn=model.apply, params=variables["params"],
-                           batch_stats=variables.get("batch_stats", {}), tx=create_optimizer(config, schedule, model))
+  variables = jax.jit(model.init)({
+      "params": rng,
+      **sample_rngs(rng)
+  }, jnp.zeros((1,) + tuple(image_shape)))
+  return TrainState.create(apply_fn=model.apply,
+                           params=variables["params"],
+                           batch_stats=variables.get("batch_stats", {}),
+                           tx=create_optimizer(config, schedule, model))
 
 
-def train_step(model, schedule, objective: Optional[ibnn.Objective], state: TrainState, batch, dropout_rng,
-               mixing: Optional[Mixing] = None, class_weights=None):
-  """One optimiser step on a (global) batch; the dropout/noise key is ``fold_in(dropout_rng, step)``.
-
-  The loss is the cross-entropy (:func:`cross_entropy`: per pixel for segmentation,
-  void masked, ``class_weights`` if given) — against soft targets (label smoothing,
-  Mixup / CutMix drawn from ``fold_in(key, 2)``) when ``mixing`` is given — or for
-  iBNN models (``objective`` given) the negative ELBO of :func:`smoothing_jax.ibnn.elbo_loss`.
-  """
+def train_step(schedule, loss_fn, state: TrainState, batch, dropout_rng):
+  """One optimiser step on a (global) batch of ``loss_fn`` (:func:`make_loss`); the dropout /
+  noise key is ``fold_in(dropout_rng, step)``.  Metrics: loss, accuracy (void masked),
+  learning rate and the loss's own (e.g. the ELBO's NLL and KL)."""
   rng = jax.random.fold_in(dropout_rng, state.step)
-  images = batch["image"]
-  if mixing is not None:
-    images, targets = mix_batch(jax.random.fold_in(rng, 2), images, batch["label"], mixing)
-
-  def loss_fn(params):
-    if objective is not None:
-      loss, aux = ibnn.elbo_loss(model, objective, params, state.batch_stats, batch["image"], batch["label"], rng,
-                                 state.step)
-      return loss, aux
-    logits, updates = model.apply({"params": params, "batch_stats": state.batch_stats}, images,
-                                  train=True, mutable=["batch_stats"], rngs=sample_rngs(rng))
-    if mixing is not None:
-      loss = optax.softmax_cross_entropy(logits.astype(jnp.float32), targets).mean()
-    else:
-      loss = cross_entropy(logits, batch["label"], class_weights)
-    return loss, {"logits": logits, "labels": batch["label"], "batch_stats": updates.get("batch_stats", {})}
-
-  (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  (loss, aux), grads = jax.value_and_grad(
+      lambda params: loss_fn(params, state.batch_stats, batch, rng, state.step),
+      has_aux=True)(state.params)
   new_state = state.apply_gradients(grads=grads, batch_stats=aux["batch_stats"])
   counted = label_mask(aux["labels"], aux["logits"].shape[-1])
   correct = (jnp.argmax(aux["logits"], -1) == aux["labels"]) * counted
-  metrics = {"loss": loss, "accuracy": jnp.sum(correct) / jnp.maximum(jnp.sum(counted), 1.0),
-             "learning_rate": schedule(state.step)}
-  if objective is not None:
-    metrics.update(nll=aux["nll"], kl=aux["kl"], kl_weight=aux["kl_weight"])
-  return new_state, metrics
+  return new_state, {
+      "loss": loss,
+      "accuracy": jnp.sum(correct) / jnp.maximum(jnp.sum(counted), 1.0),
+      "learning_rate": schedule(state.step),
+      **aux["metrics"]
+  }
 
 
 def eval_step(model, num_samples: int, num_bins: int, variables, batch, rng) -> UncertaintyMetrics:
-  """Metrics of the N-sample predictive on one padded, masked batch (per pixel, void masked, for segmentation)."""
+  """Metrics of the N-sample predictive on one padded, masked batch (per pixel, void masked,
+  for segmentation)."""
   pred = mc_predict(model, variables, batch["image"], num_samples=num_samples, rng=rng)
-  return UncertaintyMetrics.from_model_output(pred.mean_probs, batch["label"], batch["mask"], num_bins=num_bins)
+  return UncertaintyMetrics.from_model_output(pred.mean_probs,
+                                              batch["label"],
+                                              batch["mask"],
+                                              num_bins=num_bins)
 
 
-def compile_steps(model, schedule, mesh: Mesh, num_bins: int, objective: Optional[ibnn.Objective] = None,
-                  mixing: Optional[Mixing] = None, class_weights=None):
-  """``(train_step, eval_step)`` jitted over ``mesh``: batch sharded on ``data``, state replicated and donated."""
-  replicated, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-  weights = None if class_weights is None else jnp.asarray(class_weights, jnp.float32)
-  p_train_step = jax.jit(functools.partial(train_step, model, schedule, objective, mixing=mixing,
-                                           class_weights=weights),
+def compile_steps(model, schedule, mesh: Mesh, num_bins: int, loss_fn=None):
+  """``(train_step, eval_step)`` jitted over ``mesh``: batch sharded on ``data``, state replicated
+  and donated.  ``loss_fn`` (:func:`make_loss`) defaults to the plain cross-entropy."""
+  replicated, data_sharding = shardings(mesh)
+  loss_fn = loss_fn or supervised_loss(model)
+  p_train_step = jax.jit(functools.partial(train_step, schedule, loss_fn),
                          in_shardings=(replicated, data_sharding, replicated),
                          out_shardings=(replicated, replicated), donate_argnums=(0,))
   p_eval_step = jax.jit(functools.partial(eval_step, model, 1, num_bins),
-                        in_shardings=(replicated, data_sharding, replicated), out_shardings=replicated)
+                        in_shardings=(replicated, data_sharding, replicated),
+                        out_shardings=replicated)
   return p_train_step, p_eval_step
-
-
-def shard_batch(batch: dict, sharding) -> dict:
-  """Assemble global arrays from this process's part of the batch."""
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
-
-
-def evaluate_batches(eval_fn, variables, batches, sharding, rng) -> dict:
-  """Run ``eval_fn`` over batches and merge the statistics exactly; returns the metric dict."""
-  total = None
-  for batch in batches:
-    stats = eval_fn(variables, shard_batch(batch, sharding), rng)
-    total = stats if total is None else total.merge(stats)
-  return total.compute()
 
 
 def _variables(state: TrainState) -> dict:
@@ -289,7 +322,9 @@ class _Preemption:
 
 @jax.jit
 def _all_finite(state: TrainState):
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves((state.params, state.batch_stats))]))
+  return jnp.all(
+      jnp.stack(
+          [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves((state.params, state.batch_stats))]))
 
 
 def _check_finite(pending: list, last_good_step: int, checkpoint_dir: str):
@@ -298,8 +333,8 @@ def _check_finite(pending: list, last_good_step: int, checkpoint_dir: str):
     loss = float(loss)
     if not np.isfinite(loss):
       raise FloatingPointError(
-          f"Non-finite training loss ({loss}) at step {step}. Training stopped; the last good checkpoint "
-          f"(step {last_good_step}) is kept in {checkpoint_dir}.")
+          f"Non-finite training loss ({loss}) at step {step}. Training stopped; the last good "
+          f"checkpoint (step {last_good_step}) is kept in {checkpoint_dir}.")
   pending.clear()
 
 
@@ -308,8 +343,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   """Train ``config.model`` on ``config.dataset``, writing checkpoints and metrics to ``workdir``.
 
   Resumes from the latest intact checkpoint in ``workdir/checkpoints`` onto this run's
-  devices, whatever device count wrote it (``restore_latest``; newer steps that fail to
-  restore are renamed by ``set_aside_newer_steps``, not deleted).  ``stop_after_steps``
+  devices, whatever device count wrote it (``workdir.restore_latest``; newer steps that fail
+  to restore are renamed by ``workdir.set_aside_newer_steps``, not deleted).  ``stop_after_steps``
   ends this run early (after a checkpoint), as a preemption would.
   """
   os.makedirs(workdir, exist_ok=True)
@@ -317,50 +352,52 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   mesh = create_mesh(config.num_devices)
   if config.batch_size % mesh.size:
     raise ValueError(f"batch_size {config.batch_size} is not divisible by the {mesh.size} devices.")
-  replicated, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  replicated, data_sharding = shardings(mesh)
 
   randaugment = config.randaugment
-  pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir, config.download,
-                             (randaugment.num_layers, randaugment.magnitude, randaugment.magnitude_std),
-                             config.crop_size)
+  pipeline = create_pipeline(
+      config.dataset, config.batch_size, config.seed, config.data_dir, config.download,
+      (randaugment.num_layers, randaugment.magnitude, randaugment.magnitude_std), config.crop_size)
   model = create_model(config, pipeline)
   steps_per_epoch = pipeline.steps_per_epoch
   if steps_per_epoch == 0:
-    raise ValueError(f"batch_size {config.batch_size} is larger than the training set ({pipeline.num_train}).")
+    raise ValueError(
+        f"batch_size {config.batch_size} is larger than the training set ({pipeline.num_train}).")
   num_steps = config.num_train_steps if config.num_train_steps > 0 else int(
       (config.warmup_epochs + config.num_epochs) * steps_per_epoch)
   schedule = create_learning_rate_schedule(config, steps_per_epoch)
 
   init_rng, dropout_rng, eval_rng = jax.random.split(jax.random.key(config.seed), 3)
-  state = jax.device_put(create_train_state(config, model, init_rng, pipeline.image_shape, schedule), replicated)
+  state = jax.device_put(
+      create_train_state(config, model, init_rng, pipeline.image_shape, schedule), replicated)
 
-  checkpoint_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
-  manager = ocp.CheckpointManager(
-      checkpoint_dir, item_handlers=ocp.StandardCheckpointHandler(),
-      options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True))
-  objective = ibnn_objective(config, model, pipeline)
+  checkpoint_dir = workdir_lib.checkpoint_dir(workdir)
+  manager = workdir_lib.checkpoint_manager(workdir, max_to_keep=config.keep_checkpoints)
+  loss_fn = make_loss(config, model, num_train=pipeline.num_train, steps_per_epoch=steps_per_epoch,
+                      class_weights=class_weights(config, model, pipeline))
   try:  # onto this run's mesh, whatever device count wrote the checkpoint
-    resumed = restore_latest(manager, abstract_tree(state, replicated))
+    resumed = workdir_lib.restore_latest(manager, workdir_lib.abstract_tree(state, replicated))
     if resumed is not None:
-      set_aside_newer_steps(manager, resumed[0])
+      workdir_lib.set_aside_newer_steps(manager, resumed[0])
   except BaseException:
     manager.close()
     raise
   if resumed is not None:
     state = resumed[1]
     logging.info("Resumed from step %d of %s", int(state.step), checkpoint_dir)
-  elif objective is not None and config.ibnn.pretrained_workdir:
-    _, det_step, det = load_checkpoint(config.ibnn.pretrained_workdir)
-    state = jax.device_put(state.replace(params=ibnn.load_deterministic(state.params, det["params"]),
-                                         batch_stats=ibnn.load_deterministic(state.batch_stats, det["batch_stats"])),
-                           replicated)
-    logging.info("Deterministic weights from step %d of %s", det_step, config.ibnn.pretrained_workdir)
+  elif is_ibnn(model) and config.ibnn.pretrained_workdir:
+    _, det_step, det = workdir_lib.load_checkpoint(config.ibnn.pretrained_workdir)
+    state = jax.device_put(
+        state.replace(params=ibnn.load_deterministic(state.params, det["params"]),
+                      batch_stats=ibnn.load_deterministic(state.batch_stats, det["batch_stats"])),
+        replicated)
+    logging.info("Deterministic weights from step %d of %s", det_step,
+                 config.ibnn.pretrained_workdir)
   start_step = int(state.step)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
+  if jax.process_index() == 0:
+    workdir_lib.write_config(workdir, config, model_spec(config, pipeline))
 
-  p_train_step, p_eval_step = compile_steps(model, schedule, mesh, config.ece_bins, objective,
-                                            training_mixing(config, model), class_weights(config, model, pipeline))
+  p_train_step, p_eval_step = compile_steps(model, schedule, mesh, config.ece_bins, loss_fn)
 
   report_progress = periodic_actions.ReportProgress(num_train_steps=num_steps, writer=writer)
   eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))
@@ -368,14 +405,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   train_metrics, pending_losses = [], []
   last_good, preempted = start_step, False
   logging.info("Training %s on %s: %d steps (%d per epoch), global batch %d on %d devices.",
-               config.model, config.dataset, num_steps, steps_per_epoch, config.batch_size, mesh.size)
+               config.model, config.dataset, num_steps, steps_per_epoch, config.batch_size,
+               mesh.size)
 
   batches = pipeline.train_iterator(start_step)
   try:
     with _Preemption() as preemption:
       for step in range(start_step + 1, stop_at + 1):
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
-          state, metrics = p_train_step(state, shard_batch(next(batches), data_sharding), dropout_rng)
+          state, metrics = p_train_step(state, shard_batch(next(batches), data_sharding),
+                                        dropout_rng)
         train_metrics.append(metrics)
         pending_losses.append((step, metrics["loss"]))
         report_progress(step)
@@ -391,14 +430,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         if step % eval_every == 0 or step == num_steps:
           with report_progress.timed("eval"):
             eval_batches = pipeline.eval_batches(eval_batch_size(config, mesh))
-            results = evaluate_batches(p_eval_step, _variables(state), eval_batches, data_sharding, eval_rng)
-          writer.write_scalars(step, {f"eval_{k}": v for k, v in results.items() if k in ("nll", "acc", "ece")})
+            results = evaluate_batches(p_eval_step, _variables(state), eval_batches, data_sharding,
+                                       eval_rng).compute()
+          writer.write_scalars(step, {
+              f"eval_{k}": v for k, v in results.items() if k in ("nll", "acc", "ece")
+          })
         if step % config.checkpoint_every_steps == 0 or is_last:
           _check_finite(pending_losses, last_good, checkpoint_dir)
           if not bool(_all_finite(state)):
             raise FloatingPointError(
-                f"Non-finite parameters after step {step}. Training stopped; the last good checkpoint "
-                f"(step {last_good}) is kept in {checkpoint_dir}.")
+                f"Non-finite parameters after step {step}. Training stopped; the last good "
+                f"checkpoint (step {last_good}) is kept in {checkpoint_dir}.")
           manager.save(step, args=ocp.args.StandardSave(state))
           last_good = step
         writer.flush()
@@ -412,151 +454,3 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     raise Preempted(f"Stopped at step {step} after SIGTERM (checkpoint saved in {checkpoint_dir}); "
                     "rerun the same command to resume.")
   return state
-
-
-class NoIntactCheckpointError(FileNotFoundError):
-  """Every checkpoint step in a directory failed to restore."""
-
-
-def abstract_tree(tree, sharding):
-  """``tree`` with arrays (or orbax array metadata) as ``jax.ShapeDtypeStruct`` on ``sharding``."""
-  def leaf(x):
-    if isinstance(x, (jax.Array, np.ndarray, ocp.metadata.ArrayMetadata)):
-      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-    return x
-  return jax.tree.map(leaf, tree)
-
-
-def _short_reason(error: BaseException) -> str:
-  """First line of the innermost cause of ``error`` (orbax wraps TensorStore's), its spec cut."""
-  for _ in range(10):
-    if error.__cause__ is None:
-      break
-    error = error.__cause__
-  line = (str(error).strip().splitlines() or [""])[0].split(" [tensorstore_spec")[0]
-  return f"{type(error).__name__}: {line[:600]}"
-
-
-# "<checkpoint dir>/<step>/" of the restores under way or failed (see _late_read_error).
-_RESTORED_STEP_DIRS = set()
-
-
-def _late_read_error(error) -> bool:
-  """True for a late error of the reads that a failed orbax restore abandoned.
-
-  orbax restores on a fresh event loop and closes it at the first failed read; the other
-  reads then end in the closed loop and are reported at any later time, burying the real
-  error ("Event loop is closed", "Future exception was never retrieved", "Exception
-  ignored in: <coroutine ...>").  They name the step's directory, as does the real error.
-  """
-  if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
-    return True
-  for _ in range(5):
-    if error is None:
-      return False
-    if any(step_dir in str(error) for step_dir in _RESTORED_STEP_DIRS):
-      return True
-    error = error.__cause__ or error.__context__
-  return False
-
-
-class _LateReadErrorFilter(std_logging.Filter):
-  def filter(self, record):
-    return not (record.exc_info and _late_read_error(record.exc_info[1]))
-
-
-def _mute_late_read_errors():
-  """Drop the late read errors of failed restores from asyncio's log and unraisable reports."""
-  asyncio_logger = std_logging.getLogger("asyncio")
-  if not any(isinstance(f, _LateReadErrorFilter) for f in asyncio_logger.filters):
-    asyncio_logger.addFilter(_LateReadErrorFilter())
-  previous = sys.unraisablehook
-  if getattr(previous, "mutes_late_read_errors", False):
-    return
-
-  def hook(unraisable):
-    if not _late_read_error(unraisable.exc_value):
-      previous(unraisable)
-
-  hook.mutes_late_read_errors = True
-  sys.unraisablehook = hook
-
-
-def restore_latest(manager: ocp.CheckpointManager, target):
-  """``(step, tree)`` of the newest step of ``manager`` that restores; None if it has no steps.
-
-  ``target`` is the abstract tree to restore onto (``abstract_tree``: shapes, dtypes and
-  the current devices' shardings), or a function of the step returning it.  Steps are
-  tried newest first; one that fails (e.g. corrupted files) is skipped with a warning
-  naming it and why.  Nothing is deleted.  Raises ``NoIntactCheckpointError`` (a
-  ``FileNotFoundError``) naming the directory when every step fails.
-  """
-  _mute_late_read_errors()
-  failures = []
-  for step in sorted(manager.all_steps(), reverse=True):
-    step_dir = os.path.join(manager.directory, str(step), "")
-    _RESTORED_STEP_DIRS.add(step_dir)  # before any read can fail
-    try:
-      tree = target(step) if callable(target) else target
-      restored = manager.restore(step, args=ocp.args.StandardRestore(tree))
-    except Exception as error:  # noqa: BLE001  (whatever the reason, an older step may restore)
-      failures.append((step, _short_reason(error)))
-      logging.warning("Checkpoint step %d in %s cannot be restored (%s); trying an older step.",
-                      step, manager.directory, failures[-1][1])
-      continue
-    _RESTORED_STEP_DIRS.discard(step_dir)
-    return step, restored
-  if failures:
-    steps = ", ".join(str(s) for s, _ in failures)
-    raise NoIntactCheckpointError(
-        f"No intact checkpoint in {manager.directory}: steps {steps} failed to restore (step "
-        f"{failures[0][0]}: {failures[0][1]}); nothing was deleted.") from None
-  return None
-
-
-def set_aside_newer_steps(manager: ocp.CheckpointManager, step: int):
-  """Rename the steps newer than ``step`` (they failed to restore) to ``<step>.corrupt[.n]``.
-
-  Nothing is deleted: the files stay for inspection (remove them by hand), but orbax no
-  longer sees them, so the resumed run can save those steps again and ``max_to_keep``
-  never counts or removes them.
-  """
-  newer = [s for s in manager.all_steps() if s > step]
-  if not newer:
-    return
-  if jax.process_index() == 0:
-    for s in newer:
-      source = os.path.join(manager.directory, str(s))
-      destination, n = source + ".corrupt", 0
-      while os.path.exists(destination):
-        n += 1
-        destination = f"{source}.corrupt.{n}"
-      os.rename(source, destination)
-      logging.warning("Unreadable checkpoint step %d moved to %s (not deleted).", s, destination)
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices("set_aside_newer_steps")
-  manager.reload()
-
-
-def load_checkpoint(workdir: str, config: Optional[ml_collections.ConfigDict] = None):
-  """Config, step and variables of the latest intact checkpoint in ``workdir``.
-
-  The config comes from ``workdir/config.json`` unless given.  Variables are restored
-  replicated on all current devices, whatever device count wrote them; corrupted newer
-  steps are skipped with a warning (``restore_latest``).  Raises ``FileNotFoundError``
-  when there is no checkpoint or none restores.
-  """
-  if config is None:
-    with open(os.path.join(workdir, "config.json")) as f:
-      config = ml_collections.ConfigDict(json.load(f))
-  checkpoint_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
-  replicated = NamedSharding(create_mesh(), P())
-  with ocp.CheckpointManager(checkpoint_dir, options=ocp.CheckpointManagerOptions(read_only=True),
-                             item_handlers=ocp.StandardCheckpointHandler()) as manager:
-    restored = restore_latest(
-        manager, lambda step: abstract_tree(manager.item_metadata(step).tree, replicated))
-  if restored is None:
-    raise FileNotFoundError(f"No checkpoint in {checkpoint_dir}.")
-  step, tree = restored
-  return config, step, {"params": tree["params"], "batch_stats": tree["batch_stats"]}

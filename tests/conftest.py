@@ -36,15 +36,22 @@ def images():
 
 @pytest.fixture(scope="session")
 def analysis_workdirs(tmp_path_factory):
-  """Two briefly trained 16×16 workdirs, MC dropout without and with smoothing, on a small ``npz:`` set.
+  """Two briefly trained 16×16 workdirs, MC dropout without and with smoothing, on a small
+  ``npz:`` set.
 
   Structured images (class = which quadrant is bright) so that the models learn a little.
   """
   from configs import cifar_resnet
 
   root = _quadrant_npz(tmp_path_factory.mktemp("analysis"))
-  return {label: _train_briefly(cifar_resnet.get_config(f"{name},npz:{root},runlocal"), root / name, width=4)
-          for label, name in (("MC dropout", "resnet_mcdo_18"), ("MC dropout + smoothing", "resnet_mcdo_smoothing_18"))}
+  return {
+      label:
+          _train_briefly(cifar_resnet.get_config(f"{name},npz:{root},runlocal"),
+                         root / name,
+                         width=4)
+      for label, name in (("MC dropout", "resnet_mcdo_18"), ("MC dropout + smoothing",
+                                                             "resnet_mcdo_smoothing_18"))
+  }
 
 
 def _train_briefly(config, workdir, **model_kwargs) -> str:
@@ -80,7 +87,15 @@ def msa_workdirs(tmp_path_factory):
   from configs import cifar_vit
 
   root = _quadrant_npz(tmp_path_factory.mktemp("msa"))
-  return {label: _train_briefly(cifar_vit.get_config(f"alternet_18,npz:{root},runlocal"), root / label, width=4,
-                                stage_sizes=(1, 1, 2, 2), msa_blocks=msa, num_heads=(1, 1, 1, 1), head_dim=4,
-                                window_size=2)
-          for label, msa in (("backbone", (0, 0, 0, 0)), ("AlterNet", (0, 0, 1, 1)))}
+  return {
+      label:
+          _train_briefly(cifar_vit.get_config(f"alternet_18,npz:{root},runlocal"),
+                         root / label,
+                         width=4,
+                         stage_sizes=(1, 1, 2, 2),
+                         msa_blocks=msa,
+                         num_heads=(1, 1, 1, 1),
+                         head_dim=4,
+                         window_size=2)
+      for label, msa in (("backbone", (0, 0, 0, 0)), ("AlterNet", (0, 0, 1, 1)))
+  }

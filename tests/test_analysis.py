@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
 
-from smoothing_jax.analysis import (delta_log_amplitude, eigenvalue_density, hessian_trace, hvp, min_eigenvalue,
-                                    top_eigenvalues)
+from smoothing_jax.analysis import (delta_log_amplitude, eigenvalue_density, hessian_trace, hvp,
+                                    min_eigenvalue, top_eigenvalues)
 from smoothing_jax.layers import Blur
 
 
@@ -28,7 +28,8 @@ def problem():
   variables = model.init(jax.random.key(1), x)
   stats = jax.tree.map(lambda s: s + 0.3 * jnp.abs(jax.random.normal(jax.random.key(2), s.shape)),
                        variables["batch_stats"])
-  params = jax.tree.map(lambda p: p + 0.5 * jax.random.normal(jax.random.key(3), p.shape), variables["params"])
+  params = jax.tree.map(lambda p: p + 0.5 * jax.random.normal(jax.random.key(3), p.shape),
+                        variables["params"])
 
   def loss_fn(p):
     logits = model.apply({"params": p, "batch_stats": stats}, x)
@@ -69,7 +70,9 @@ def test_hvp_and_power_iteration_on_an_eight_device_mesh(problem):
   v = jax.random.normal(jax.random.key(4), (hessian.shape[0],))
   got = ravel_pytree(hvp(loss_fn, replicated, unravel(v)))[0]
   np.testing.assert_allclose(got, hessian @ np.asarray(v), rtol=1e-4, atol=1e-5)
-  top = float(top_eigenvalues(loss_fn, replicated, k=1, max_iters=200, tol=1e-6, rng=jax.random.key(5))[0][0])
+  top = float(
+      top_eigenvalues(loss_fn, replicated, k=1, max_iters=200, tol=1e-6,
+                      rng=jax.random.key(5))[0][0])
   np.testing.assert_allclose(top, np.linalg.eigvalsh(hessian)[-1], rtol=1e-3)
 
 
@@ -97,14 +100,16 @@ def test_min_eigenvalue_matches_eigh(problem):
   true_values = np.linalg.eigvalsh(hessian)
   assert true_values[0] < 0  # a non-convex point: the shifted power iteration is needed
   value, _ = min_eigenvalue(loss_fn, params, max_iters=2000, tol=1e-7, rng=jax.random.key(6))
-  assert float(value) == pytest.approx(true_values[0], abs=1e-2 * (true_values[-1] - true_values[0]))
+  assert float(value) == pytest.approx(true_values[0],
+                                       abs=1e-2 * (true_values[-1] - true_values[0]))
 
 
 def test_hutchinson_trace_within_its_standard_error(problem):
   loss_fn, params, _, hessian = problem
   estimate, samples = hessian_trace(loss_fn, params, num_samples=2000, rng=jax.random.key(7))
   off_diagonal = hessian - np.diag(np.diag(hessian))
-  std_error = np.sqrt(2 * np.sum(off_diagonal ** 2) / 2000)  # Var(vᵀHv) = 2 Σ_{i≠j} H_ij² for Rademacher v
+  std_error = np.sqrt(2 * np.sum(off_diagonal**2) /
+                      2000)  # Var(vᵀHv) = 2 Σ_{i≠j} H_ij² for Rademacher v
   assert samples.shape == (2000,)
   assert abs(float(estimate) - np.trace(hessian)) < 4 * std_error
 
@@ -146,8 +151,10 @@ def test_delta_log_amplitude_matches_explicit_dft(size):
 def test_low_frequency_falls_high_frequency_rises_blur_lowers_high_frequency():
   i, j = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
   smooth = (2.0 + np.cos(2 * np.pi * i / 16) + 0.01 * np.sin(2 * np.pi * j / 16))[None, :, :, None]
-  # Highest frequency on the half diagonal: (7/8)π in both axes (HV's "1.0π" point for 16×16 maps).
-  checker = (np.cos(2 * np.pi * 7 * i / 16) * np.cos(2 * np.pi * 7 * j / 16) + 0.01)[None, :, :, None]
+  # Highest frequency on the half diagonal: (7/8)π in both axes (HV's "1.0π" point
+  # for 16×16 maps).
+  checker = (np.cos(2 * np.pi * 7 * i / 16) * np.cos(2 * np.pi * 7 * j / 16) + 0.01)[None, :, :,
+                                                                                     None]
   assert float(delta_log_amplitude(smooth)[-1]) < -5
   assert float(delta_log_amplitude(checker)[-1]) > 2  # log(64) − log(2.56)
   noise = jax.random.normal(jax.random.key(0), (4, 16, 16, 8))
@@ -160,8 +167,10 @@ def test_non_square_maps_are_rejected():
     delta_log_amplitude(jnp.zeros((1, 8, 6, 2)))
 
 
-from smoothing_jax.analysis.features import feature_maps, feature_variance, fourier_by_depth  # noqa: E402
-from smoothing_jax.analysis.spectrum import max_eigenvalue_spectrum, spectrum_summary, training_loss  # noqa: E402
+from smoothing_jax.analysis.features import (feature_maps, feature_variance,  # noqa: E402
+                                             fourier_by_depth)
+from smoothing_jax.analysis.spectrum import (max_eigenvalue_spectrum,  # noqa: E402
+                                             spectrum_summary, training_loss)
 from smoothing_jax.models import get_model  # noqa: E402
 
 
@@ -173,12 +182,24 @@ def test_spectrum_summary_hand_worked():
 
 def test_max_eigenvalue_spectrum_per_batch(tiny_mcdo, images):
   model, variables = tiny_mcdo
-  batches = [{"image": images, "label": jnp.array([0, 1, 2])}, {"image": -images, "label": jnp.array([3, 4, 0])}]
-  result = max_eigenvalue_spectrum(model, variables, batches, k=2, max_iters=20, rng=jax.random.key(1))
+  batches = [{
+      "image": images,
+      "label": jnp.array([0, 1, 2])
+  }, {
+      "image": -images,
+      "label": jnp.array([3, 4, 0])
+  }]
+  result = max_eigenvalue_spectrum(model,
+                                   variables,
+                                   batches,
+                                   k=2,
+                                   max_iters=20,
+                                   rng=jax.random.key(1))
   assert result["eigenvalues"].shape == (2, 2)
   # Batch 0 by hand: the same loss (same dropout key derivation) through top_eigenvalues.
   dropout_key, power_key = jax.random.split(jax.random.fold_in(jax.random.key(1), 0))
-  loss = lambda p: training_loss(model, 5e-4, variables["batch_stats"], dropout_key, images, batches[0]["label"], p)
+  loss = lambda p: training_loss(model, 5e-4, variables["batch_stats"], dropout_key, images,
+                                 batches[0]["label"], p)
   expected = top_eigenvalues(loss, variables["params"], 2, 20, 1e-3, power_key)[0]
   np.testing.assert_allclose(result["eigenvalues"][0], expected, rtol=1e-4)
 
@@ -199,7 +220,9 @@ def test_feature_variance_model_part_is_zero_without_dropout(images):
   deterministic = feature_variance(model, variables, images, num_samples=3)
   assert all(v["model"] <= 1e-10 * v["data"] for v in deterministic.values())  # zero up to rounding
   x = np.asarray(feature_maps(model, variables, images)["layer2_0"])
-  assert deterministic["layer2_0"]["data"] == pytest.approx(float(np.mean(np.var(x, axis=(1, 2), ddof=1))), rel=1e-5)
+  assert deterministic["layer2_0"]["data"] == pytest.approx(float(
+      np.mean(np.var(x, axis=(1, 2), ddof=1))),
+                                                            rel=1e-5)
 
 
 def test_feature_variance_model_part_is_positive_with_mc_dropout(tiny_mcdo, images):
@@ -208,30 +231,43 @@ def test_feature_variance_model_part_is_positive_with_mc_dropout(tiny_mcdo, imag
   assert all(v["model"] > 0 for v in stochastic.values())
 
 
-from smoothing_jax.analysis.landscape import loss_surface, plot_surface, random_direction  # noqa: E402
+from smoothing_jax.analysis.landscape import loss_surface, random_direction  # noqa: E402
 from smoothing_jax.analysis.robustness import ensemble_nll, fgsm, pgd  # noqa: E402
+from smoothing_jax.plots import plot_surface  # noqa: E402
 
 
 def test_filter_normalised_directions(problem):
   _, params, _, _ = problem
   d = random_direction(params, jax.random.key(0), "filter")
   kernel, direction = np.asarray(params["Dense_0"]["kernel"]), np.asarray(d["Dense_0"]["kernel"])
-  np.testing.assert_allclose(np.linalg.norm(direction, axis=0), np.linalg.norm(kernel, axis=0), rtol=1e-5)
-  assert np.all(np.asarray(d["Dense_0"]["bias"]) == 0) and np.all(np.asarray(d["BatchNorm_0"]["scale"]) == 0)
+  np.testing.assert_allclose(np.linalg.norm(direction, axis=0),
+                             np.linalg.norm(kernel, axis=0),
+                             rtol=1e-5)
+  assert np.all(np.asarray(d["Dense_0"]["bias"]) == 0) and np.all(
+      np.asarray(d["BatchNorm_0"]["scale"]) == 0)
   ref = random_direction(params, jax.random.key(0), "reference")
-  direction = np.asarray(ref["Dense_0"]["kernel"])  # torch dim 0 = output axis: one norm per input row
-  np.testing.assert_allclose(np.linalg.norm(direction, axis=1), np.linalg.norm(kernel, axis=1), rtol=1e-5)
+  direction = np.asarray(
+      ref["Dense_0"]["kernel"])  # torch dim 0 = output axis: one norm per input row
+  np.testing.assert_allclose(np.linalg.norm(direction, axis=1),
+                             np.linalg.norm(kernel, axis=1),
+                             rtol=1e-5)
 
 
 @pytest.mark.parametrize("name,kwargs", [
     ("vit_ti", dict(hidden_dim=8, depth=1, num_heads=1, head_dim=8, mlp_dim=8, patch_size=4)),
-    ("alternet_18", dict(width=4, stage_sizes=(1, 1, 1, 2), msa_blocks=(0, 0, 0, 1), num_heads=(1, 1, 1, 1),
-                         head_dim=4, window_size=2)),
+    ("alternet_18",
+     dict(width=4,
+          stage_sizes=(1, 1, 1, 2),
+          msa_blocks=(0, 0, 0, 1),
+          num_heads=(1, 1, 1, 1),
+          head_dim=4,
+          window_size=2)),
 ])
 def test_directions_leave_position_parameters_alone(name, kwargs):
   """HV ``create_bases(model, kws=["pos_embed", "relative_position"])``: zero directions there."""
   model = get_model(name, 3, **kwargs)
-  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3))))["params"]
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(
+      (1, 16, 16, 3))))["params"]
   params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), shapes)
   d = random_direction(params, jax.random.key(0))
   flat = {"/".join(str(k.key) for k in path): np.asarray(v)
@@ -299,7 +335,8 @@ def test_band_limited_noise_lives_in_its_band(center):
 
 
 def test_band_mask_by_hand():
-  # size 4: |fftfreq|·2 = [0, .5, 1, .5]; L∞ radius 0.5 ± 0.05 selects the ring around DC, not DC or π.
+  # size 4: |fftfreq|·2 = [0, .5, 1, .5]; L∞ radius 0.5 ± 0.05 selects the ring around DC,
+  # not DC or π.
   mask = frequency_band_mask(4, 0.5)
   expected = np.array([[0, 1, 0, 1], [1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 0, 1]], np.float32)
   np.testing.assert_array_equal(mask, expected)
@@ -308,15 +345,21 @@ def test_band_mask_by_hand():
 def test_accuracy_vs_frequency_with_a_fixed_classifier():
   images = jnp.concatenate([jnp.full((4, 8, 8, 1), -1.0), jnp.full((4, 8, 8, 1), 1.0)])
   labels = jnp.array([0] * 4 + [1] * 4)
-  predict = lambda x: jnp.stack([-x.mean((1, 2, 3)), x.mean((1, 2, 3))], -1)  # sign of the mean pixel
+  predict = lambda x: jnp.stack([-x.mean((1, 2, 3)), x.mean(
+      (1, 2, 3))], -1)  # sign of the mean pixel
   # Noise away from DC does not move the mean; strong DC noise does.
   assert list(accuracy_vs_frequency(predict, images, labels, [0.5, 1.0], std=10.0)) == [1.0, 1.0]
   assert accuracy_vs_frequency(predict, images, labels, [0.0], std=10.0)[0] < 1.0
 
 
-from smoothing_jax.analysis.perturbation import (consistency, cross_entropy_consistency,  # noqa: E402
-                                                 load_cifar10_p, perturbation_metrics, relative_confidence,
-                                                 sequence_predictions, translate_sequences)
+from smoothing_jax.analysis.perturbation import (
+    consistency,
+    cross_entropy_consistency,  # noqa: E402
+    load_cifar10_p,
+    perturbation_metrics,
+    relative_confidence,
+    sequence_predictions,
+    translate_sequences)
 
 
 def test_consistency_and_cec_hand_worked():
@@ -324,7 +367,8 @@ def test_consistency_and_cec_hand_worked():
   p = np.array([[[0.9, 0.1], [0.6, 0.4], [0.2, 0.8]]])
   assert consistency(p) == 0.5
   paper = -((0.9 * np.log(0.6) + 0.1 * np.log(0.4)) + (0.6 * np.log(0.2) + 0.4 * np.log(0.8))) / 2
-  reference = -((0.6 * np.log(0.9) + 0.4 * np.log(0.1)) / 2 + (0.2 * np.log(0.6) + 0.8 * np.log(0.4)) / 2) / 2
+  reference = -((0.6 * np.log(0.9) + 0.4 * np.log(0.1)) / 2 +
+                (0.2 * np.log(0.6) + 0.8 * np.log(0.4)) / 2) / 2
   np.testing.assert_allclose(cross_entropy_consistency(p), paper, rtol=1e-12)
   np.testing.assert_allclose(cross_entropy_consistency(p, "reference"), reference, rtol=1e-12)
   with pytest.raises(ValueError, match="CEC variant"):
@@ -346,8 +390,13 @@ def test_translated_sequences_shift_by_one_pixel_per_frame():
   np.testing.assert_array_equal(videos[:, 3], images)  # the middle frame is unshifted
   for i in range(5):
     # Consecutive frames are one-pixel translations: their interiors agree after undoing the shift.
-    matches = [np.array_equal(np.roll(videos[i, 3], (dy, dx), (0, 1))[3:-3, 3:-3], videos[i, 4, 3:-3, 3:-3])
-               for dy in (-1, 0, 1) for dx in (-1, 0, 1) if (dy, dx) != (0, 0)]
+    matches = [
+        np.array_equal(
+            np.roll(videos[i, 3], (dy, dx), (0, 1))[3:-3, 3:-3], videos[i, 4, 3:-3, 3:-3])
+        for dy in (-1, 0, 1)
+        for dx in (-1, 0, 1)
+        if (dy, dx) != (0, 0)
+    ]
     assert sum(matches) == 1
   with pytest.raises(ValueError, match="max_shift"):
     translate_sequences(images, max_shift=12)
@@ -356,7 +405,8 @@ def test_translated_sequences_shift_by_one_pixel_per_frame():
 def test_perturbation_metrics_of_a_translation_invariant_classifier():
   images = np.random.default_rng(1).random((4, 8, 8, 1)).astype(np.float32)
   videos = translate_sequences(images, length=5, max_shift=2)
-  predict = lambda x: jax.nn.softmax(jnp.stack([jnp.sum(x, (1, 2, 3)) * 0, jnp.max(x, (1, 2, 3))], -1))
+  predict = lambda x: jax.nn.softmax(
+      jnp.stack([jnp.sum(x, (1, 2, 3)) * 0, jnp.max(x, (1, 2, 3))], -1))
   probs = sequence_predictions(predict, videos, batch_size=3)
   assert probs.shape == (4, 5, 2)
   metrics = perturbation_metrics(probs, np.ones(4, int))

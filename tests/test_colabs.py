@@ -1,4 +1,5 @@
-"""Every notebook in colabs/ runs end to end (parameters cell replaced by tiny settings), so none can rot."""
+"""Every notebook in colabs/ runs end to end (parameters cell replaced by tiny settings), so none
+can rot."""
 import os
 
 import nbformat
@@ -9,11 +10,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLABS = os.path.join(ROOT, "colabs")
 
 TINY = {
-    "hessian_spectra": "NUM_BATCHES = 2\nBATCH_SIZE = 16\nTOP_K = 2\nMAX_ITERS = 3\nSLQ_ITERS = 4\nTRACE_PROBES = 2",
-    "fourier_and_variance": "NUM_IMAGES = 8\nNUM_SAMPLES = 2",
-    "loss_landscape": "NUM_POINTS = 3\nSCALE = 0.5\nNORMALIZATION = 'reference'\nBATCH_SIZE = 16",
-    "robustness": ("NUM_IMAGES = 8\nNUM_SAMPLES = 2\nNOISE_STD = 0.1\nNUM_FREQUENCIES = 3\nNUM_SEQUENCES = 2\n"
-                   "EPSILONS = (2 / 255,)\nPGD_STEPS = 2"),
+    "hessian_spectra":
+        "NUM_BATCHES = 2\nBATCH_SIZE = 16\nTOP_K = 2\nMAX_ITERS = 3\nSLQ_ITERS = 4\n"
+        "TRACE_PROBES = 2",
+    "fourier_and_variance":
+        "NUM_IMAGES = 8\nNUM_SAMPLES = 2",
+    "loss_landscape":
+        "NUM_POINTS = 3\nSCALE = 0.5\nNORMALIZATION = 'reference'\nBATCH_SIZE = 16",
+    "robustness": (
+        "NUM_IMAGES = 8\nNUM_SAMPLES = 2\nNOISE_STD = 0.1\nNUM_FREQUENCIES = 3\nNUM_SEQUENCES = 2\n"
+        "EPSILONS = (2 / 255,)\nPGD_STEPS = 2"),
 }
 
 
@@ -23,12 +29,17 @@ def execute(name: str, parameters: str):
   tagged = [c for c in book.cells if "parameters" in c.metadata.get("tags", [])]
   assert len(tagged) == 1, f"{name}.ipynb needs exactly one cell tagged 'parameters'"
   tagged[0].source = parameters
-  NotebookClient(book, timeout=600, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
+  NotebookClient(book, timeout=600, kernel_name="python3", resources={
+      "metadata": {
+          "path": ROOT
+      }
+  }).execute()
   return book
 
 
 def images_in(book) -> int:
-  return sum("image/png" in out.get("data", {}) for c in book.cells if c.cell_type == "code" for out in c.outputs)
+  return sum("image/png" in out.get("data", {}) for c in book.cells if c.cell_type == "code"
+             for out in c.outputs)
 
 
 MSA_TINY = "NUM_BATCHES = 2\nBATCH_SIZE = 16\nMAX_ITERS = 3\nNUM_IMAGES = 8\nLESION_IMAGES = 16"
@@ -48,7 +59,9 @@ def test_analysis_notebook_runs_on_trained_workdirs(name, analysis_workdirs):
 
 @pytest.mark.slow
 def test_quickstart_notebook_trains_and_evaluates(tmp_path):
-  book = execute("quickstart", f"WORKDIR = {str(tmp_path / 'quickstart')!r}\nCONFIG_ARGS = 'runlocal'\nNUM_SAMPLES = 2")
+  book = execute(
+      "quickstart",
+      f"WORKDIR = {str(tmp_path / 'quickstart')!r}\nCONFIG_ARGS = 'runlocal'\nNUM_SAMPLES = 2")
   assert images_in(book) >= 2
   assert os.path.exists(tmp_path / "quickstart" / "results" / "ensemble_sizes.json")
 
@@ -57,5 +70,5 @@ def test_quickstart_notebook_trains_and_evaluates(tmp_path):
 def test_msa_notebook_runs_on_alternet_workdirs(msa_workdirs):
   book = execute("msa_analysis", f"WORKDIRS = {msa_workdirs!r}\n{MSA_TINY}")
   assert images_in(book) >= 4
-  assert any("layer3_1 | msa" in "".join(out.get("text", "")) for c in book.cells if c.cell_type == "code"
-             for out in c.outputs)
+  assert any("layer3_1 | msa" in "".join(out.get("text", "")) for c in book.cells
+             if c.cell_type == "code" for out in c.outputs)

@@ -26,7 +26,8 @@ def test_round_trip_of_a_synthetic_state_dict():
 
 def test_missing_unexpected_and_mismatched_keys_are_named():
   model = get_model("resnet_dnn_18", 10, width=4)
-  state_dict = to_torch_state_dict(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 16, 16, 3))))
+  state_dict = to_torch_state_dict(
+      jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 16, 16, 3))))
   del state_dict["layer1.0.conv1.weight"]
   state_dict["layer9.extra.weight"] = np.zeros(3)
   state_dict["layer2.0.bn1.weight"] = np.zeros(5)
@@ -39,22 +40,26 @@ def test_missing_unexpected_and_mismatched_keys_are_named():
 
 
 torch = pytest.importorskip("torch")
-from tests import torch_reference as ref  # noqa: E402
+from smoothing_jax import torch_reference as ref  # noqa: E402
 
 
 PARITY_CASES = [
-    ("resnet_dnn_smoothing_18", dict(width=4), lambda: ref.ResNet((2, 2, 2, 2), False, 10, width=4, smoothing=True)),
-    ("resnet_dnn_50", dict(width=4, classifier="mlp"),
-     lambda: ref.ResNet((3, 4, 6, 3), True, 10, width=4, mlp=True)),
-    ("resnext_dnn_50", dict(width=8, width_per_group=16, groups=4),
-     lambda: ref.ResNet((3, 4, 6, 3), True, 10, width=8, groups=4, width_per_group=16)),
-    ("preresnet_dnn_smoothing_34", dict(width=4),
-     lambda: ref.ResNet((3, 4, 6, 3), False, 10, width=4, preact=True, smoothing=True)),
-    ("preresnet_dnn_50", dict(width=4), lambda: ref.ResNet((3, 4, 6, 3), True, 10, width=4, preact=True)),
-    ("vgg_dnn_smoothing_11", dict(width=4), lambda: ref.VGG((1, 1, 2, 2, 2), 10, width=4, smoothing=True)),
+    ("resnet_dnn_smoothing_18", dict(width=4), lambda: ref.ResNet(
+        (2, 2, 2, 2), False, 10, width=4, smoothing=True)),
+    ("resnet_dnn_50", dict(width=4, classifier="mlp"), lambda: ref.ResNet(
+        (3, 4, 6, 3), True, 10, width=4, mlp=True)),
+    ("resnext_dnn_50", dict(width=8, width_per_group=16, groups=4), lambda: ref.ResNet(
+        (3, 4, 6, 3), True, 10, width=8, groups=4, width_per_group=16)),
+    ("preresnet_dnn_smoothing_34", dict(width=4), lambda: ref.ResNet(
+        (3, 4, 6, 3), False, 10, width=4, preact=True, smoothing=True)),
+    ("preresnet_dnn_50", dict(width=4), lambda: ref.ResNet(
+        (3, 4, 6, 3), True, 10, width=4, preact=True)),
+    ("vgg_dnn_smoothing_11", dict(width=4), lambda: ref.VGG(
+        (1, 1, 2, 2, 2), 10, width=4, smoothing=True)),
     ("prevgg_dnn_11", dict(width=4), lambda: ref.VGG((1, 1, 2, 2, 2), 10, width=4, preact=True)),
     ("alexnet_dnn", dict(width=4), lambda: ref.AlexNetCifar(10, width=4)),
-    ("wideresnet_dnn_28_10", dict(width=4, widen_factor=2), lambda: ref.WideResNet(28, 2, 10, width=4)),
+    ("wideresnet_dnn_28_10", dict(width=4,
+                                  widen_factor=2), lambda: ref.WideResNet(28, 2, 10, width=4)),
 ]
 
 
@@ -71,7 +76,8 @@ def test_converted_logits_equal_the_reference(name, overrides, build):
 
 
 def test_preact_mcdo_bottleneck_has_the_reference_shortcut_batchnorm():
-  """SS ``preresnet_mcdo_block.Bottleneck``: shortcut = conv1×1 + BatchNorm (``shortcut.1.*`` keys).
+  """SS ``preresnet_mcdo_block.Bottleneck``: shortcut = conv1×1 + BatchNorm
+  (``shortcut.1.*`` keys).
 
   A dropout rate of 1e-9 keeps every unit in float32 (keep probability rounds to 1, scale to 1),
   so the MC-dropout network is deterministic and its logits must equal the reference's.

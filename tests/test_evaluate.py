@@ -7,10 +7,50 @@ import pytest
 from smoothing_jax.data import CORRUPTIONS, corruption_dataset, parse_dataset
 from smoothing_jax.evaluate import corruption_aggregates, default_baseline, read_corruption_table
 
-MODEL = {("a", 1): {"err": .2, "nll": 1.0, "ece": .1}, ("a", 2): {"err": .4, "nll": 2.0, "ece": .1},
-         ("b", 1): {"err": .1, "nll": 0.5, "ece": .05}, ("b", 2): {"err": .3, "nll": 1.5, "ece": .15}}
-BASELINE = {("a", 1): {"err": .4, "nll": 2.0, "ece": .2}, ("a", 2): {"err": .6, "nll": 3.0, "ece": .2},
-            ("b", 1): {"err": .2, "nll": 1.0, "ece": .1}, ("b", 2): {"err": .2, "nll": 3.0, "ece": .1}}
+MODEL = {
+    ("a", 1): {
+        "err": .2,
+        "nll": 1.0,
+        "ece": .1
+    },
+    ("a", 2): {
+        "err": .4,
+        "nll": 2.0,
+        "ece": .1
+    },
+    ("b", 1): {
+        "err": .1,
+        "nll": 0.5,
+        "ece": .05
+    },
+    ("b", 2): {
+        "err": .3,
+        "nll": 1.5,
+        "ece": .15
+    }
+}
+BASELINE = {
+    ("a", 1): {
+        "err": .4,
+        "nll": 2.0,
+        "ece": .2
+    },
+    ("a", 2): {
+        "err": .6,
+        "nll": 3.0,
+        "ece": .2
+    },
+    ("b", 1): {
+        "err": .2,
+        "nll": 1.0,
+        "ece": .1
+    },
+    ("b", 2): {
+        "err": .2,
+        "nll": 3.0,
+        "ece": .1
+    }
+}
 
 
 def test_corruption_aggregates_hand_worked():
@@ -21,7 +61,8 @@ def test_corruption_aggregates_hand_worked():
   assert out["mean_err"] == pytest.approx(0.25)
   assert out["mean_nll"] == pytest.approx(1.25)
   assert out["mean_ece"] == pytest.approx(0.1)
-  assert set(corruption_aggregates(MODEL, corruptions=("a", "b"))) == {"mean_err", "mean_nll", "mean_ece"}
+  assert set(corruption_aggregates(MODEL,
+                                   corruptions=("a", "b"))) == {"mean_err", "mean_nll", "mean_ece"}
   # Only the requested types count in the means.
   assert corruption_aggregates(MODEL, corruptions=("a",))["mean_err"] == pytest.approx(0.3)
   with pytest.raises(ValueError, match="No results for the corruptions"):
@@ -30,7 +71,10 @@ def test_corruption_aggregates_hand_worked():
 
 def test_baseline_must_cover_every_severity():
   with pytest.raises(ValueError, match="baseline lacks"):
-    corruption_aggregates(MODEL, {k: v for k, v in BASELINE.items() if k != ("b", 2)}, corruptions=("a", "b"))
+    corruption_aggregates(MODEL, {
+        k: v for k, v in BASELINE.items() if k != ("b", 2)
+    },
+                          corruptions=("a", "b"))
 
 
 def test_reference_csv_layout_in_percent(tmp_path):
@@ -41,8 +85,8 @@ def test_reference_csv_layout_in_percent(tmp_path):
   assert table[("fog", 2)]["err"] == pytest.approx(0.2)
 
 
-# The reference's own summary of its AlexNet files (shared reference_semantics.md, "AlexNet corruption
-# baselines"): means over the 15 standard types × 5 severities.
+# The reference's own summary of its AlexNet files (shared reference_semantics.md, "AlexNet
+# corruption baselines"): means over the 15 standard types × 5 severities.
 @pytest.mark.parametrize("base,err,nll,ece", [("cifar100", 0.5899, 4.012, 0.312),
                                               ("imagenet2012", 0.8054, 4.893, 0.095)])
 def test_shipped_alexnet_baselines_load_in_the_reference_layout(base, err, nll, ece):
@@ -58,8 +102,9 @@ def test_shipped_alexnet_baselines_load_in_the_reference_layout(base, err, nll, 
 def test_reference_csv_layout_without_header(tmp_path):
   """SS ``save_metrics`` rows: severity, type, nll, cutoff_0, cutoff_1, acc_0, ..., brier, ece."""
   path = tmp_path / "alexnet.csv"
-  path.write_text("1,zoom_blur,2.5,0.0,0.9,0.4952,0.77,0.0,0.8,0.34,0.59,1.0,0.43,0.76,0.73,0.2423\n"
-                  "2,zoom_blur,2.7,0.0,0.9,0.45,0.77,0.0,0.8,0.34,0.59,1.0,0.43,0.76,0.73,0.25\n")
+  path.write_text(
+      "1,zoom_blur,2.5,0.0,0.9,0.4952,0.77,0.0,0.8,0.34,0.59,1.0,0.43,0.76,0.73,0.2423\n"
+      "2,zoom_blur,2.7,0.0,0.9,0.45,0.77,0.0,0.8,0.34,0.59,1.0,0.43,0.76,0.73,0.25\n")
   table = read_corruption_table(str(path))
   assert table[("zoom_blur", 1)] == pytest.approx({"nll": 2.5, "err": 0.5048, "ece": 0.2423})
   assert table[("zoom_blur", 2)]["err"] == pytest.approx(0.55)
@@ -68,7 +113,8 @@ def test_reference_csv_layout_without_header(tmp_path):
     read_corruption_table(str(path))
 
 
-@pytest.mark.parametrize("base,builder", [("cifar10", "cifar10_corrupted"), ("cifar100", "cifar100_corrupted"),
+@pytest.mark.parametrize("base,builder", [("cifar10", "cifar10_corrupted"),
+                                          ("cifar100", "cifar100_corrupted"),
                                           ("imagenet2012", "imagenet2012_corrupted")])
 def test_every_requested_corruption_is_a_config_of_its_builder(base, builder):
   """TFDS calls CIFAR-10-C's glass blur ``frosted_glass_blur`` and its elastic ``elastic``."""
@@ -85,9 +131,10 @@ def test_every_requested_corruption_is_a_config_of_its_builder(base, builder):
   assert parse_dataset("cifar10_corrupted/elastic_2").corruption == ("elastic_transform", 2)
 
 
-@pytest.mark.parametrize("path,arg", [("configs/cifar_resnet.py", "vgg_mcdo_smoothing_16,cifar100,runlocal"),
-                                      ("configs/imagenet_resnet.py", "resnet_dnn_50"),
-                                      ("configs/quickstart.py", "")])
+@pytest.mark.parametrize("path,arg",
+                         [("configs/cifar_resnet.py", "vgg_mcdo_smoothing_16,cifar100,runlocal"),
+                          ("configs/imagenet_resnet.py", "resnet_dnn_50"),
+                          ("configs/quickstart.py", "")])
 def test_configs_load_and_are_locked(path, arg):
   root = pathlib.Path(__file__).resolve().parents[1]
   spec = importlib.util.spec_from_file_location("config_module", root / path)

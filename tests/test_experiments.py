@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 from experiments import msa_figures, smoothing_figures
-from smoothing_jax.analysis import trained as studies
+from smoothing_jax.analysis import trained
 
-TINY_SIZES = ["num_batches=2", "batch_size=16", "max_iters=3", "num_images=8", "num_samples=2", "grid=3",
-              "frequencies=3", "sequences=3"]
+TINY_SIZES = [
+    "num_batches=2", "batch_size=16", "max_iters=3", "num_images=8", "num_samples=2", "grid=3",
+    "frequencies=3", "sequences=3"
+]
 
 
 def test_every_figure_is_written_with_its_ordering(analysis_workdirs, tmp_path, capsys):
@@ -34,33 +36,34 @@ def test_bad_figure_and_size_names_are_rejected(analysis_workdirs, tmp_path):
 
 
 def test_landscape_study_centre_equals_the_training_loss(analysis_workdirs):
-  model = studies.load_trained(analysis_workdirs["MC dropout + smoothing"])
-  surface = studies.landscape_study(model, num_points=3, batch_size=16)
+  model = trained.load_trained(analysis_workdirs["MC dropout + smoothing"])
+  surface = trained.landscape_study(model, num_points=3, batch_size=16)
   assert surface["loss"].shape == (3, 3)
   # The centre of the grid is θ itself: the NLL of the batch under the study's fixed dropout key.
   import functools
   import jax
   import jax.numpy as jnp
   from smoothing_jax.analysis.spectrum import training_loss
-  batch = studies.train_batches(model, 1, 16)[0]
+  batch = trained.train_batches(model, 1, 16)[0]
   dropout_key = jax.random.split(jax.random.key(0), 3)[2]
-  nll = functools.partial(training_loss, model.model, 0.0)(model.variables["batch_stats"], dropout_key,
-                                                           jnp.asarray(batch["image"]), jnp.asarray(batch["label"]),
-                                                           model.variables["params"])
+  nll = functools.partial(training_loss, model.model,
+                          0.0)(model.variables["batch_stats"], dropout_key,
+                               jnp.asarray(batch["image"]), jnp.asarray(batch["label"]),
+                               model.variables["params"])
   np.testing.assert_allclose(surface["loss"][1, 1], nll, rtol=1e-4)
 
 
 def test_pixels_are_normalised_like_the_input_pipeline(analysis_workdirs):
-  model = studies.load_trained(analysis_workdirs["MC dropout"])
-  pixels, labels = studies.eval_pixels(model, 5)
+  model = trained.load_trained(analysis_workdirs["MC dropout"])
+  pixels, labels = trained.eval_pixels(model, 5)
   batch = next(model.pipeline.eval_batches(8))
   np.testing.assert_allclose(model.normalize(pixels), batch["image"][:5], rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(labels, batch["label"][:5])
 
 
 def test_consistency_study_on_a_trained_model(analysis_workdirs):
-  model = studies.load_trained(analysis_workdirs["MC dropout"])
-  result = studies.consistency_study(model, num_images=4, length=5, max_shift=2, num_samples=2)
+  model = trained.load_trained(analysis_workdirs["MC dropout"])
+  result = trained.consistency_study(model, num_images=4, length=5, max_shift=2, num_samples=2)
   assert 0.0 <= result["consistency"] <= 1.0 and result["cec"] > 0
   assert result["relative_confidence_curve"].shape == (5,)
 
@@ -74,14 +77,21 @@ def test_stage_end_summaries_and_orderings_by_hand():
   summaries = {"variance": {"plain": smoothing_figures.summarize("variance", plain),
                             "smooth": smoothing_figures.summarize("variance", smooth)}}
   assert summaries["variance"]["smooth"] == {"data": 2.0, "model": pytest.approx(0.2)}
-  assert smoothing_figures.orderings(summaries) == {"variance": {"smooth": {"lower_feature_variance": True}}}
+  assert smoothing_figures.orderings(summaries) == {
+      "variance": {
+          "smooth": {
+              "lower_feature_variance": True
+          }
+      }
+  }
 
 
 def test_msa_figures_on_an_alternet_trained_with_the_vit_recipe(msa_workdirs, tmp_path, capsys):
   args = [a for label, path in msa_workdirs.items() for a in ("--workdir", f"{label}={path}")]
   sizes = ["hessian_batches=2", "hessian_batch_size=16", "hessian_iters=3", "fourier_images=8",
            "variance_images=8", "lesion_images=16"]
-  msa_figures.main(args + ["--out", str(tmp_path)] + [a for size in sizes for a in ("--size", size)])
+  msa_figures.main(args + ["--out", str(tmp_path)] +
+                   [a for size in sizes for a in ("--size", size)])
   report = json.loads(capsys.readouterr().out)
   for name in msa_figures.FIGURES:
     assert os.path.getsize(tmp_path / f"{name}.png") > 1000
@@ -106,13 +116,15 @@ def test_temporal_smoothing_script_on_translated_streams(analysis_workdirs, tmp_
   from experiments import temporal_smoothing
   args = [a for label, path in analysis_workdirs.items() for a in ("--workdir", f"{label}={path}")]
   sizes = ["num_images=12", "num_samples=3"]
-  temporal_smoothing.main(args + ["--out", str(tmp_path)] + [a for s in sizes for a in ("--size", s)])
+  temporal_smoothing.main(args + ["--out", str(tmp_path)] +
+                          [a for s in sizes for a in ("--size", s)])
   report = json.loads(capsys.readouterr().out)
   results = json.load(open(tmp_path / "temporal.json"))
   for label in analysis_workdirs:
     rows = results[label]
     assert [r["method"] for r in rows] == ["single", "mc", "temporal"]
-    assert [r["passes_per_frame"] for r in rows] == [1, 3, 1] and all(r["count"] == 12 for r in rows)
+    assert [r["passes_per_frame"] for r in rows] == [1, 3, 1] and all(
+        r["count"] == 12 for r in rows)
     assert set(report["summary"][label]) == {"temporal_lowers_nll", "temporal_lowers_ece",
                                              "temporal_raises_consistency"}
   assert os.path.getsize(tmp_path / "temporal.png") > 1000
@@ -126,13 +138,19 @@ def test_temporal_smoothing_study_matches_explicit_average(analysis_workdirs):
   from smoothing_jax import temporal
   from smoothing_jax.analysis.perturbation import translate_sequences
   from smoothing_jax.inference import sample_rngs
-  model = studies.load_trained(analysis_workdirs["MC dropout + smoothing"])
-  pixels, labels = studies.eval_pixels(model, 4)
+  model = trained.load_trained(analysis_workdirs["MC dropout + smoothing"])
+  pixels, labels = trained.eval_pixels(model, 4)
   frames = jnp.swapaxes(model.normalize(jnp.asarray(translate_sequences(pixels, 6, 3, 0))), 0, 1)
   key = jax.random.key(7)
   _, smoothed = temporal.vq_bnn_predict(model.model, model.variables, frames, rng=key)
-  passes = [jax.nn.softmax(model.model.apply(model.variables, frames[t], rngs=sample_rngs(jax.random.fold_in(key, t))))
-            for t in range(6)]
+  passes = [
+      jax.nn.softmax(
+          model.model.apply(model.variables,
+                            frames[t],
+                            rngs=sample_rngs(jax.random.fold_in(key, t)))) for t in range(6)
+  ]
   weights = np.exp(-0.8 * np.arange(5))
-  np.testing.assert_allclose(smoothed[-1], sum(w * passes[5 - a] for a, w in enumerate(weights)) / weights.sum(),
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(smoothed[-1],
+                             sum(w * passes[5 - a] for a, w in enumerate(weights)) / weights.sum(),
+                             rtol=1e-5,
+                             atol=1e-6)

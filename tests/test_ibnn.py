@@ -11,10 +11,14 @@ from smoothing_jax import ibnn
 from smoothing_jax.inference import sample_rngs
 from smoothing_jax.layers.node_noise import NodeNoiseConv, NodeNoiseDense
 from smoothing_jax.models import get_model
+from smoothing_jax.plots import plot_ood_curves
 
 
 def init(model, shape=(2, 32, 32, 3)):
-  return jax.jit(model.init)({"params": jax.random.key(0), **sample_rngs(jax.random.key(1))}, jnp.zeros(shape))
+  return jax.jit(model.init)({
+      "params": jax.random.key(0),
+      **sample_rngs(jax.random.key(1))
+  }, jnp.zeros(shape))
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +29,8 @@ def tiny_vgg():
 
 @pytest.mark.parametrize("name,nodes", [("wideresnet_ibnn_28_10", 9475), ("vgg_ibnn_16", 5251)])
 def test_noisy_input_nodes_per_component(name, nodes):
-  # WRN-28-10: stem 3 + stage inputs (16+160+16 + 3·320) + (160+320+160 + 3·640) + (320+640+320 + 3·1280) + head 640.
+  # WRN-28-10: stem 3 + stage inputs (16+160+16 + 3·320) + (160+320+160 + 3·640)
+  # + (320+640+320 + 3·1280) + head 640.
   # VGG-16 (reference StoVGG16): 13 convs 3715 + three dense layers 3·512 = 5251.
   model = get_model(name, 10, num_components=2)
   shapes = jax.eval_shape(lambda: init(model, (1, 32, 32, 3)))
@@ -35,11 +40,13 @@ def test_noisy_input_nodes_per_component(name, nodes):
 
 def test_kl_matches_numpy(tiny_vgg):
   _, variables = tiny_vgg
-  params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(5), x.shape), variables["params"])
+  params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(5), x.shape),
+                        variables["params"])
   expected = 0.0
   for layer in ibnn.noise_layers(params):
     for m, r in (("z_mean", "z_rho"), ("b_mean", "b_rho")):
-      mu, sigma = np.asarray(layer[m], np.float64), np.log1p(np.exp(np.asarray(layer[r], np.float64)))
+      mu, sigma = np.asarray(layer[m],
+                             np.float64), np.log1p(np.exp(np.asarray(layer[r], np.float64)))
       k = mu.shape[0]
       mean, std, s = mu.mean(0), np.sqrt((sigma ** 2).sum(0)) / k, 0.3
       expected += np.sum(np.log(s / std) + (std ** 2 + (mean - 1.0) ** 2) / (2 * s ** 2) - 0.5)
@@ -58,15 +65,20 @@ def test_conv_noise_differs_across_examples_and_components_and_is_constant_over_
   layer = NodeNoiseConv(num_components=2, features=1, kernel_size=1, use_bias=False,
                         kernel_init=nn_ones)
   x = jnp.ones((4, 3, 3, 2))
-  variables = layer.init({"params": jax.random.key(0), "noise": jax.random.key(1)}, x, jnp.zeros(4, int))
-  out = layer.apply(variables, x, jnp.array([0, 0, 1, 1]), rngs={"noise": jax.random.key(2)})[..., 0]
+  variables = layer.init({
+      "params": jax.random.key(0),
+      "noise": jax.random.key(1)
+  }, x, jnp.zeros(4, int))
+  out = layer.apply(variables, x, jnp.array([0, 0, 1, 1]), rngs={"noise": jax.random.key(2)})[...,
+                                                                                              0]
   # With a ones kernel the output is Σ_c z_c: constant over H×W, different for every example.
   np.testing.assert_allclose(out, out[:, :1, :1] * jnp.ones_like(out), rtol=1e-6)
   assert len(set(np.round(np.asarray(out[:, 0, 0]), 5))) == 4
   # σ → 0: the draw is the component mean, which differs between components.
   variables = jax.tree_util.tree_map_with_path(
       lambda p, v: jnp.full_like(v, -30.0) if p[-1].key == "z_rho" else v, variables)
-  out = layer.apply(variables, x, jnp.array([0, 0, 1, 1]), rngs={"noise": jax.random.key(2)})[:, 0, 0, 0]
+  out = layer.apply(variables, x, jnp.array([0, 0, 1, 1]), rngs={"noise": jax.random.key(2)})[:, 0,
+                                                                                              0, 0]
   z = variables["params"]["z_mean"].sum(1)
   np.testing.assert_allclose(out, [z[0], z[0], z[1], z[1]], rtol=1e-5)
 
@@ -81,7 +93,9 @@ def test_dense_bias_noise_is_one_scalar_per_example():
   variables = layer.init({"params": jax.random.key(0), "noise": jax.random.key(1)}, x)
   variables = {"params": {**variables["params"], "bias": jnp.array([1.0, 2.0, 3.0])}}
   out = layer.apply(variables, x, jnp.array([0, 1, 0, 1]), rngs={"noise": jax.random.key(3)})
-  np.testing.assert_allclose(out / jnp.array([1.0, 2.0, 3.0]), out[:, :1] * jnp.ones((4, 3)), rtol=1e-5)
+  np.testing.assert_allclose(out / jnp.array([1.0, 2.0, 3.0]),
+                             out[:, :1] * jnp.ones((4, 3)),
+                             rtol=1e-5)
   assert len(set(np.round(np.asarray(out[:, 0]), 5))) == 4
 
 
@@ -94,7 +108,10 @@ def test_ibnn_predict_equals_the_loop_over_components_and_keys(tiny_vgg):
   keys = jax.random.split(rng, 6).reshape(3, 2)
   for k in range(3):
     for s in range(2):
-      logits = model.apply(variables, images, components=jnp.full((2,), k), rngs=sample_rngs(keys[k, s]))
+      logits = model.apply(variables,
+                           images,
+                           components=jnp.full((2,), k),
+                           rngs=sample_rngs(keys[k, s]))
       np.testing.assert_allclose(pred.sample_probs[s * 3 + k], jax.nn.softmax(logits), atol=1e-5)
   np.testing.assert_allclose(pred.mean_probs, pred.sample_probs.mean(0), atol=1e-6)
   with pytest.raises(ValueError, match="num_samples"):
@@ -108,7 +125,10 @@ def test_fold_component_reproduces_the_noisy_model_at_the_component_mean(tiny_vg
   images = jax.random.normal(jax.random.key(6), (2, 32, 32, 3))
   det = get_model("vgg_dnn_16", 5, width=4, batch_norm=False, classifier="mlp512")
   for k in range(3):
-    noisy = model.apply(sharp, images, components=jnp.full((2,), k), rngs=sample_rngs(jax.random.key(0)))
+    noisy = model.apply(sharp,
+                        images,
+                        components=jnp.full((2,), k),
+                        rngs=sample_rngs(jax.random.key(0)))
     folded = det.apply(ibnn.fold_component(sharp, k), images)
     np.testing.assert_allclose(noisy, folded, rtol=1e-4, atol=1e-5)
   with pytest.raises(ValueError, match="out of range"):
@@ -120,8 +140,10 @@ def test_pretrained_deterministic_weights_load_and_mismatches_are_named(tiny_vgg
   det = get_model("vgg_dnn_16", 5, width=4, batch_norm=False, classifier="mlp512")
   det_params = init(det)["params"]
   loaded = ibnn.load_deterministic(variables["params"], det_params)
-  np.testing.assert_array_equal(loaded["layer0_0"]["conv"]["kernel"], det_params["layer0_0"]["conv"]["kernel"])
-  np.testing.assert_array_equal(loaded["layer0_0"]["conv"]["z_mean"], variables["params"]["layer0_0"]["conv"]["z_mean"])
+  np.testing.assert_array_equal(loaded["layer0_0"]["conv"]["kernel"],
+                                det_params["layer0_0"]["conv"]["kernel"])
+  np.testing.assert_array_equal(loaded["layer0_0"]["conv"]["z_mean"],
+                                variables["params"]["layer0_0"]["conv"]["z_mean"])
   wrong = init(get_model("vgg_dnn_16", 5, width=8, batch_norm=False, classifier="mlp512"))["params"]
   with pytest.raises(ValueError, match="does not match the iBNN architecture"):
     ibnn.load_deterministic(variables["params"], wrong)
@@ -129,8 +151,13 @@ def test_pretrained_deterministic_weights_load_and_mismatches_are_named(tiny_vgg
 
 def test_training_steps_lower_the_negative_elbo(tiny_vgg):
   model, variables = tiny_vgg
-  objective = ibnn.Objective(num_components=3, num_repeats=2, prior_mean=1.0, prior_std=0.3, num_train=64,
-                             steps_per_epoch=1, kl_anneal_epochs=1).check()
+  objective = ibnn.Objective(num_components=3,
+                             num_repeats=2,
+                             prior_mean=1.0,
+                             prior_std=0.3,
+                             num_train=64,
+                             steps_per_epoch=1,
+                             kl_anneal_epochs=1).check()
   tx = ibnn.create_optimizer(0.01, variational_lr=0.5, weight_decay=5e-4)
   images = jax.random.normal(jax.random.key(7), (8, 32, 32, 3))
   labels = jnp.arange(8) % 5
@@ -150,14 +177,22 @@ def test_training_steps_lower_the_negative_elbo(tiny_vgg):
     losses.append(float(loss))
   assert np.mean(losses[-3:]) < losses[0]
   # The deterministic and variational groups both moved.
-  assert not np.allclose(params["layer0_0"]["conv"]["kernel"], variables["params"]["layer0_0"]["conv"]["kernel"])
-  assert not np.allclose(params["layer0_0"]["conv"]["z_mean"], variables["params"]["layer0_0"]["conv"]["z_mean"])
+  assert not np.allclose(params["layer0_0"]["conv"]["kernel"],
+                         variables["params"]["layer0_0"]["conv"]["kernel"])
+  assert not np.allclose(params["layer0_0"]["conv"]["z_mean"],
+                         variables["params"]["layer0_0"]["conv"]["z_mean"])
 
 
 def test_bad_settings_are_rejected():
-  base = dict(num_components=2, num_repeats=2, prior_mean=1.0, prior_std=0.1, num_train=10, steps_per_epoch=1,
+  base = dict(num_components=2,
+              num_repeats=2,
+              prior_mean=1.0,
+              prior_std=0.1,
+              num_train=10,
+              steps_per_epoch=1,
               kl_anneal_epochs=1)
-  for key, value, match in (("num_components", 0, "K"), ("num_repeats", 0, "S"), ("prior_std", 0.0, "prior_std")):
+  for key, value, match in (("num_components", 0, "K"), ("num_repeats", 0, "S"), ("prior_std", 0.0,
+                                                                                  "prior_std")):
     with pytest.raises(ValueError, match=match):
       ibnn.Objective(**{**base, key: value}).check()
   with pytest.raises(ValueError, match="num_components"):
@@ -165,7 +200,9 @@ def test_bad_settings_are_rejected():
   with pytest.raises(ValueError, match="no iBNN variant"):
     init(get_model("resnet_dnn_18", 10, num_components=2, width=4))
   with pytest.raises(ValueError, match="iBNN model"):
-    ibnn.ibnn_predict(get_model("vgg_dnn_16", 10), {}, jnp.zeros((1, 32, 32, 3)), rng=jax.random.key(0))
+    ibnn.ibnn_predict(get_model("vgg_dnn_16", 10), {},
+                      jnp.zeros((1, 32, 32, 3)),
+                      rng=jax.random.key(0))
 
 
 def test_salt_and_pepper_matches_the_reference():
@@ -185,11 +222,12 @@ def test_salt_and_pepper_matches_the_reference():
 def test_ood_curves_rise_with_blending(tiny_vgg):
   model, variables = tiny_vgg
   images = jax.random.normal(jax.random.key(8), (4, 32, 32, 3))
-  predict = lambda x: ibnn.ibnn_predict(model, variables, x, num_samples=2, rng=jax.random.key(0)).sample_probs  # noqa: E731
+  predict = lambda x: ibnn.ibnn_predict(model, variables, x, num_samples=2, rng=jax.random.key(0)
+                                       ).sample_probs  # noqa: E731
   curves = ibnn.ood_entropy_curves(predict, images, "salt_pepper", levels=[0.0, 0.5])
   np.testing.assert_allclose(curves["total"], curves["aleatoric"] + curves["epistemic"], rtol=1e-5)
   assert curves["total"].shape == (2,)
-  assert ibnn.plot_ood_curves(curves, "salt and pepper").axes[0].get_ylabel() == "entropy (nats)"
+  assert plot_ood_curves(curves, "salt and pepper").axes[0].get_ylabel() == "entropy (nats)"
 
 
 def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(tmp_path):
@@ -197,6 +235,7 @@ def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(tmp_path):
 
   from configs import cifar_ibnn, cifar_resnet
   from smoothing_jax import evaluate, train
+  from smoothing_jax import workdir as workdir_lib
 
   def shrink(config, **overrides):
     config.unlock()
@@ -212,21 +251,36 @@ def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(tmp_path):
     return config
 
   det = cifar_resnet.get_config("vgg_dnn_16,cifar10,runlocal")
-  det = shrink(det, num_train_steps=2, **{"model_kwargs.batch_norm": False, "model_kwargs.classifier": "mlp512"})
-  config = shrink(cifar_ibnn.get_config("vgg_ibnn_16,cifar10,3,runlocal"), num_train_steps=4,
-                  **{"ibnn.pretrained_workdir": str(tmp_path / "det"), "ibnn.freeze_deterministic": True})
+  det = shrink(det,
+               num_train_steps=2,
+               **{
+                   "model_kwargs.batch_norm": False,
+                   "model_kwargs.classifier": "mlp512"
+               })
+  config = shrink(cifar_ibnn.get_config("vgg_ibnn_16,cifar10,3,runlocal"),
+                  num_train_steps=4,
+                  **{
+                      "ibnn.pretrained_workdir": str(tmp_path / "det"),
+                      "ibnn.freeze_deterministic": True
+                  })
   with tfds.testing.mock_data(num_examples=16):
     train.train_and_evaluate(det, str(tmp_path / "det"))
     state = train.train_and_evaluate(config, str(tmp_path / "ibnn"))
-    rows = evaluate.evaluate_ensemble_sizes([str(tmp_path / "ibnn")], str(tmp_path / "results"), config)
-  _, _, det_variables = train.load_checkpoint(str(tmp_path / "det"))
+    rows = evaluate.evaluate_ensemble_sizes([str(tmp_path / "ibnn")], str(tmp_path / "results"),
+                                            config)
+  _, _, det_variables = workdir_lib.load_checkpoint(str(tmp_path / "det"))
   kernel = state.params["layer0_0"]["conv"]["kernel"]
-  np.testing.assert_array_equal(kernel, det_variables["params"]["layer0_0"]["conv"]["kernel"])  # frozen U
+  np.testing.assert_array_equal(kernel,
+                                det_variables["params"]["layer0_0"]["conv"]["kernel"])  # frozen U
   init_rng = jax.random.split(jax.random.key(config.seed), 3)[0]  # as train_and_evaluate
   model = get_model("vgg_ibnn_16", 10, num_components=3, width=4, noise_init_std=0.75)
-  start = jax.jit(model.init)({"params": init_rng, **sample_rngs(init_rng)}, jnp.zeros((1, 32, 32, 3)))["params"]
+  start = jax.jit(model.init)({
+      "params": init_rng,
+      **sample_rngs(init_rng)
+  }, jnp.zeros((1, 32, 32, 3)))["params"]
   np.testing.assert_array_equal(start["layer0_0"]["conv"]["kernel"].shape, kernel.shape)
-  assert not np.allclose(state.params["layer0_0"]["conv"]["z_mean"], start["layer0_0"]["conv"]["z_mean"])
+  assert not np.allclose(state.params["layer0_0"]["conv"]["z_mean"],
+                         start["layer0_0"]["conv"]["z_mean"])
   assert [r["ensemble_size"] for r in rows] == [1, 2, 5, 6]  # K·S = 3·2 predictions, nested
   assert all(r["count"] == 16 for r in rows)
 
@@ -238,5 +292,6 @@ def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(tmp_path):
 
 def test_kl_weight_anneals_per_epoch():
   objective = ibnn.Objective(2, 2, 1.0, 0.1, 100, steps_per_epoch=10, kl_anneal_epochs=4)
-  assert [float(ibnn.kl_weight(s, objective)) for s in (0, 9, 10, 25, 40, 400)] == [0.0, 0.0, 0.25, 0.5, 1.0, 1.0]
+  assert [float(ibnn.kl_weight(s, objective)) for s in (0, 9, 10, 25, 40, 400)
+         ] == [0.0, 0.0, 0.25, 0.5, 1.0, 1.0]
   assert float(ibnn.kl_weight(0, objective._replace(kl_anneal_epochs=0))) == 1.0

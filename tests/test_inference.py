@@ -10,7 +10,9 @@ from smoothing_jax.models import get_model
 
 
 def loop_predict(model, variables, images, keys):
-  return np.stack([np.asarray(jax.nn.softmax(model.apply(variables, images, rngs={"dropout": k}))) for k in keys])
+  return np.stack([
+      np.asarray(jax.nn.softmax(model.apply(variables, images, rngs={"dropout": k}))) for k in keys
+  ])
 
 
 def test_mc_predict_equals_python_loop(tiny_mcdo, images):
@@ -38,7 +40,10 @@ def test_deterministic_model_through_the_same_api(images):
   variables = jax.jit(model.init)(jax.random.key(0), images[:1])
   pred = mc_predict(model, variables, images, num_samples=1, rng=jax.random.key(0))
   np.testing.assert_allclose(pred.mean_probs[None], pred.sample_probs)
-  np.testing.assert_allclose(pred.mean_probs, jax.nn.softmax(model.apply(variables, images)), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(pred.mean_probs,
+                             jax.nn.softmax(model.apply(variables, images)),
+                             rtol=1e-5,
+                             atol=1e-7)
 
 
 def test_ensemble_predict_equals_loop_over_members(images):

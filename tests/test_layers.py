@@ -52,17 +52,22 @@ def apply(module, x):
 ])
 def test_prob_matches_numpy(kind, expected):
   x = RNG.normal(scale=20.0, size=(2, 4, 4, 3)).astype(np.float32)
-  np.testing.assert_allclose(apply(Prob(kind, 10.0), jnp.asarray(x)), expected(x), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(apply(Prob(kind, 10.0), jnp.asarray(x)),
+                             expected(x),
+                             rtol=1e-5,
+                             atol=1e-5)
 
 
 def test_prob_default_temperature_per_kind():
   """SS ``TanhBlurBlock(temp=1e1)`` and ``ScalingBlurBlock(temp=5e0)`` (paper App. B.1: τ = 5)."""
   x = jnp.array([[[[-3.0, 2.0, 40.0]]]])
   np.testing.assert_allclose(apply(Prob("scale"), x)[0, 0, 0], [0.0, 0.4, 8.0], rtol=1e-6)
-  np.testing.assert_allclose(apply(Prob("tanh"), x)[0, 0, 0], [0.0, 10 * math.tanh(0.2), 10 * math.tanh(4.0)],
+  np.testing.assert_allclose(apply(Prob("tanh"), x)[0, 0, 0],
+                             [0.0, 10 * math.tanh(0.2), 10 * math.tanh(4.0)],
                              rtol=1e-6)
   # A smoothing model with prob="scale" divides by 5 unless told otherwise: a 1×1 map of 2 becomes
-  # ReLU(2/5) = 0.4, then the size-2 zero-padded average over 2×2 windows gives 0.1 at every corner.
+  # ReLU(2/5) = 0.4, then the size-2 zero-padded average over 2×2 windows gives 0.1 at every
+  # corner.
   smooth = apply(Smooth(prob="scale"), jnp.full((1, 1, 1, 1), 2.0))
   np.testing.assert_allclose(smooth[0, :, :, 0], [[0.1, 0.1], [0.1, 0.1]], rtol=1e-6)
 
@@ -85,13 +90,17 @@ def test_default_blur_is_reference_avgpool_and_grows_maps():
   assert apply(Blur(), jnp.ones((1, 32, 32, 4))).shape == (1, 33, 33, 4)
 
 
-@pytest.mark.parametrize("size,taps", [(1, [1.0]), (3, [1.0, 2.0, 1.0]), (5, [1.0, 4.0, 6.0, 4.0, 1.0])])
+@pytest.mark.parametrize("size,taps", [(1, [1.0]), (3, [1.0, 2.0, 1.0]),
+                                       (5, [1.0, 4.0, 6.0, 4.0, 1.0])])
 def test_odd_blurs_keep_size_with_floor_ceil_padding(size, taps):
   x = RNG.normal(size=(2, 7, 6, 3)).astype(np.float32)
   out = apply(Blur(size), jnp.asarray(x))
   assert out.shape == x.shape
-  np.testing.assert_allclose(out, numpy_depthwise_blur(x, taps, (size - 1) // 2, math.ceil((size - 1) / 2)),
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(out,
+                             numpy_depthwise_blur(x, taps, (size - 1) // 2, math.ceil(
+                                 (size - 1) / 2)),
+                             rtol=1e-5,
+                             atol=1e-6)
 
 
 def test_same_size_two_blur_pads_right_and_bottom():
@@ -101,11 +110,15 @@ def test_same_size_two_blur_pads_right_and_bottom():
   np.testing.assert_allclose(out, numpy_depthwise_blur(x, [1.0, 1.0], 0, 1), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("pad_mode,numpy_mode", [("reflect", "reflect"), ("replicate", "edge"), ("circular", "wrap")])
+@pytest.mark.parametrize("pad_mode,numpy_mode", [("reflect", "reflect"), ("replicate", "edge"),
+                                                 ("circular", "wrap")])
 def test_blur_pad_modes(pad_mode, numpy_mode):
   x = RNG.normal(size=(1, 6, 6, 2)).astype(np.float32)
   out = apply(Blur(3, pad_mode=pad_mode), jnp.asarray(x))
-  np.testing.assert_allclose(out, numpy_depthwise_blur(x, [1.0, 2.0, 1.0], 1, 1, numpy_mode), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(out,
+                             numpy_depthwise_blur(x, [1.0, 2.0, 1.0], 1, 1, numpy_mode),
+                             rtol=1e-5,
+                             atol=1e-6)
 
 
 def test_blur_is_depthwise_and_preserves_constants_inside():
@@ -131,9 +144,14 @@ def test_blur_rejects_unsupported_sizes(size):
 def test_smooth_is_blur_of_prob():
   x = RNG.normal(scale=15.0, size=(2, 6, 6, 3)).astype(np.float32)
   prob = np.maximum(10.0 * np.tanh(x / 10.0), 0.0)
-  np.testing.assert_allclose(apply(Smooth(), jnp.asarray(x)), torch_avgpool_2x2_pad1(prob), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(apply(Smooth(), jnp.asarray(x)),
+                             torch_avgpool_2x2_pad1(prob),
+                             rtol=1e-5,
+                             atol=1e-5)
   np.testing.assert_allclose(apply(Smooth(prob="relu6", blur_size=3), jnp.asarray(x)),
-                             numpy_depthwise_blur(np.clip(x, 0, 6), [1.0, 2.0, 1.0], 1, 1), rtol=1e-5, atol=1e-5)
+                             numpy_depthwise_blur(np.clip(x, 0, 6), [1.0, 2.0, 1.0], 1, 1),
+                             rtol=1e-5,
+                             atol=1e-5)
 
 
 def test_mc_dropout_samples_at_eval_time():

@@ -47,21 +47,31 @@ def cli_results(tmp_path_factory):
                labels=rng.integers(0, 2, 8))
   workdir = str(root / "workdir")
   cases = {
-      "config argument typo": (["--config=configs/cifar_resnet.py:resnet_dnn_18,cifar10,runlokal"], {}),
+      "config argument typo":
+          (["--config=configs/cifar_resnet.py:resnet_dnn_18,cifar10,runlokal"], {}),
       "unknown config key": (["--config=configs/cifar_resnet.py", "--config.not_a_key=3"], {}),
-      "missing dataset": (["--config=configs/cifar_resnet.py:resnet_dnn_18,npz:/missing,runlocal"], {}),
+      "missing dataset":
+          (["--config=configs/cifar_resnet.py:resnet_dnn_18,npz:/missing,runlocal"], {}),
       "wrong dtype": (["--config=configs/quickstart.py", f"--config.dataset=npz:{floats}"], {}),
-      "unknown model": ([f"--config=configs/cifar_resnet.py:resnet_dnn_18x,npz:{good},runlocal"], {}),
-      "model/dataset mismatch": ([f"--config=configs/camvid_unet.py:unet_dnn,npz:{good},runlocal",
-                                  "--config.num_devices=1"], {}),
+      "unknown model":
+          ([f"--config=configs/cifar_resnet.py:resnet_dnn_18x,npz:{good},runlocal"], {}),
+      "model/dataset mismatch": ([
+          f"--config=configs/camvid_unet.py:unet_dnn,npz:{good},runlocal", "--config.num_devices=1"
+      ], {}),
       "missing checkpoint": (["--config=configs/quickstart.py", "--mode=evaluate"], {}),
-      "traceback on request": ([f"--config=configs/cifar_resnet.py:vgg_dnn_16x,npz:{good},runlocal"],
-                               {"SMOOTHING_JAX_TRACEBACK": "1"}),
+      "traceback on request":
+          ([f"--config=configs/cifar_resnet.py:vgg_dnn_16x,npz:{good},runlocal"], {
+              "SMOOTHING_JAX_TRACEBACK": "1"
+          }),
   }
   payload = json.dumps([(argv + [f"--workdir={workdir}"], env) for argv, env in cases.values()])
   env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3")
-  out = subprocess.run([sys.executable, "-c", DRIVER, payload], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
+  out = subprocess.run([sys.executable, "-c", DRIVER, payload],
+                       cwd=ROOT,
+                       env=env,
+                       capture_output=True,
+                       text=True,
+                       timeout=600)
   line = [x for x in out.stdout.splitlines() if x.startswith("RESULTS")]
   assert line, out.stdout[-2000:] + out.stderr[-2000:]
   return dict(zip(cases, json.loads(line[0][len("RESULTS"):])))
@@ -74,7 +84,7 @@ def cli_results(tmp_path_factory):
     ("wrong dtype", 1, "'images' must be uint8 [N,H,W,3], got float32"),
     ("unknown model", 1, "Unknown model name 'resnet_dnn_18x'"),
     ("model/dataset mismatch", 1, "does not fit dataset"),
-    ("missing checkpoint", 1, "No checkpoint in"),
+    ("missing checkpoint", 1, "No run in"),
 ])
 def test_user_errors_print_one_line(cli_results, case, code, expected):
   result = cli_results[case]

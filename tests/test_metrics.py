@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from smoothing_jax.metrics import UncertaintyMetrics, entropy, evaluate, plot_reliability_diagram, \
-    uncertainty_decomposition
+from smoothing_jax.metrics import UncertaintyMetrics, entropy, evaluate, uncertainty_decomposition
+from smoothing_jax.plots import plot_reliability_diagram
 
 # Five predictions over three classes (worked by hand below).
 PROBS = np.array([[0.95, 0.03, 0.02],   # y=0 correct, conf .95 (certain)
@@ -21,13 +21,14 @@ LABELS = np.array([0, 1, 1, 0, 2])
 def test_hand_worked_example():
   m = evaluate(PROBS, LABELS)
   assert m["count"] == 5
-  assert m["nll"] == pytest.approx(-(math.log(.95) + math.log(.3) + math.log(.85) + math.log(.02) + math.log(.95)) / 5,
-                                   rel=1e-5)
+  assert m["nll"] == pytest.approx(
+      -(math.log(.95) + math.log(.3) + math.log(.85) + math.log(.02) + math.log(.95)) / 5, rel=1e-5)
   assert m["acc"] == pytest.approx(3 / 5)
   assert m["top5"] == pytest.approx(1.0)  # only 3 classes
   # Brier: .0038 + .78 + .035 + 1.8638 + .0038
   assert m["brier"] == pytest.approx(2.6864 / 5, rel=1e-5)
-  # Bins (.9, 1]: {e1, e4, e5} acc 2/3 conf .95; (.4, .5]: {e2} acc 0 conf .5; (.8, .9]: {e3} acc 1 conf .85.
+  # Bins (.9, 1]: {e1, e4, e5} acc 2/3 conf .95; (.4, .5]: {e2} acc 0 conf .5;
+  # (.8, .9]: {e3} acc 1 conf .85.
   assert m["ece"] == pytest.approx(3 / 5 * (0.95 - 2 / 3) + 1 / 5 * 0.5 + 1 / 5 * 0.15, rel=1e-5)
   assert m["ecse"] == pytest.approx(3 / 5 * (0.95 - 2 / 3) + 1 / 5 * 0.5 - 1 / 5 * 0.15, rel=1e-5)
   assert m["acc90"] == pytest.approx(2 / 3)

@@ -56,18 +56,23 @@ def test_wrn_count_matches_closed_form():
 @pytest.mark.parametrize("family", ["resnet_{}_18", "preresnet_{}_18", "vgg_{}_11", "alexnet_{}",
                                     "wideresnet_{}_28_10"])
 def test_dropout_and_smoothing_add_no_parameters(family):
-  counts = {v: num_params(family.format(v), 10) for v in ("dnn", "mcdo", "dnn_smoothing", "mcdo_smoothing")}
+  counts = {
+      v: num_params(family.format(v), 10)
+      for v in ("dnn", "mcdo", "dnn_smoothing", "mcdo_smoothing")
+  }
   assert len(set(counts.values())) == 1, counts
 
 
 # Counted on SS's own classes (xxxnell/spatial-smoothing@5297b6e, models/preresnet.py, CIFAR stem
 # ``stem=False``, 100 classes): its MC-dropout bottleneck has a BatchNorm after the 1×1 shortcut
-# (models/preresnet_mcdo_block.py), the dnn bottleneck has none, so mcdo = dnn + 2·(256+512+1024+2048).
+# (models/preresnet_mcdo_block.py), the dnn bottleneck has none, so
+# mcdo = dnn + 2·(256+512+1024+2048).
 @pytest.mark.parametrize("depth,dnn,mcdo", [(50, 23_697_572, 23_705_252), (101, None, 42_697_380),
                                             (152, None, 58_341_028)])
 def test_preact_bottleneck_counts_equal_the_reference_classes(depth, dnn, mcdo):
   if dnn is not None:
-    assert num_params(f"preresnet_dnn_{depth}", 100) == num_params(f"preresnet_dnn_smoothing_{depth}", 100) == dnn
+    assert num_params(f"preresnet_dnn_{depth}", 100) == num_params(
+        f"preresnet_dnn_smoothing_{depth}", 100) == dnn
   assert num_params(f"preresnet_mcdo_{depth}", 100) == mcdo
   assert num_params(f"preresnet_mcdo_smoothing_{depth}", 100) == mcdo
 
@@ -93,7 +98,8 @@ def test_variant_options_follow_the_reference():
 
 
 def test_unknown_name_lists_close_matches():
-  with pytest.raises(ValueError, match=r"Unknown model name 'resnet_mcdo_smooth_18'.*resnet_mcdo_smoothing_18"):
+  with pytest.raises(ValueError,
+                     match=r"Unknown model name 'resnet_mcdo_smooth_18'.*resnet_mcdo_smoothing_18"):
     get_model("resnet_mcdo_smooth_18", 10)
 
 
@@ -102,7 +108,8 @@ def test_unknown_option_is_named():
     get_model("resnet_dnn_18", 10, dropout=0.1)
 
 
-@pytest.mark.parametrize("stem,size,expected", [("cifar", 32, [33, 18, 10, 6]), ("imagenet", 224, [57, 30, 16, 9])])
+@pytest.mark.parametrize("stem,size,expected", [("cifar", 32, [33, 18, 10, 6]),
+                                                ("imagenet", 224, [57, 30, 16, 9])])
 def test_smoothing_grows_each_stage_map_by_one_pixel(stem, size, expected):
   model = get_model("resnet_dnn_smoothing_18", 10, stem=stem, width=8)
   _, state = jax.eval_shape(lambda: model.init_with_output(
@@ -115,7 +122,9 @@ def test_preactivation_resnet_smooths_stages_one_to_three():
   model = get_model("preresnet_dnn_smoothing_18", 10, width=8)
   _, state = jax.eval_shape(lambda: model.init_with_output(RNGS, jnp.zeros((1, 32, 32, 3)),
                                                            capture_intermediates=True))
-  assert sorted(k for k in state["intermediates"] if k.startswith("smooth")) == ["smooth1_0", "smooth2_0", "smooth3_0"]
+  assert sorted(k for k in state["intermediates"] if k.startswith("smooth")) == [
+      "smooth1_0", "smooth2_0", "smooth3_0"
+  ]
 
 
 @pytest.mark.parametrize("name,overrides,size", [
@@ -154,7 +163,8 @@ def narrow_models():
 
 def test_dnn_is_deterministic_and_mcdo_samples(narrow_models, images):
   _, v, apply = narrow_models["resnet_dnn_18"]
-  chex.assert_trees_all_equal(apply(v, images, jax.random.key(1)), apply(v, images, jax.random.key(2)))
+  chex.assert_trees_all_equal(apply(v, images, jax.random.key(1)),
+                              apply(v, images, jax.random.key(2)))
   _, v, apply = narrow_models["resnet_mcdo_18"]
   a, b = apply(v, images, jax.random.key(1)), apply(v, images, jax.random.key(2))
   assert not np.allclose(a, b)

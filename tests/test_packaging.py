@@ -1,4 +1,5 @@
-"""``pip install .`` alone gives a working package: pyproject.toml lists every third-party import."""
+"""``pip install .`` alone gives a working package: pyproject.toml lists every third-party
+import."""
 import ast
 import importlib.metadata
 import pathlib
@@ -7,16 +8,25 @@ import sys
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Third-party modules imported only by optional parts of smoothing_jax (torch: the PyTorch
+# transcription smoothing_jax/torch_reference.py), each with the requirements file that installs it;
+# they must be declared under [project.optional-dependencies] instead of the dependencies.
+OPTIONAL = {"torch": "requirements-test.txt"}
+
+
+def _imports(path):
+  """Top-level names of the modules one file imports (anywhere in it)."""
+  modules = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      modules.update(alias.name.split(".")[0] for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      modules.add(node.module.split(".")[0])
+  return modules
 
 
 def _imported_modules():
-  modules = set()
-  for path in (ROOT / "smoothing_jax").rglob("*.py"):
-    for node in ast.walk(ast.parse(path.read_text())):
-      if isinstance(node, ast.Import):
-        modules.update(alias.name.split(".")[0] for alias in node.names)
-      elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-        modules.add(node.module.split(".")[0])
+  modules = set().union(*map(_imports, (ROOT / "smoothing_jax").rglob("*.py")))
   return modules - set(sys.stdlib_module_names) - {"smoothing_jax"}
 
 
@@ -24,12 +34,42 @@ def _normalise(name):
   return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def _names(requirements):
+  return {_normalise(re.split(r"[\s;<>=!~\[]", d, maxsplit=1)[0]) for d in requirements}
+
+
 def test_pyproject_lists_every_third_party_import():
-  dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-  listed = {_normalise(re.split(r"[\s;<>=!~\[]", d, maxsplit=1)[0]) for d in dependencies}
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  listed = _names(project["dependencies"])
   providers = importlib.metadata.packages_distributions()
   modules = _imported_modules()
   assert "tensorflow" in modules  # the input pipeline's tf.data
-  missing = {m: providers.get(m) for m in modules
+  missing = {m: providers.get(m) for m in modules - set(OPTIONAL)
              if not {_normalise(d) for d in providers.get(m, [m])} & listed}
   assert not missing, f"imported by smoothing_jax but not in pyproject.toml dependencies: {missing}"
+  extras = _names(d for group in project.get("optional-dependencies", {}).values() for d in group)
+  for module, requirements in OPTIONAL.items():
+    assert module in extras, f"optional {module} is not in [project.optional-dependencies]"
+    assert module in _names(line for line in (ROOT / requirements).read_text().splitlines()
+                            if line.strip() and not line.startswith("#"))
+
+
+def test_figures_live_in_plots_alone():
+  """Every ``plot_*`` function is in smoothing_jax/plots.py, the one module that imports
+  matplotlib."""
+  for path in (ROOT / "smoothing_jax").rglob("*.py"):
+    if path == ROOT / "smoothing_jax" / "plots.py":
+      continue
+    figures = [node.name for node in ast.parse(path.read_text()).body
+               if isinstance(node, ast.FunctionDef) and node.name.startswith("plot_")]
+    assert not figures, f"{path.relative_to(ROOT)} defines {figures}; they belong in plots.py"
+    assert "matplotlib" not in _imports(path), f"{path.relative_to(ROOT)} imports matplotlib"
+
+
+def test_source_lines_are_at_most_100_columns():
+  long_lines = [f"{path.relative_to(ROOT)}:{number}"
+                for folder in ("smoothing_jax", "configs", "experiments", "tests")
+                for path in sorted((ROOT / folder).rglob("*.py"))
+                for number, line in enumerate(path.read_text().splitlines(), start=1)
+                if len(line) > 100]
+  assert not long_lines, long_lines

@@ -11,6 +11,7 @@ from PIL import Image
 
 from smoothing_jax import temporal
 from smoothing_jax.data import camvid, create_pipeline, median_frequency_weights
+from smoothing_jax.inference import sample_rngs
 from smoothing_jax.metrics import TemporalConsistency, UncertaintyMetrics, class_iou, label_mask
 from smoothing_jax.models import get_model
 from smoothing_jax.train import cross_entropy
@@ -28,7 +29,9 @@ def tiny_unet():
 
 # ----------------------------------------------------------------------------- U-Net
 
-@pytest.mark.parametrize("name", ["unet_dnn", "unet_mcdo", "unet_mcdo_smoothing", "unet_dnn_smoothing"])
+
+@pytest.mark.parametrize("name",
+                         ["unet_dnn", "unet_mcdo", "unet_mcdo_smoothing", "unet_dnn_smoothing"])
 @pytest.mark.parametrize("size", [(13, 17), (9, 7)])
 def test_unet_output_shape_equals_input_shape_for_odd_sizes(name, size):
   model = get_model(name, 11, **TINY_UNET)
@@ -39,7 +42,8 @@ def test_unet_output_shape_equals_input_shape_for_odd_sizes(name, size):
 
 
 def _unet_parameter_count(width=64, encoder=(2, 2, 3, 3, 3), decoder=(3, 3, 3, 2), classes=11):
-  """Trainable parameters of the reference layout, counted by hand (conv 3×3 with bias, BN γ/β)."""
+  """Trainable parameters of the reference layout, counted by hand (conv 3×3 with bias,
+  BN γ/β)."""
   conv = lambda cin, cout, k=3: k * k * cin * cout + cout  # noqa: E731
   total, cin = 0, 3
   for level, n in enumerate(encoder):
@@ -58,8 +62,11 @@ def _unet_parameter_count(width=64, encoder=(2, 2, 3, 3, 3), decoder=(3, 3, 3, 2
 
 def test_unet_layout_is_the_reference_one():
   model = get_model("unet_mcdo", 11)
-  variables = jax.eval_shape(lambda: model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)},
-                                                jnp.zeros((1, 64, 64, 3))))
+  variables = jax.eval_shape(
+      lambda: model.init({
+          "params": jax.random.key(0),
+          "dropout": jax.random.key(1)
+      }, jnp.zeros((1, 64, 64, 3))))
   count = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(variables["params"]))
   assert count == _unet_parameter_count() == 46_885_195
   assert model.stages_with_dropout() == (3, 4, 5, 6, 7, 8) and model.dropout_rate == 0.5
@@ -71,11 +78,19 @@ def test_unet_dropout_follows_stages_3_to_8():
   model = get_model("unet_mcdo", 5, width=2, encoder_convs=(1,) * 5, decoder_convs=(1,) * 4)
   x = jnp.ones((1, 16, 16, 3))
   variables = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
-  _, inter = model.apply(variables, x, rngs={"dropout": jax.random.key(2)}, mutable=["intermediates"],
+  _, inter = model.apply(variables,
+                         x,
+                         rngs={"dropout": jax.random.key(2)},
+                         mutable=["intermediates"],
                          capture_intermediates=lambda m, _: isinstance(m, MCDropout))
-  calls = [inter["intermediates"][f"MCDropout_{i}"]["__call__"][0].shape for i in range(len(inter["intermediates"]))]
-  # Stages 3, 4 (encoder levels at 4×4, 2×2), 5 (bottleneck 1×1), 6, 7, 8 (decoder at 2×2, 4×4, 8×8).
-  assert calls == [(1, 4, 4, 8), (1, 2, 2, 16), (1, 1, 1, 32), (1, 2, 2, 16), (1, 4, 4, 8), (1, 8, 8, 4)]
+  calls = [
+      inter["intermediates"][f"MCDropout_{i}"]["__call__"][0].shape
+      for i in range(len(inter["intermediates"]))
+  ]
+  # Stages 3, 4 (encoder levels at 4×4, 2×2), 5 (bottleneck 1×1), 6, 7, 8 (decoder at
+  # 2×2, 4×4, 8×8).
+  assert calls == [(1, 4, 4, 8), (1, 2, 2, 16), (1, 1, 1, 32), (1, 2, 2, 16), (1, 4, 4, 8),
+                   (1, 8, 8, 4)]
 
 
 def test_unet_dropout_and_smoothing_positions(tiny_unet):
@@ -88,7 +103,8 @@ def test_unet_dropout_and_smoothing_positions(tiny_unet):
   np.testing.assert_array_equal(det.apply(variables, x), det.apply(variables, x))
   _, inter = det.apply(variables, x, capture_intermediates=lambda m, _: "smooth" in (m.name or ""),
                        mutable=["intermediates"])
-  assert sorted(k for k in inter["intermediates"] if k.startswith("smooth")) == ["smooth1", "smooth2"]
+  assert sorted(
+      k for k in inter["intermediates"] if k.startswith("smooth")) == ["smooth1", "smooth2"]
   with pytest.raises(ValueError, match="dropout_stages"):
     get_model("unet_mcdo", 5, **TINY_UNET, dropout_stages=(9,)).init(
         {"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
@@ -132,7 +148,7 @@ def test_stream_state_carries_across_scan_and_chunks(tiny_unet):
     s, p = temporal.stream_predict(model, variables, s, frames[t], rng=rng)
     np.testing.assert_allclose(p, probs[t], rtol=1e-5, atol=1e-6)
     singles.append(s.history[0])
-    logits = model.apply(variables, frames[t], rngs=temporal.sample_rngs(jax.random.fold_in(rng, t)))
+    logits = model.apply(variables, frames[t], rngs=sample_rngs(jax.random.fold_in(rng, t)))
     np.testing.assert_allclose(s.history[0], jax.nn.softmax(logits), rtol=1e-5, atol=1e-6)
   # The smoothed output at t = 6 is the explicit average of the last five single passes.
   weights = np.exp(-0.8 * np.arange(5))
@@ -170,7 +186,9 @@ def test_pixel_metrics_with_void_match_hand_worked_example():
   m = UncertaintyMetrics.from_model_output(probs, labels, mask).compute()
   # Counted pixels: (0.95→0 ✓), (0.6→0, y=1 ✗), (0.8→1 ✓), (0.6→2 ✓).
   assert m["count"] == 4
-  np.testing.assert_allclose(m["nll"], -(np.log(0.95) + np.log(0.3) + np.log(0.8) + np.log(0.6)) / 4, rtol=1e-6)
+  np.testing.assert_allclose(m["nll"],
+                             -(np.log(0.95) + np.log(0.3) + np.log(0.8) + np.log(0.6)) / 4,
+                             rtol=1e-6)
   np.testing.assert_allclose(m["acc"], 3 / 4)
   # ECE: bins (0.9,1]: conf .95 acc 1; (0.5,0.6]: confs .6,.6 acc 0,1; (0.7,0.8]: conf .8 acc 1.
   np.testing.assert_allclose(m["ece"], (0.05 + 2 * abs(0.6 - 0.5) + 0.2) / 4, rtol=1e-5)
@@ -193,21 +211,15 @@ def test_temporal_consistency_hand_worked():
   a = jax.nn.one_hot(jnp.array([[0, 1], [1, 1]]), 3)
   b = jax.nn.one_hot(jnp.array([[0, 0], [1, 2]]), 3)
   mask = label_mask(jnp.array([[0, 2], [1, 9]]), 3)
-  assert TemporalConsistency.from_model_output(b, a, mask).compute()["consistency"] == pytest.approx(2 / 3)
+  assert TemporalConsistency.from_model_output(
+      b, a, mask).compute()["consistency"] == pytest.approx(2 / 3)
   # A per-example mask [B] covers every pixel of its example (here B = W = 2).
-  per_example = TemporalConsistency.from_model_output(jnp.stack([b, b]), jnp.stack([a, b]), jnp.array([1.0, 0.0]))
+  per_example = TemporalConsistency.from_model_output(jnp.stack([b, b]), jnp.stack([a, b]),
+                                                      jnp.array([1.0, 0.0]))
   assert per_example.compute()["consistency"] == pytest.approx(2 / 4)
   seq = jnp.stack([a, b, b])[None]  # [N=1, T=3, 2, 2, C]
-  assert TemporalConsistency.from_sequence(seq).compute()["consistency"] == pytest.approx((2 + 4) / 8)
-
-
-def test_median_frequency_weights_by_hand():
-  # Two 2×2 label maps, 3 classes, void = 3.
-  labels = np.array([[[0, 0], [0, 1]], [[0, 2], [3, 3]]])
-  # freq0 = 4 / 8 (in both images), freq1 = 1 / 4, freq2 = 1 / 4 → median 0.25.
-  np.testing.assert_allclose(median_frequency_weights(labels, 3), [0.5, 1.0, 1.0])
-  # As a 4th class, "3" has freq 2 / 4: median of (.5, .25, .25, .5) = .375.
-  np.testing.assert_allclose(median_frequency_weights(labels, 4), [0.75, 1.5, 1.5, 0.75])
+  assert TemporalConsistency.from_sequence(seq).compute()["consistency"] == pytest.approx(
+      (2 + 4) / 8)
 
 
 def test_weighted_pixel_cross_entropy_masks_void():
@@ -216,7 +228,8 @@ def test_weighted_pixel_cross_entropy_masks_void():
   w = jnp.array([2.0, 0.5, 1.0])
   expected = (2.0 * -np.log(0.7) + 0.5 * -np.log(0.6)) / 2.5
   np.testing.assert_allclose(cross_entropy(logits, labels, w), expected, rtol=1e-6)
-  np.testing.assert_allclose(cross_entropy(logits, labels), (-np.log(0.7) - np.log(0.6)) / 2, rtol=1e-6)
+  np.testing.assert_allclose(cross_entropy(logits, labels), (-np.log(0.7) - np.log(0.6)) / 2,
+                             rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- CamVid builder
@@ -225,24 +238,28 @@ FAKE_SIZE = (720, 960)
 # Stills of each split (SegNet rule) and a colour layout per still: 2×2-constant blocks.
 FAKE_STILLS = {"0001TP_006690": "train", "0016E5_07961": "validation", "Seq05VD_f00002": "test"}
 COLOURS = [(128, 128, 128), (64, 192, 0), (128, 64, 128), (0, 0, 0), (10, 20, 30), (192, 0, 192)]
-COLOUR_CLASSES = [0, 1, 3, camvid.VOID, camvid.VOID, 10]  # Sky, Wall→building, Road, Void, unknown, Motorcycle
+COLOUR_CLASSES = [0, 1, 3, camvid.VOID, camvid.VOID,
+                  10]  # Sky, Wall→building, Road, Void, unknown, Motorcycle
 
 
 def _smooth_image(seed):
   yy, xx = np.mgrid[0:FAKE_SIZE[0], 0:FAKE_SIZE[1]]
-  return np.stack([(yy * 255 // FAKE_SIZE[0] + 37 * seed) % 256, (xx * 255 // FAKE_SIZE[1] + 11 * seed) % 256,
-                   ((yy + xx) // 7 + seed) % 256], -1).astype(np.uint8)
+  return np.stack([(yy * 255 // FAKE_SIZE[0] + 37 * seed) % 256,
+                   (xx * 255 // FAKE_SIZE[1] + 11 * seed) % 256, ((yy + xx) // 7 + seed) % 256],
+                  -1).astype(np.uint8)
 
 
 def _block_labels(seed):
   """Class-colour indices constant over 2×2 blocks (so nearest and block averages agree)."""
-  small = np.random.default_rng(seed).integers(0, len(COLOURS), (FAKE_SIZE[0] // 2, FAKE_SIZE[1] // 2))
+  small = np.random.default_rng(seed).integers(0, len(COLOURS),
+                                               (FAKE_SIZE[0] // 2, FAKE_SIZE[1] // 2))
   return np.repeat(np.repeat(small, 2, 0), 2, 1)
 
 
 @pytest.fixture(scope="module")
 def fake_camvid(tmp_path_factory):
-  """A tiny CamVid release (3 stills at 720×960, their label maps and the ≤ 5 video frames before each), prepared.
+  """A tiny CamVid release (3 stills at 720×960, their label maps and the ≤ 5 video frames
+  before each), prepared.
 
   The test still is frame 2 of its video, so its clip starts with the video's first frame repeated.
   """
@@ -251,7 +268,8 @@ def fake_camvid(tmp_path_factory):
     os.makedirs(root / sub)
   for i, stem in enumerate(FAKE_STILLS):
     Image.fromarray(_smooth_image(i)).save(root / camvid.STILLS_DIR / f"{stem}.png")
-    Image.fromarray(np.asarray(COLOURS, np.uint8)[_block_labels(i)]).save(root / camvid.LABELS_DIR / f"{stem}_L.png")
+    Image.fromarray(np.asarray(COLOURS, np.uint8)[_block_labels(i)]).save(root / camvid.LABELS_DIR /
+                                                                          f"{stem}_L.png")
     sequence, frame, text = camvid.parse_name(stem + ".png")
     for back in range(1, min(5, frame) + 1):
       number = f"{'f' if text.startswith('f') else ''}{frame - back:0{len(text.lstrip('f'))}d}"
@@ -263,7 +281,8 @@ def fake_camvid(tmp_path_factory):
 
 
 def test_camvid_split_rule_and_names():
-  assert [camvid.split_of(*camvid.parse_name(n + ".png")[:2]) for n in FAKE_STILLS] == list(FAKE_STILLS.values())
+  assert [camvid.split_of(*camvid.parse_name(n + ".png")[:2]) for n in FAKE_STILLS
+         ] == list(FAKE_STILLS.values())
   assert camvid.split_of("0001TP", 8520) == "train" and camvid.split_of("0016E5", 8190) == "train"
   assert camvid.parse_name("0006R0_f00930_L.png") == ("0006R0", 930, "f00930")
   with pytest.raises(ValueError, match="CamVid frame name"):
@@ -279,7 +298,9 @@ def test_camvid_builder_on_fake_release(fake_camvid):
     assert {s: builder.info.splits[s].num_examples for s in ("train", "validation", "test")} == {
         "train": 1, "validation": 1, "test": 1}
   for i, (stem, split) in enumerate(FAKE_STILLS.items()):
-    ex = next(iter(tfds.as_numpy(tfds.builder("camvid/clips", data_dir=data_dir).as_dataset(split=split))))
+    ex = next(
+        iter(tfds.as_numpy(tfds.builder("camvid/clips",
+                                        data_dir=data_dir).as_dataset(split=split))))
     assert ex["name"].decode() == stem
     assert ex["image"].shape == (360, 480, 3) and ex["label"].shape == (360, 480, 1)
     # Bilinear halving = the mean of each 2×2 block (half-pixel centres).
@@ -290,12 +311,14 @@ def test_camvid_builder_on_fake_release(fake_camvid):
     np.testing.assert_array_equal(ex["label"][..., 0], expected)
     assert ex["frames"].shape == (6, 360, 480, 3)
     np.testing.assert_array_equal(ex["frames"][-1], ex["image"])
-    back = [5, 4, 3, 2, 1] if split != "test" else [2, 2, 2, 2, 1]  # Seq05VD_f00002: frames 0, 0, 0, 0, 1
+    back = [5, 4, 3, 2, 1] if split != "test" else [2, 2, 2, 2, 1
+                                                   ]  # Seq05VD_f00002: frames 0, 0, 0, 0, 1
     for t, b in enumerate(back):
       older = _smooth_image(10 * i + b).astype(np.float64).reshape(360, 2, 480, 2, 3).mean((1, 3))
       assert np.abs(ex["frames"][t] - older).max() <= 1.0
   frames, labels, names = camvid.load_clips("test", data_dir)
-  assert frames.shape == (1, 6, 360, 480, 3) and labels.shape == (1, 360, 480) and names == ["Seq05VD_f00002"]
+  assert frames.shape == (1, 6, 360, 480,
+                          3) and labels.shape == (1, 360, 480) and names == ["Seq05VD_f00002"]
 
 
 def test_camvid_builder_names_a_missing_video_frame(fake_camvid, tmp_path):
@@ -328,7 +351,10 @@ def test_segmentation_crop_and_flip_keep_labels_on_their_pixels(tmp_path):
   # Red channel = 40 · label, so image and label map must move together.
   rng = np.random.default_rng(0)
   labels = rng.integers(0, 6, (6, 20, 24))  # 5 classes + void (5)
-  images = np.stack([40 * labels, rng.integers(0, 255, labels.shape), rng.integers(0, 255, labels.shape)], -1)
+  images = np.stack(
+      [40 * labels,
+       rng.integers(0, 255, labels.shape),
+       rng.integers(0, 255, labels.shape)], -1)
   for split in ("train", "test"):
     np.savez(tmp_path / f"{split}.npz", images=images.astype(np.uint8), labels=labels)
   pipeline = create_pipeline(f"npz:{tmp_path}", 2, 0, crop_size=(8, 12))
@@ -338,8 +364,10 @@ def test_segmentation_crop_and_flip_keep_labels_on_their_pixels(tmp_path):
     red = batch["image"][..., 0] * pipeline.std[0] + pipeline.mean[0]
     np.testing.assert_allclose(red * 255, 40 * batch["label"], atol=1e-3)
     for crop in batch["label"]:  # a window of one training map, maybe mirrored
-      found = {f for lab in labels for y in range(13) for x in range(13) for f in (0, 1)
-               if np.array_equal(lab[y:y + 8, x:x + 12][:, ::-1] if f else lab[y:y + 8, x:x + 12], crop)}
+      found = {
+          f for lab in labels for y in range(13) for x in range(13) for f in (0, 1)
+          if np.array_equal(lab[y:y + 8, x:x + 12][:, ::-1] if f else lab[y:y + 8, x:x + 12], crop)
+      }
       assert found
       flips |= found
   assert flips == {0, 1}
@@ -377,7 +405,8 @@ def test_camvid_recipe_trains_and_evaluates_streams(fake_camvid, tmp_path):
   assert int(state.step) == 2
   rows = evaluate.evaluate_ensemble_sizes([workdir], str(tmp_path / "results"), config)
   assert [r["ensemble_size"] for r in rows] == [1, 3]
-  assert rows[0]["count"] == np.sum(camvid.load_clips("test", data_dir)[1] < camvid.VOID)  # void pixels dropped
+  assert rows[0]["count"] == np.sum(camvid.load_clips("test", data_dir)[1]
+                                    < camvid.VOID)  # void pixels dropped
   rows = evaluate.evaluate_streams(workdir, str(tmp_path / "results"), config, num_samples=3)
   assert [r["method"] for r in rows] == ["single", "mc", "temporal"]
   assert [r["passes_per_frame"] for r in rows] == [1, 3, 1]

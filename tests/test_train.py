@@ -1,4 +1,5 @@
-"""Training system: schedule, end-to-end runs under mock TFDS data, multi-device equality, exact resume."""
+"""Training system: schedule, end-to-end runs under mock TFDS data, multi-device equality,
+exact resume."""
 import functools
 import hashlib
 import json
@@ -16,6 +17,7 @@ import tensorflow_datasets as tfds
 
 from configs import cifar_resnet
 from smoothing_jax import evaluate, train
+from smoothing_jax import workdir as workdir_lib
 from smoothing_jax.models import get_model
 
 
@@ -38,7 +40,8 @@ def tiny_config(**overrides):
 def test_learning_rate_schedule_matches_the_recipe():
   config = cifar_resnet.get_config()
   schedule = train.create_learning_rate_schedule(config, steps_per_epoch=10)
-  # Warm-up epoch: linear from 0; then 0.1, × 0.2 after epochs 60, 130, 160 (counted after warm-up).
+  # Warm-up epoch: linear from 0; then 0.1, × 0.2 after epochs 60, 130, 160 (counted after
+  # warm-up).
   assert float(schedule(0)) == 0.0
   assert float(schedule(5)) == pytest.approx(0.05)
   assert float(schedule(10)) == pytest.approx(0.1)
@@ -70,18 +73,22 @@ def test_end_to_end_under_mock_cifar10(trained_workdir):
   assert int(state.step) == 4
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(workdir))
-  assert json.load(open(os.path.join(workdir, "config.json")))["model"] == "resnet_mcdo_smoothing_18"
+  assert json.load(open(os.path.join(workdir,
+                                     "config.json")))["model"] == "resnet_mcdo_smoothing_18"
 
 
 @pytest.mark.parametrize("eval_batch_size", [8, 5])
-def test_ensemble_size_evaluation_counts_every_test_example(trained_workdir, tmp_path, eval_batch_size):
+def test_ensemble_size_evaluation_counts_every_test_example(trained_workdir, tmp_path,
+                                                            eval_batch_size):
   workdir, _ = trained_workdir
   # 13 = one full batch of 8 + a padded batch; 5 is rounded up to the 8 devices (masked padding).
   with tfds.testing.mock_data(num_examples=13):
-    rows = evaluate.evaluate_ensemble_sizes([workdir], str(tmp_path), tiny_config(eval_batch_size=eval_batch_size))
+    rows = evaluate.evaluate_ensemble_sizes([workdir], str(tmp_path),
+                                            tiny_config(eval_batch_size=eval_batch_size))
   assert [r["ensemble_size"] for r in rows] == [1, 3]
   assert all(r["count"] == 13 for r in rows)
-  for name in ("ensemble_sizes.json", "ensemble_sizes.csv", "ensemble_sizes.png", "reliability.png"):
+  for name in ("ensemble_sizes.json", "ensemble_sizes.csv", "ensemble_sizes.png",
+               "reliability.png"):
     assert (tmp_path / name).stat().st_size > 0
 
 
@@ -96,7 +103,8 @@ def test_corruption_evaluation_under_mock_data(trained_workdir, tmp_path):
   assert aggregates["mean_err"] == pytest.approx(np.mean([1 - r["Acc"] for r in rows]))
 
 
-def test_corruption_sweep_keeps_what_it_computed_when_a_later_set_fails(trained_workdir, tmp_path, monkeypatch):
+def test_corruption_sweep_keeps_what_it_computed_when_a_later_set_fails(
+    trained_workdir, tmp_path, monkeypatch):
   """CIFAR-10-C under its TFDS names (frosted_glass_blur, elastic); the table is on disk after
   each (type, severity), so a failure at elastic_transform 3 keeps the 7 rows before it."""
   from smoothing_jax.data import Pipeline
@@ -123,20 +131,26 @@ def test_resume_after_interruption_is_bit_identical(tmp_path):
   config = tiny_config(num_train_steps=4, checkpoint_every_steps=2)
   with tfds.testing.mock_data(num_examples=16):
     full = train.train_and_evaluate(config, str(tmp_path / "full"))
-    train.train_and_evaluate(config, str(tmp_path / "cut"), stop_after_steps=2)  # "killed" after step 2
+    train.train_and_evaluate(config, str(tmp_path / "cut"),
+                             stop_after_steps=2)  # "killed" after step 2
     assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["2"]
     resumed = train.train_and_evaluate(config, str(tmp_path / "cut"))
   assert int(resumed.step) == 4
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params), jax.device_get(full.params))
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.opt_state), jax.device_get(full.opt_state))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params),
+               jax.device_get(full.params))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.opt_state),
+               jax.device_get(full.opt_state))
 
 
 def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
-  config = tiny_config(num_train_steps=6, checkpoint_every_steps=2, log_every_steps=1, learning_rate=1e30)
+  config = tiny_config(num_train_steps=6,
+                       checkpoint_every_steps=2,
+                       log_every_steps=1,
+                       learning_rate=1e30)
   with tfds.testing.mock_data(num_examples=16):
     with pytest.raises(FloatingPointError, match=r"Non-finite training loss .* at step \d+"):
       train.train_and_evaluate(config, str(tmp_path))
-  _, step, variables = train.load_checkpoint(str(tmp_path), config)
+  _, step, variables = workdir_lib.load_checkpoint(str(tmp_path), config)
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(variables))
 
 
@@ -159,7 +173,8 @@ def test_eight_devices_match_one_device_on_the_same_global_batch():
     mesh = train.create_mesh(num_devices)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-    state = jax.device_put(train.create_train_state(config, model, rng, (16, 16, 3), schedule), replicated)
+    state = jax.device_put(train.create_train_state(config, model, rng, (16, 16, 3), schedule),
+                           replicated)
     step, _ = train.compile_steps(model, schedule, mesh, 10)
     losses = []
     for batch in batches:
@@ -188,19 +203,27 @@ def test_sigterm_and_sigkill_then_rerun_is_bit_identical(tmp_path):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
   def command(workdir):
-    return [sys.executable, "-m", "smoothing_jax.main", f"--workdir={workdir}",
-            f"--config={root}/configs/cifar_resnet.py:resnet_mcdo_smoothing_18,npz:{data},runlocal",
-            "--config.model_kwargs.width=4", "--config.batch_size=8", "--config.num_train_steps=24",
-            "--config.checkpoint_every_steps=4", "--config.ensemble_sizes=(1,)", "--config.eval_batch_size=16"]
+    return [
+        sys.executable, "-m", "smoothing_jax.main", f"--workdir={workdir}",
+        f"--config={root}/configs/cifar_resnet.py:resnet_mcdo_smoothing_18,npz:{data},runlocal",
+        "--config.model_kwargs.width=4", "--config.batch_size=8", "--config.num_train_steps=24",
+        "--config.checkpoint_every_steps=4", "--config.ensemble_sizes=(1,)",
+        "--config.eval_batch_size=16"
+    ]
 
   env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", CUDA_VISIBLE_DEVICES="")
   checkpoints = tmp_path / "stopped" / "checkpoints"
 
   def start_and_signal(after_checkpoint, sig):
-    victim = subprocess.Popen(command(tmp_path / "stopped"), env=env, cwd=root, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    victim = subprocess.Popen(command(tmp_path / "stopped"),
+                              env=env,
+                              cwd=root,
+                              stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE,
+                              text=True)
     deadline = time.time() + 300
-    while not (checkpoints / str(after_checkpoint)).exists() and victim.poll() is None and time.time() < deadline:
+    while not (checkpoints /
+               str(after_checkpoint)).exists() and victim.poll() is None and time.time() < deadline:
       time.sleep(0.05)
     victim.send_signal(sig)
     _, stderr = victim.communicate(timeout=300)
@@ -213,18 +236,24 @@ def test_sigterm_and_sigkill_then_rerun_is_bit_identical(tmp_path):
   code, _ = start_and_signal(12, signal.SIGKILL)  # possibly in the middle of writing a checkpoint
   assert code == -signal.SIGKILL
   subprocess.run(command(tmp_path / "stopped"), check=True, env=env, cwd=root, capture_output=True)
-  _, step_full, full = train.load_checkpoint(str(tmp_path / "full"))
-  _, step_stopped, stopped = train.load_checkpoint(str(tmp_path / "stopped"))
+  _, step_full, full = workdir_lib.load_checkpoint(str(tmp_path / "full"))
+  _, step_stopped, stopped = workdir_lib.load_checkpoint(str(tmp_path / "stopped"))
   assert step_full == step_stopped == 24
   jax.tree.map(np.testing.assert_array_equal, stopped, full)
 
 
 def test_vit_recipe_resume_is_bit_identical(tmp_path):
-  """RandAugment (tf.data), Mixup/CutMix (in the step), stochastic depth and AdamW all resume exactly."""
+  """RandAugment (tf.data), Mixup/CutMix (in the step), stochastic depth and AdamW all resume
+  exactly."""
   from configs import cifar_vit
   config = cifar_vit.get_config("vit_ti,cifar10,runlocal")
   config.unlock()
-  config.model_kwargs.update(hidden_dim=8, depth=1, num_heads=1, head_dim=8, mlp_dim=8, patch_size=8)
+  config.model_kwargs.update(hidden_dim=8,
+                             depth=1,
+                             num_heads=1,
+                             head_dim=8,
+                             mlp_dim=8,
+                             patch_size=8)
   config.batch_size = 8
   config.num_train_steps = 4
   config.checkpoint_every_steps = 2
@@ -234,8 +263,10 @@ def test_vit_recipe_resume_is_bit_identical(tmp_path):
     full = train.train_and_evaluate(config, str(tmp_path / "full"))
     train.train_and_evaluate(config, str(tmp_path / "cut"), stop_after_steps=2)
     resumed = train.train_and_evaluate(config, str(tmp_path / "cut"))
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params), jax.device_get(full.params))
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.opt_state), jax.device_get(full.opt_state))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params),
+               jax.device_get(full.params))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.opt_state),
+               jax.device_get(full.opt_state))
   assert int(resumed.step) == 4
 
 
@@ -298,7 +329,7 @@ def _worker(data_dir, jobs):
       train.train_and_evaluate(npz_config(data_dir), workdir, stop_after_steps=arg)
     else:
       evaluate.evaluate_ensemble_sizes([workdir], arg)
-      _, step, variables = train.load_checkpoint(workdir)
+      _, step, variables = workdir_lib.load_checkpoint(workdir)
       np.savez(os.path.join(arg, "variables.npz"), step=step, **_flat(variables))
 
 
@@ -351,13 +382,13 @@ def test_checkpoints_move_between_device_counts(npz_run, tmp_path, caplog):
   assert rows[0]["count"] == 16 and np.isfinite(rows[0]["nll"])
   on_one = dict(np.load(os.path.join(results, "variables.npz")))
   assert int(on_one.pop("step")) == 4
-  _, _, here = train.load_checkpoint(full)
+  _, _, here = workdir_lib.load_checkpoint(full)
   assert on_one.keys() == _flat(here).keys()
   for key, value in _flat(here).items():
     np.testing.assert_array_equal(on_one[key], value, err_msg=key)
 
   assert "Resumed from step 2" in _finish(two)  # 8 → 2
-  _, step, variables = train.load_checkpoint(cut8)  # written by 2 devices, read on 8
+  _, step, variables = workdir_lib.load_checkpoint(cut8)  # written by 2 devices, read on 8
   assert step == 4
   jax.tree.map(_ACROSS_DEVICE_COUNTS, jax.device_get(variables), final)
 
@@ -396,7 +427,7 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_newest_intact_one(npz_run
   checkpoints = workdir / "checkpoints"
   before = _files(checkpoints)
   with caplog.at_level(logging.WARNING):
-    _, step, _ = train.load_checkpoint(str(workdir))
+    _, step, _ = workdir_lib.load_checkpoint(str(workdir))
   assert step == 2
   assert f"Checkpoint step 4 in {checkpoints} cannot be restored (ValueError: " in caplog.text
   assert _files(checkpoints) == before  # load_checkpoint changes nothing
@@ -414,7 +445,7 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_newest_intact_one(npz_run
   for name, digest in before.items():
     kept = "4.corrupt" + name[1:] if name.startswith("4" + os.sep) else name
     assert after[kept] == digest, name
-  _, step, variables = train.load_checkpoint(str(workdir))
+  _, step, variables = workdir_lib.load_checkpoint(str(workdir))
   assert step == 4
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(variables["params"]), final["params"])
 
@@ -428,12 +459,12 @@ def test_no_intact_checkpoint_is_a_one_line_error_and_deletes_nothing(npz_run, t
   checkpoints = workdir / "checkpoints"
   before = _files(checkpoints)
   with pytest.raises(FileNotFoundError) as error:
-    train.load_checkpoint(str(workdir))
-  assert isinstance(error.value, train.NoIntactCheckpointError)
+    workdir_lib.load_checkpoint(str(workdir))
+  assert isinstance(error.value, workdir_lib.NoIntactCheckpointError)
   message = str(error.value)
   assert message.startswith(f"No intact checkpoint in {checkpoints}: steps 4, 2 failed to restore")
   assert "\n" not in message
-  with pytest.raises(train.NoIntactCheckpointError, match="No intact checkpoint in"):
+  with pytest.raises(workdir_lib.NoIntactCheckpointError, match="No intact checkpoint in"):
     train.train_and_evaluate(npz_config(data), str(workdir))
   assert _files(checkpoints) == before
   assert "never retrieved" not in caplog.text

@@ -12,13 +12,19 @@ from smoothing_jax.models import get_model
 from smoothing_jax.models.common import drop_path
 
 TINY_VIT = dict(hidden_dim=16, depth=2, num_heads=2, head_dim=8, mlp_dim=32, patch_size=4)
-TINY_ALTERNET = dict(width=8, stage_sizes=(1, 2, 2, 2), msa_blocks=(0, 1, 1, 1), num_heads=(1, 2, 2, 2),
+TINY_ALTERNET = dict(width=8,
+                     stage_sizes=(1, 2, 2, 2),
+                     msa_blocks=(0, 1, 1, 1),
+                     num_heads=(1, 2, 2, 2),
                      head_dim=8)
 
 
 def num_params(model, image_size=32):
-  variables = jax.eval_shape(lambda: model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)},
-                                                jnp.zeros((2, image_size, image_size, 3))))
+  variables = jax.eval_shape(
+      lambda: model.init({
+          "params": jax.random.key(0),
+          "dropout": jax.random.key(1)
+      }, jnp.zeros((2, image_size, image_size, 3))))
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(variables["params"]))
 
 
@@ -35,7 +41,8 @@ def images():
 
 @pytest.mark.parametrize("name, count", [
     # The reference implementation's counts (HV models/vit.py and alternet.py, CIFAR-100, 32×32,
-    # patch 2, window 4), as built by tests/torch_reference.py; checked below when torch is installed.
+    # patch 2, window 4), as built by smoothing_jax/torch_reference.py; checked below when torch is
+    # installed.
     ("vit_ti", 5_403_172),
     ("alternet_50", 34_062_538),
 ])
@@ -45,7 +52,7 @@ def test_parameter_counts_equal_the_reference(name, count):
 
 def test_parameter_counts_equal_the_torch_reference():
   torch = pytest.importorskip("torch")
-  from tests import torch_reference as ref
+  from smoothing_jax import torch_reference as ref
   torch_count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
   assert torch_count(ref.ViT(32, 2, 100, 12, 192, 3, 768)) == num_params(get_model("vit_ti", 100))
   assert torch_count(ref.AlterNet((3, 4, 6, 4), (0, 1, 3, 2), (3, 6, 12, 24), 100)) == num_params(
@@ -56,7 +63,11 @@ def test_parameter_counts_equal_the_torch_reference():
 def test_shapes_of_the_registered_sizes():
   for name in ("vit_ti", "alternet_50"):
     out = jax.eval_shape(lambda x, m=get_model(name, 100): m.init_with_output(
-        {"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)[0], jnp.zeros((2, 32, 32, 3)))
+        {
+            "params": jax.random.key(0),
+            "dropout": jax.random.key(1)
+        }, x)[0],
+                         jnp.zeros((2, 32, 32, 3)))
     assert out.shape == (2, 100)
   # ImageNet geometry: patch 16 / window 7 from the stem, like the CNNs.
   vit = get_model("vit_s", 1000, stem="imagenet")
@@ -73,7 +84,8 @@ def test_alternet_build_up_rule_and_backbone():
   assert len(units) == 17 and kinds.count("msa") == 6
   # MSAs close each stage, alternating with Convs: stage 3 is C M C M C M.
   assert kinds[7:13] == ["conv", "msa"] * 3 and kinds[3:7] == ["conv"] * 3 + ["msa"]
-  assert [k for _, k in get_model("alternet_50", 10, msa_blocks=(0, 0, 0, 0)).units()] == ["conv"] * 17
+  assert [k for _, k in get_model("alternet_50", 10, msa_blocks=(0, 0, 0, 0)).units()
+         ] == ["conv"] * 17
 
 
 def test_bad_configurations_are_named(images):
@@ -105,7 +117,8 @@ def test_attention_matches_numpy():
   x = np.random.default_rng(0).normal(size=(2, 5, 6)).astype(np.float32)
   layer = MultiHeadAttention(num_heads=2, head_dim=3, out_features=4)
   params = layer.init(jax.random.key(0), x)["params"]
-  wqkv, wo, bo = (np.asarray(a) for a in (params["qkv"]["kernel"], params["out"]["kernel"], params["out"]["bias"]))
+  wqkv, wo, bo = (np.asarray(a) for a in (params["qkv"]["kernel"], params["out"]["kernel"],
+                                          params["out"]["bias"]))
   heads = []
   for h in range(2):
     q, k, v = (x @ wqkv[:, s, h] for s in range(3))           # [B, N, d]
@@ -122,7 +135,9 @@ def test_window_equal_to_the_map_is_global_msa():
   params = window.init(jax.random.key(1), x)["params"]
   params = {**params, "relative_position": jnp.zeros_like(params["relative_position"])}
   global_msa = MultiHeadAttention(num_heads=2, head_dim=3)
-  expected = global_msa.apply({"params": params["attention"]}, x.reshape(2, 16, 6)).reshape(2, 4, 4, 6)
+  expected = global_msa.apply({
+      "params": params["attention"]
+  }, x.reshape(2, 16, 6)).reshape(2, 4, 4, 6)
   chex.assert_trees_all_close(window.apply({"params": params}, x), expected, rtol=1e-5, atol=1e-5)
   # ... and a convolutional neighbourhood of 2·4 − 1 covers the map.
   assert np.all(neighbourhood_mask(4, 4, 7) == 0)
@@ -140,13 +155,17 @@ def test_smaller_windows_attend_within_themselves_with_the_relative_bias():
   inner = MultiHeadAttention(num_heads=1, head_dim=3)
   # Explicit bias: key j relative to query i within a 2×2 window, row-major.
   pos = [(r, c) for r in range(2) for c in range(2)]
-  bias = np.array([[table[pj[0] - pi[0] + 1, pj[1] - pi[1] + 1] for pj in pos] for pi in pos], np.float32)
+  bias = np.array([[table[pj[0] - pi[0] + 1, pj[1] - pi[1] + 1] for pj in pos] for pi in pos],
+                  np.float32)
   np.testing.assert_array_equal(relative_position_index(2)[0, 3], [2, 2])
   for r in (0, 2):
     for c in (0, 2):
       patch = np.asarray(x)[:, r:r + 2, c:c + 2].reshape(1, 4, 3)
       expected = inner.apply({"params": params["attention"]}, patch, jnp.asarray(bias))
-      np.testing.assert_allclose(out[:, r:r + 2, c:c + 2].reshape(1, 4, 3), expected, rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(out[:, r:r + 2, c:c + 2].reshape(1, 4, 3),
+                                 expected,
+                                 rtol=1e-5,
+                                 atol=1e-6)
   assert window_partition(x, 2).shape == (4, 4, 3)
 
 
@@ -168,7 +187,7 @@ def test_local_vit_runs_and_window_changes_the_output(images):
   assert not np.allclose(outputs[2], outputs[3])
 
 
-# ----------------------------------------------------------------------------- stochastic depth and lesions
+# --------------------------------------------------------------------- stochastic depth and lesions
 
 def test_drop_path_drops_whole_examples():
   class Branch(nn.Module):
@@ -196,8 +215,8 @@ def test_lesion_of_a_zero_unit_changes_nothing(name, kwargs, zero_unit, images):
   index = names.index(zero_unit[0])
   # Zero the unit's last projection: its residual branch is then exactly zero.
   params = jax.tree_util.tree_map_with_path(
-      lambda path, v: jnp.zeros_like(v) if tuple(p.key for p in path[:len(zero_unit)]) == zero_unit else v,
-      variables["params"])
+      lambda path, v: jnp.zeros_like(v)
+      if tuple(p.key for p in path[:len(zero_unit)]) == zero_unit else v, variables["params"])
   variables = {**variables, "params": params}
   full = model.apply(variables, x)
   keep_all = jnp.ones(len(names))
@@ -209,14 +228,19 @@ def test_lesion_of_a_zero_unit_changes_nothing(name, kwargs, zero_unit, images):
   assert not np.allclose(other, full, atol=1e-4)
 
 
-# ----------------------------------------------------------------------------- parity with the reference
+# ------------------------------------------------------------------------ parity with the reference
 
 def _vit_params_from_torch(t, depth, heads, head_dim):
   sd = {k: v.detach().numpy() for k, v in t.state_dict().items()}
   ln = lambda p: {"scale": sd[p + ".weight"], "bias": sd[p + ".bias"]}  # noqa: E731
   dense = lambda p: {"kernel": sd[p + ".weight"].T, "bias": sd[p + ".bias"]}  # noqa: E731
-  params = {"embedding": dense("embedding"), "cls_token": sd["cls_token"], "pos_embedding": sd["pos_embedding"],
-            "head_norm": ln("norm"), "head": dense("head")}
+  params = {
+      "embedding": dense("embedding"),
+      "cls_token": sd["cls_token"],
+      "pos_embedding": sd["pos_embedding"],
+      "head_norm": ln("norm"),
+      "head": dense("head")
+  }
   for i in range(depth):
     p = f"transformers.{i}"
     dim = sd[p + ".norm1.weight"].shape[0]
@@ -224,13 +248,17 @@ def _vit_params_from_torch(t, depth, heads, head_dim):
         "qkv": {"kernel": sd[p + ".attn.to_qkv.weight"].T.reshape(dim, 3, heads, head_dim)},
         "out": {"kernel": sd[p + ".attn.to_out.weight"].T.reshape(heads, head_dim, dim),
                 "bias": sd[p + ".attn.to_out.bias"]}}}
-    params[f"block{i}_mlp"] = {"norm": ln(p + ".norm2"), "fc1": dense(p + ".ff.0"), "fc2": dense(p + ".ff.2")}
+    params[f"block{i}_mlp"] = {
+        "norm": ln(p + ".norm2"),
+        "fc1": dense(p + ".ff.0"),
+        "fc2": dense(p + ".ff.2")
+    }
   return params
 
 
 def test_vit_logits_equal_the_torch_reference():
   torch = pytest.importorskip("torch")
-  from tests import torch_reference as ref
+  from smoothing_jax import torch_reference as ref
   torch.manual_seed(0)
   t = ref.ViT(16, 4, 10, depth=2, dim=16, heads=2, mlp_dim=32, dim_head=8).eval()
   x = np.random.default_rng(0).normal(size=(3, 3, 16, 16)).astype(np.float32)
@@ -245,7 +273,7 @@ def test_vit_logits_equal_the_torch_reference():
 def test_alternet_logits_equal_the_torch_reference():
   torch = pytest.importorskip("torch")
   from smoothing_jax.convert import torch_key
-  from tests import torch_reference as ref
+  from smoothing_jax import torch_reference as ref
   torch.manual_seed(0)
   t = ref.randomize(ref.AlterNet((1, 2, 2, 2), (0, 1, 1, 1), (1, 2, 2, 2), 10, width=8, dim_head=8))
   sd = {k: v.detach().numpy() for k, v in t.state_dict().items()}
@@ -254,8 +282,12 @@ def test_alternet_logits_equal_the_torch_reference():
     expected = t(torch.from_numpy(x)).numpy()
   model = get_model("alternet_50", 10, **TINY_ALTERNET)
   abstract = jax.eval_shape(lambda: init(model, jnp.zeros((1, 32, 32, 3))))
-  renames = {".bn1.": ".norm1.", ".bn2.": ".norm2.", ".attention.attention.qkv.": ".attn.attn.to_qkv.",
-             ".attention.attention.out.": ".attn.attn.to_out."}
+  renames = {
+      ".bn1.": ".norm1.",
+      ".bn2.": ".norm2.",
+      ".attention.attention.qkv.": ".attn.attn.to_qkv.",
+      ".attention.attention.out.": ".attn.attn.to_out."
+  }
 
   msa_blocks = {n for n, kind in model.units() if kind == "msa"}
 
@@ -280,7 +312,7 @@ def test_alternet_logits_equal_the_torch_reference():
   np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
 
 
-# ----------------------------------------------------------------------------- analyses on ViT / AlterNet
+# ----------------------------------------------------------------------- analyses on ViT / AlterNet
 
 MICRO_VIT = dict(hidden_dim=8, depth=2, num_heads=1, head_dim=8, mlp_dim=8, patch_size=4)
 
@@ -297,7 +329,8 @@ def test_vit_has_no_dropout_by_default_as_in_the_reference(micro_vit):
   """HV ``models/vit.py`` (newest commit): ``ViT(..., dropout=0.0, emb_dropout=0.0, sd=0.0)``, so a
   training-mode forward pass does not depend on the dropout key; a rate of 0.1 makes it depend."""
   model, variables, x, _ = micro_vit
-  assert (model.dropout_rate_train, model.embedding_dropout_rate, model.stochastic_depth) == (0.0, 0.0, 0.0)
+  assert (model.dropout_rate_train, model.embedding_dropout_rate,
+          model.stochastic_depth) == (0.0, 0.0, 0.0)
 
   def train_logits(m, seed):
     return m.apply(variables, x, train=True, rngs={"dropout": jax.random.key(seed)})
@@ -318,20 +351,24 @@ def test_feature_taps_of_vit_are_token_maps_with_kinds(micro_vit):
   _, state = model.apply(variables, x, capture_intermediates=True, mutable=["intermediates"])
   tokens = np.asarray(state["intermediates"]["block1_msa"]["__call__"][0])[:, 1:]
   expected = np.var(tokens, axis=1, ddof=1).mean()
-  np.testing.assert_allclose(feature_variance(model, variables, x, num_samples=1)["block1_msa"]["data"], expected,
+  np.testing.assert_allclose(feature_variance(model, variables, x,
+                                              num_samples=1)["block1_msa"]["data"],
+                             expected,
                              rtol=1e-5)
 
 
-def test_lesion_study_table_and_plot(micro_vit):
+def test_lesion_accuracy_drops_table_and_plot(micro_vit):
   import matplotlib
   matplotlib.use("Agg")
-  from smoothing_jax.analysis.lesion import lesion_study, lesion_table, plot_lesion
+  from smoothing_jax.analysis.lesion import lesion_accuracy_drops, lesion_table
+  from smoothing_jax.plots import plot_lesion
   model, variables, x, y = micro_vit
   params = jax.tree_util.tree_map_with_path(
-      lambda path, v: jnp.zeros_like(v) if [p.key for p in path[:2]] == ["block1_mlp", "fc2"] else v,
-      variables["params"])
+      lambda path, v: jnp.zeros_like(v)
+      if [p.key for p in path[:2]] == ["block1_mlp", "fc2"] else v, variables["params"])
   variables = {"params": params}
-  result = lesion_study(model, variables, [{"image": x[:4], "label": y[:4]}, {"image": x[4:], "label": y[4:]}])
+  batches = [{"image": x[:4], "label": y[:4]}, {"image": x[4:], "label": y[4:]}]
+  result = lesion_accuracy_drops(model, variables, batches)
   logits = model.apply(variables, x)
   assert result["accuracy"] == pytest.approx(float(np.mean(np.argmax(logits, -1) == y)))
   rows = {r["name"]: r for r in result["units"]}
@@ -341,15 +378,23 @@ def test_lesion_study_table_and_plot(micro_vit):
   assert "| 3 | block1_mlp | mlp |" in lesion_table(result)
   assert plot_lesion({"ViT": result}).axes[0].get_xlabel().startswith("unit index")
   with pytest.raises(ValueError, match="no residual units"):
-    lesion_study(get_model("resnet_dnn_18", 3, width=4), {}, [])
+    lesion_accuracy_drops(get_model("resnet_dnn_18", 3, width=4), {}, [])
 
 
 def test_spectrum_with_negative_eigenvalues_matches_the_explicit_hessian(micro_vit):
   from jax.flatten_util import ravel_pytree
   from smoothing_jax.analysis.spectrum import max_eigenvalue_spectrum, training_loss
   model, variables, x, y = micro_vit
-  result = max_eigenvalue_spectrum(model, variables, [{"image": x, "label": y}], k=1, weight_decay=0.0,
-                                   max_iters=500, tol=1e-6, negative=True)
+  result = max_eigenvalue_spectrum(model,
+                                   variables, [{
+                                       "image": x,
+                                       "label": y
+                                   }],
+                                   k=1,
+                                   weight_decay=0.0,
+                                   max_iters=500,
+                                   tol=1e-6,
+                                   negative=True)
   flat, unravel = ravel_pytree(variables["params"])
   loss = lambda f: training_loss(model, 0.0, {}, jax.random.key(0), x, y, unravel(f))  # noqa: E731
   eigenvalues = np.linalg.eigvalsh(np.asarray(jax.hessian(loss)(flat), np.float64))

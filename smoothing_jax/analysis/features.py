@@ -1,4 +1,5 @@
-"""Feature-map probes by depth: Fourier Δlog-amplitude and feature-map variance (paper Fig. 5, HV Fig. 2/9).
+"""Feature-map probes by depth: Fourier Δlog-amplitude and feature-map variance (paper Fig. 5,
+HV Fig. 2/9).
 
 Feature maps are tapped with Flax ``capture_intermediates`` (no model copies):
 by default the outputs of every block (residual, VGG, AlexNet, WRN blocks; ViT
@@ -37,9 +38,15 @@ def block_kinds(model, names) -> dict:
 
 
 def _captured(model, filter_fn, variables, images, rng) -> dict:
-  _, state = model.apply(variables, images, train=False, rngs=sample_rngs(rng), capture_intermediates=filter_fn,
+  _, state = model.apply(variables,
+                         images,
+                         train=False,
+                         rngs=sample_rngs(rng),
+                         capture_intermediates=filter_fn,
                          mutable=["intermediates"])
-  return {name: out["__call__"][0] for name, out in state["intermediates"].items() if "__call__" in out}
+  return {
+      name: out["__call__"][0] for name, out in state["intermediates"].items() if "__call__" in out
+  }
 
 
 _captured_jit = jax.jit(_captured, static_argnums=(0, 1))
@@ -47,7 +54,8 @@ _ORDER: dict = {}
 
 
 def _execution_order(model, filter_fn, variables, images, rng) -> list:
-  """Tap names in execution order (jit returns dicts sorted by key), traced once per model and shape."""
+  """Tap names in execution order (jit returns dicts sorted by key), traced once per model and
+  shape."""
   key = (model, filter_fn, images.shape)
   if key not in _ORDER:
     names = []
@@ -62,7 +70,8 @@ def _execution_order(model, filter_fn, variables, images, rng) -> list:
 
 
 def feature_maps(model, variables, images, rng=None, filter_fn: Callable = _is_block) -> dict:
-  """``{block name: NHWC output}`` in execution order for one forward pass (eval mode, dropout key ``rng``)."""
+  """``{block name: NHWC output}`` in execution order for one forward pass (eval mode, dropout key
+  ``rng``)."""
   rng = jax.random.key(0) if rng is None else rng
   maps = _captured_jit(model, filter_fn, variables, images, rng)
   return {name: tokens_to_map(maps[name]) if maps[name].ndim == 3 else maps[name]
@@ -71,10 +80,18 @@ def feature_maps(model, variables, images, rng=None, filter_fn: Callable = _is_b
 
 def fourier_by_depth(model, variables, images, rng=None) -> dict:
   """``{block: Δlog-amplitude curve}`` for every tapped block (square maps)."""
-  return {name: np.asarray(delta_log_amplitude(x)) for name, x in feature_maps(model, variables, images, rng).items()}
+  return {
+      name: np.asarray(delta_log_amplitude(x))
+      for name, x in feature_maps(model, variables, images, rng).items()
+  }
 
 
-def feature_variance(model, variables, images, *, num_samples: int = 10, rng: Optional[jax.Array] = None) -> dict:
+def feature_variance(model,
+                     variables,
+                     images,
+                     *,
+                     num_samples: int = 10,
+                     rng: Optional[jax.Array] = None) -> dict:
   """Data and model uncertainty of feature maps by depth (paper Fig. 5).
 
   data: spatial variance of each map per sample and channel, averaged (over the
@@ -82,53 +99,12 @@ def feature_variance(model, variables, images, *, num_samples: int = 10, rng: Op
   element, averaged.  Returns ``{block: {"data": float, "model": float}}``.
   """
   rng = jax.random.key(0) if rng is None else rng
-  passes = [feature_maps(model, variables, images, key) for key in jax.random.split(rng, num_samples)]
+  passes = [
+      feature_maps(model, variables, images, key) for key in jax.random.split(rng, num_samples)
+  ]
   out = {}
   for name in passes[0]:
     stacked = jnp.stack([p[name] for p in passes])                      # [N, B, H, W, C]
     out[name] = {"data": float(jnp.mean(jnp.var(stacked[0], axis=(1, 2), ddof=1))),
                  "model": float(jnp.mean(jnp.var(stacked, axis=0)))}
   return out
-
-
-def plot_by_depth(values: dict, ylabel: str, title: str = "", kinds: Optional[dict] = None):
-  """Line plot of ``{label: {block: value}}`` against normalised depth; returns the Figure.
-
-  ``kinds`` ``{label: {block: kind}}`` (:func:`block_kinds`) shades the MSA blocks grey, as HV's figures do.
-  """
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(5, 3.2))
-  for label, by_block in values.items():
-    depth = np.linspace(0, 1, len(by_block))
-    line, = ax.plot(depth, list(by_block.values()), "o-", label=label, markersize=3)
-    label_kinds = (kinds or {}).get(label, {})
-    msa = [(d, value) for d, (block, value) in zip(depth, by_block.items()) if label_kinds.get(block) == "msa"]
-    if msa:
-      half = 0.5 / max(len(by_block) - 1, 1)
-      for d, _ in msa:
-        ax.axvspan(d - half, d + half, color="0.85", zorder=0)
-      ax.plot(*zip(*msa), "s", color=line.get_color(), markersize=6, markerfacecolor="white")
-  ax.set_xlabel("normalised depth")
-  ax.set_ylabel(ylabel)
-  ax.set_title(title)
-  ax.legend()
-  fig.tight_layout()
-  return fig
-
-
-def plot_delta_log_amplitude(curves: dict, title: str = "", ax=None):
-  """Δlog-amplitude from 0 to π for each block, ``{block: curve}``, coloured by depth (HV Fourier plot).
-
-  Draws on ``ax`` if given; returns the Figure.
-  """
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(5, 3.2)) if ax is None else (ax.figure, ax)
-  colors = plt.cm.plasma(np.linspace(0, 0.9, len(curves)))
-  for color, (block, curve) in zip(colors, curves.items()):
-    ax.plot(np.linspace(0, 1, len(curve)), curve, color=color, label=block)
-  ax.set_xlabel("frequency (×π)")
-  ax.set_ylabel("Δ log amplitude")
-  ax.set_title(title)
-  ax.legend(fontsize=6, ncol=2)
-  fig.tight_layout()
-  return fig

@@ -15,14 +15,16 @@ import numpy as np
 
 
 def frequency_band_mask(size: int, center: float, width: float = 0.1) -> np.ndarray:
-  """``[size, size]`` 0/1 mask (unshifted FFT layout) of frequencies with L∞ radius in [f − w/2, f + w/2)."""
+  """``[size, size]`` 0/1 mask (unshifted FFT layout) of frequencies with L∞ radius in
+  [f − w/2, f + w/2)."""
   k = np.abs(np.fft.fftfreq(size) * 2.0)  # |frequency| in units of π
   radius = np.maximum(k[:, None], k[None, :])
   return ((radius >= center - width / 2) & (radius < center + width / 2)).astype(np.float32)
 
 
 def band_limited_noise(rng, shape, center: float, width: float = 0.1, std: float = 1.0):
-  """Gaussian noise of ``shape`` NHWC restricted to the frequency band around ``center`` (real-valued)."""
+  """Gaussian noise of ``shape`` NHWC restricted to the frequency band around ``center``
+  (real-valued)."""
   if shape[1] != shape[2]:
     raise ValueError(f"Frequency noise needs square images, got shape {shape}.")
   delta = std * jax.random.normal(rng, shape)
@@ -30,26 +32,19 @@ def band_limited_noise(rng, shape, center: float, width: float = 0.1, std: float
   return jnp.real(jnp.fft.ifft2(jnp.fft.fft2(delta, axes=(1, 2)) * mask, axes=(1, 2)))
 
 
-def accuracy_vs_frequency(predict: Callable, images, labels, frequencies: Sequence[float], *, std: float = 0.1,
-                          width: float = 0.1, rng=None) -> np.ndarray:
-  """Accuracy of ``predict(images) -> probs`` on ``images + band-limited noise`` for each frequency."""
+def accuracy_vs_frequency(predict: Callable,
+                          images,
+                          labels,
+                          frequencies: Sequence[float],
+                          *,
+                          std: float = 0.1,
+                          width: float = 0.1,
+                          rng=None) -> np.ndarray:
+  """Accuracy of ``predict(images) -> probs`` on ``images + band-limited noise`` for each
+  frequency."""
   rng = jax.random.key(0) if rng is None else rng
   accuracies = []
   for i, f in enumerate(frequencies):
     noisy = images + band_limited_noise(jax.random.fold_in(rng, i), images.shape, f, width, std)
     accuracies.append(float(jnp.mean(jnp.argmax(predict(noisy), -1) == labels)))
   return np.asarray(accuracies)
-
-
-def plot_accuracy_vs_frequency(results: dict, title: str = ""):
-  """Accuracy against noise frequency, ``{label: (frequencies, accuracies)}`` (paper Fig. 6c)."""
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(5, 3.2))
-  for label, (freqs, acc) in results.items():
-    ax.plot(freqs, 100 * np.asarray(acc), "o-", label=label)
-  ax.set_xlabel("noise frequency (×π)")
-  ax.set_ylabel("accuracy (%)")
-  ax.set_title(title)
-  ax.legend()
-  fig.tight_layout()
-  return fig

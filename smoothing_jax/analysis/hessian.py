@@ -49,7 +49,8 @@ def _normalize(v):
 
 @jax.jit
 def _power_step(loss_fn, params, v, basis, shift):
-  """One power-iteration step on ``H − shift·I`` deflated by the rows of ``basis`` (zero rows: no-op).
+  """One power-iteration step on ``H − shift·I`` deflated by the rows of ``basis`` (zero rows:
+  no-op).
 
   Returns the Rayleigh quotient of the deflated unit vector and the normalised image.
   """
@@ -142,8 +143,10 @@ def min_eigenvalue(loss_fn: Callable, params, max_iters: int = 100, tol: float =
     top = float(top_eigenvalues(loss_fn, params, 1, max_iters, tol, top_key).eigenvalues[0])
   flat, unravel = ravel_pytree(params)
   shift = abs(top)
-  shifted, vector, _ = _power_iteration(loss_fn, params, jax.random.normal(key, flat.shape, flat.dtype),
-                                        jnp.zeros((1, flat.shape[0]), flat.dtype), shift, tol, max_iters)
+  shifted, vector, _ = _power_iteration(loss_fn, params,
+                                        jax.random.normal(key, flat.shape, flat.dtype),
+                                        jnp.zeros((1, flat.shape[0]), flat.dtype), shift, tol,
+                                        max_iters)
   return shifted + shift, unravel(vector)
 
 
@@ -154,8 +157,12 @@ def _hutchinson_probe(loss_fn, params, key):
   return jnp.vdot(v, _flat_hvp(loss_fn, params)(v))
 
 
-def hessian_trace(loss_fn: Callable, params, num_samples: int = 100, rng: Optional[jax.Array] = None):
-  """Hutchinson's estimator tr(H) ≈ mean_i vᵢᵀ H vᵢ with Rademacher vᵢ; returns ``(mean, samples)``."""
+def hessian_trace(loss_fn: Callable,
+                  params,
+                  num_samples: int = 100,
+                  rng: Optional[jax.Array] = None):
+  """Hutchinson's estimator tr(H) ≈ mean_i vᵢᵀ H vᵢ with Rademacher vᵢ; returns
+  ``(mean, samples)``."""
   loss_fn = as_pytree(loss_fn)
   keys = jax.random.split(jax.random.key(0) if rng is None else rng, num_samples)
   samples = jnp.stack([_hutchinson_probe(loss_fn, params, key) for key in keys])
@@ -164,7 +171,8 @@ def hessian_trace(loss_fn: Callable, params, num_samples: int = 100, rng: Option
 
 @jax.jit
 def _lanczos_step(loss_fn, params, basis, i, v, v_prev, beta_prev):
-  """One Lanczos step with full reorthogonalisation against the rows of ``basis`` (zero rows: no-op)."""
+  """One Lanczos step with full reorthogonalisation against the rows of ``basis`` (zero rows:
+  no-op)."""
   basis = basis.at[i].set(v)
   w = _flat_hvp(loss_fn, params)(v) - beta_prev * v_prev
   alpha = jnp.vdot(w, v)
@@ -188,12 +196,14 @@ def _lanczos(loss_fn, params, v0, num_iters):
 
 
 class SpectralDensity(NamedTuple):
-  """Gauss quadrature of the eigenvalue density: ``nodes`` / ``weights`` ``[num_runs, num_iters]``."""
+  """Gauss quadrature of the eigenvalue density: ``nodes`` / ``weights``
+  ``[num_runs, num_iters]``."""
   nodes: np.ndarray
   weights: np.ndarray
 
   def on_grid(self, grid_size: int = 10000, sigma_squared: float = 1e-5, margin: float = 0.01):
-    """Gaussian-smoothed density on a grid covering all nodes; integrates to 1 (PyHessian's estimate)."""
+    """Gaussian-smoothed density on a grid covering all nodes; integrates to 1 (PyHessian's
+    estimate)."""
     lo, hi = float(self.nodes.min()), float(self.nodes.max())
     pad = margin * max(hi - lo, 1e-12) + 3 * np.sqrt(sigma_squared)
     grid = np.linspace(lo - pad, hi + pad, grid_size)
@@ -205,7 +215,8 @@ class SpectralDensity(NamedTuple):
 
 def eigenvalue_density(loss_fn: Callable, params, num_iters: int = 100, num_runs: int = 1,
                        rng: Optional[jax.Array] = None) -> SpectralDensity:
-  """Stochastic Lanczos quadrature (Ghorbani et al. 2019): ``num_runs`` Lanczos runs of ``num_iters`` steps.
+  """Stochastic Lanczos quadrature (Ghorbani et al. 2019): ``num_runs`` Lanczos runs of
+  ``num_iters`` steps.
 
   Each run's tridiagonal matrix T has eigenvalues θ_j (nodes) and eigenvectors
   whose first components squared are the quadrature weights (they sum to 1).
@@ -215,7 +226,8 @@ def eigenvalue_density(loss_fn: Callable, params, num_iters: int = 100, num_runs
   num_iters = min(num_iters, flat.shape[0])
   nodes, weights = [], []
   for key in jax.random.split(jax.random.key(0) if rng is None else rng, num_runs):
-    alphas, betas = _lanczos(loss_fn, params, jax.random.rademacher(key, flat.shape, flat.dtype), num_iters)
+    alphas, betas = _lanczos(loss_fn, params, jax.random.rademacher(key, flat.shape, flat.dtype),
+                             num_iters)
     tridiagonal = np.diag(alphas) + np.diag(betas, 1) + np.diag(betas, -1)
     theta, vectors = np.linalg.eigh(tridiagonal)
     nodes.append(theta)

@@ -13,7 +13,7 @@ embeddings and relative-position tables, ``ops/loss_landscapes.ignore_kw``).
 from __future__ import annotations
 
 import re
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +66,8 @@ def loss_surface(loss_fn: Callable, params, d1, d2, alphas, betas, *, weight_dec
   grid = np.stack(np.meshgrid(alphas, betas, indexing="ij"), axis=-1).reshape(-1, 2)
 
   @jax.jit
-  def evaluate(loss_fn, params, d1, d2, coords):  # arrays as arguments: no constant folding of the network
+  def evaluate(loss_fn, params, d1, d2,
+               coords):  # arrays as arguments: no constant folding of the network
     def at(c):
       point = jax.tree.map(lambda p, a, b: p + c[0] * a + c[1] * b, params, d1, d2)
       return loss_fn(point), optax.tree_utils.tree_l2_norm(point, squared=True)
@@ -83,21 +84,3 @@ def loss_surface(loss_fn: Callable, params, d1, d2, alphas, betas, *, weight_dec
   loss = np.concatenate(losses).reshape(len(alphas), len(betas))
   l2 = np.concatenate(norms).reshape(len(alphas), len(betas))
   return {"alphas": alphas, "betas": betas, "loss": loss, "loss_l2": loss + 0.5 * weight_decay * l2}
-
-
-def plot_surface(surface: dict, key: str = "loss", title: Optional[str] = None):
-  """Contour and 3-D plots of ``surface[key]``; returns the Figure."""
-  import matplotlib.pyplot as plt
-  a, b = np.meshgrid(surface["alphas"], surface["betas"], indexing="ij")
-  z = surface[key]
-  fig = plt.figure(figsize=(9, 3.8))
-  ax = fig.add_subplot(1, 2, 1)
-  contour = ax.contour(a, b, z, levels=20)
-  ax.clabel(contour, fontsize=6)
-  ax.set_xlabel("α")
-  ax.set_ylabel("β")
-  ax3 = fig.add_subplot(1, 2, 2, projection="3d")
-  ax3.plot_surface(a, b, z, cmap="viridis")
-  fig.suptitle(title or key)
-  fig.tight_layout()
-  return fig

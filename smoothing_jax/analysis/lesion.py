@@ -1,4 +1,5 @@
-"""Lesion study (HV Sec. 4.1): remove one unit of a trained network at test time, measure the accuracy drop.
+"""Lesion study (HV Sec. 4.1): remove one unit of a trained network at test time, measure the
+accuracy drop.
 
 A unit is one residual block (ViT: an MSA or an MLP unit; AlterNet: a Conv or MSA
 block); removing it sets its residual branch to zero, x ↦ x, through the models'
@@ -11,7 +12,6 @@ from typing import Iterable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from smoothing_jax.inference import sample_rngs
 
@@ -22,7 +22,7 @@ def _correct(model, variables, images, labels, block_mask, rng):
   return jnp.sum(jnp.argmax(logits, -1) == labels)
 
 
-def lesion_study(model, variables, batches: Iterable[dict], rng=None) -> dict:
+def lesion_accuracy_drops(model, variables, batches: Iterable[dict], rng=None) -> dict:
   """Accuracy with each unit removed.
 
   Args:
@@ -33,7 +33,8 @@ def lesion_study(model, variables, batches: Iterable[dict], rng=None) -> dict:
   drop = full-model accuracy − accuracy without the unit (percentage points ×0.01).
   """
   if not hasattr(model, "units"):
-    raise ValueError(f"{type(model).__name__} has no residual units to lesion; use a ViT or AlterNet.")
+    raise ValueError(
+        f"{type(model).__name__} has no residual units to lesion; use a ViT or AlterNet.")
   rng = jax.random.key(0) if rng is None else rng
   units = model.units()
   batches = [(jnp.asarray(b["image"]), jnp.asarray(b["label"])) for b in batches]
@@ -52,31 +53,12 @@ def lesion_study(model, variables, batches: Iterable[dict], rng=None) -> dict:
 
 
 def lesion_table(result: dict) -> str:
-  """Markdown table of a :func:`lesion_study` result."""
+  """Markdown table of a :func:`lesion_accuracy_drops` result."""
   lines = [f"full model: {100 * result['accuracy']:.2f}% accuracy", "",
            "| unit | block | kind | accuracy (%) | drop (pp) |", "|---|---|---|---|---|"]
-  lines += [f"| {r['index']} | {r['name']} | {r['kind']} | {100 * r['accuracy']:.2f} | {100 * r['drop']:.2f} |"
-            for r in result["units"]]
+  lines += [
+      f"| {r['index']} | {r['name']} | {r['kind']} | {100 * r['accuracy']:.2f} | "
+      f"{100 * r['drop']:.2f} |"
+      for r in result["units"]
+  ]
   return "\n".join(lines)
-
-
-def plot_lesion(results: dict, title: str = ""):
-  """Accuracy drop per unit index, ``{label: lesion_study result}``; MSA units marked. Returns the Figure."""
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 3.2))
-  width = 0.8 / max(len(results), 1)
-  for j, (label, result) in enumerate(results.items()):
-    rows = result["units"]
-    index = np.array([r["index"] for r in rows]) + (j - (len(results) - 1) / 2) * width
-    drops = np.array([100 * r["drop"] for r in rows])
-    bars = ax.bar(index, drops, width, label=label)
-    for bar, r in zip(bars, rows):
-      if r["kind"] == "msa":
-        bar.set_hatch("//")
-        bar.set_edgecolor("black")
-  ax.set_xlabel("unit index (hatched: MSA)")
-  ax.set_ylabel("accuracy drop (pp)")
-  ax.set_title(title)
-  ax.legend()
-  fig.tight_layout()
-  return fig

@@ -21,12 +21,15 @@ import numpy as np
 
 from smoothing_jax.metrics import TemporalConsistency
 
-CIFAR10_P_TYPES = ("gaussian_noise", "shot_noise", "motion_blur", "zoom_blur", "spatter", "brightness",
-                   "translate", "rotate", "tilt", "scale")
+CIFAR10_P_TYPES = ("gaussian_noise", "shot_noise", "motion_blur", "zoom_blur", "spatter",
+                   "brightness", "translate", "rotate", "tilt", "scale")
 _EPS = 1e-12
 
 
-def translate_sequences(images: np.ndarray, length: int = 31, max_shift: int = 3, seed: int = 0) -> np.ndarray:
+def translate_sequences(images: np.ndarray,
+                        length: int = 31,
+                        max_shift: int = 3,
+                        seed: int = 0) -> np.ndarray:
   """Shift-translated sequences ``[N, length, H, W, C]`` from images ``[N, H, W, C]``.
 
   Frame t shifts its image by s_t pixels, s_t going linearly from −max_shift to
@@ -59,7 +62,8 @@ def translate_sequences(images: np.ndarray, length: int = 31, max_shift: int = 3
 def load_cifar10_p(data_dir: str, perturbation: str) -> np.ndarray:
   """Load ``<data_dir>/<perturbation>.npy`` of CIFAR-10-P as uint8 ``[N, T, 32, 32, 3]``."""
   if perturbation not in CIFAR10_P_TYPES:
-    raise ValueError(f"Unknown CIFAR-10-P perturbation {perturbation!r}; known: {', '.join(CIFAR10_P_TYPES)}.")
+    raise ValueError(
+        f"Unknown CIFAR-10-P perturbation {perturbation!r}; known: {', '.join(CIFAR10_P_TYPES)}.")
   path = os.path.join(data_dir, f"{perturbation}.npy")
   if not os.path.exists(path):
     raise FileNotFoundError(f"CIFAR-10-P file {path} not found; use translate_sequences() to make "
@@ -88,7 +92,8 @@ def cross_entropy_consistency(probs: np.ndarray, variant: str = "paper") -> floa
 
 
 def relative_confidence(probs: np.ndarray, labels: np.ndarray) -> np.ndarray:
-  """Eq. 39: p(y_true|x) / max_y p(y|x) for predictions ``[..., C]`` and labels ``[...]``; 1 iff correct."""
+  """Eq. 39: p(y_true|x) / max_y p(y|x) for predictions ``[..., C]`` and labels ``[...]``; 1 iff
+  correct."""
   probs = np.asarray(probs, np.float64)
   labels = np.asarray(labels)
   if probs.shape[:-1] != labels.shape:
@@ -97,8 +102,11 @@ def relative_confidence(probs: np.ndarray, labels: np.ndarray) -> np.ndarray:
   return true / probs.max(-1)
 
 
-def sequence_predictions(predict: Callable, videos: np.ndarray, batch_size: int = 256) -> np.ndarray:
-  """Predictions ``[N, T, C]`` of ``predict(frames [B,H,W,C]) -> probs [B,C]`` on videos ``[N,T,H,W,C]``."""
+def sequence_predictions(predict: Callable,
+                         videos: np.ndarray,
+                         batch_size: int = 256) -> np.ndarray:
+  """Predictions ``[N, T, C]`` of ``predict(frames [B,H,W,C]) -> probs [B,C]`` on videos
+  ``[N,T,H,W,C]``."""
   n, t = videos.shape[:2]
   frames = np.asarray(videos).reshape(n * t, *videos.shape[2:])
   probs = [np.asarray(predict(frames[i:i + batch_size])) for i in range(0, len(frames), batch_size)]
@@ -106,7 +114,8 @@ def sequence_predictions(predict: Callable, videos: np.ndarray, batch_size: int 
 
 
 def perturbation_metrics(probs: np.ndarray, labels: np.ndarray | None = None) -> dict:
-  """Consistency, CEC (paper and reference variants) and, given labels ``[N]``, mean relative confidence."""
+  """Consistency, CEC (paper and reference variants) and, given labels ``[N]``, mean relative
+  confidence."""
   metrics = {"consistency": consistency(probs), "cec": cross_entropy_consistency(probs),
              "cec_reference": cross_entropy_consistency(probs, "reference")}
   if labels is not None:
@@ -120,18 +129,3 @@ def _check_sequence(probs) -> np.ndarray:
   if probs.ndim != 3 or probs.shape[1] < 2:
     raise ValueError(f"Sequence predictions must be [N, T>=2, C], got shape {probs.shape}.")
   return probs
-
-
-def plot_relative_confidence(curves: dict, title: str = ""):
-  """Relative confidence along one sequence, ``{label: array [T]}`` (paper Fig. E.3); returns the Figure."""
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(5, 3.2))
-  for label, values in curves.items():
-    ax.plot(np.arange(len(values)), values, "o-", ms=3, label=label)
-  ax.set_xlabel("frame")
-  ax.set_ylabel("relative confidence")
-  ax.set_ylim(0, 1.05)
-  ax.set_title(title)
-  ax.legend()
-  fig.tight_layout()
-  return fig

@@ -13,14 +13,14 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from smoothing_jax.inference import sample_rngs
+from smoothing_jax.inference import log_probs
 
 
 def ensemble_nll(model, variables, keys, normalize: Callable, pixels, labels):
-  """Mean −log p̄(y | x) of pixel images ``[B,H,W,3]`` under the MC ensemble given by ``keys``."""
-  def log_probs(key):
-    return jax.nn.log_softmax(model.apply(variables, normalize(pixels), train=False, rngs=sample_rngs(key)))
-  log_mean = jax.nn.logsumexp(jax.vmap(log_probs)(keys), axis=0) - jnp.log(keys.shape[0])
+  """Mean −log p̄(y | x) of pixel images ``[B,H,W,3]`` under the MC ensemble given by
+  ``keys``."""
+  samples = jax.vmap(lambda key: log_probs(model, variables, normalize(pixels), key))(keys)
+  log_mean = jax.nn.logsumexp(samples, axis=0) - jnp.log(keys.shape[0])
   return -jnp.mean(jnp.take_along_axis(log_mean, labels[:, None], axis=1))
 
 
@@ -32,7 +32,8 @@ def fgsm(loss_fn: Callable, pixels, labels, eps: float):
 
 def pgd(loss_fn: Callable, pixels, labels, eps: float, step_size: float = 2 / 255, steps: int = 10,
         rng=None):
-  """L∞ projected gradient ascent (Madry et al.) with an optional uniform random start in the ε-ball."""
+  """L∞ projected gradient ascent (Madry et al.) with an optional uniform random start in the
+  ε-ball."""
   x = pixels
   if rng is not None:
     x = jnp.clip(x + jax.random.uniform(rng, x.shape, x.dtype, -eps, eps), 0.0, 1.0)
@@ -42,20 +43,3 @@ def pgd(loss_fn: Callable, pixels, labels, eps: float, step_size: float = 2 / 25
     x = x + step_size * jnp.sign(grad_fn(x, labels))
     return jnp.clip(jnp.clip(x, pixels - eps, pixels + eps), 0.0, 1.0), None
   return jax.lax.scan(step, x, None, length=steps)[0]
-
-
-def plot_attack_accuracy(results: dict, title: str = ""):
-  """Accuracy against ε (pixels ×255) per attack, ``{label: [{"attack", "eps", "accuracy"}, …]}``."""
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(5, 3.2))
-  for label, rows in results.items():
-    for attack, style in (("fgsm", "o--"), ("pgd", "s-")):
-      picked = [r for r in rows if r["attack"] == attack]
-      ax.plot([255 * r["eps"] for r in picked], [100 * r["accuracy"] for r in picked], style,
-              label=f"{label} ({attack.upper()})")
-  ax.set_xlabel("ε (×1/255)")
-  ax.set_ylabel("accuracy (%)")
-  ax.set_title(title)
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  return fig

@@ -2,7 +2,7 @@
 
 ``load_trained(workdir)`` restores a checkpoint with its config; each ``*_study``
 function computes the data of one figure and returns plain arrays/dicts that the
-matching ``plot_*`` function (or a notebook) draws:
+matching ``smoothing_jax.plots`` function (or a notebook) draws:
 
 * ``hessian_spectrum_study``   Hessian max-eigenvalue spectrum (SS Fig. 8, App. A.3)
 * ``fourier_study``            Δlog-amplitude of feature maps by depth (SS Fig. 6b)
@@ -10,7 +10,8 @@ matching ``plot_*`` function (or a notebook) draws:
 * ``landscape_study``          2-D loss landscape (SS Fig. 7)
 * ``frequency_noise_study``    accuracy under band-limited noise (SS Fig. 6c)
 * ``consistency_study``        consistency / CEC / relative confidence (SS Table E.3)
-* ``temporal_smoothing_study`` one pass vs MC dropout vs VQ-BNN on shift-translated streams (SS Table E.4 layout)
+* ``temporal_smoothing_study`` one pass vs MC dropout vs VQ-BNN on shift-translated streams
+                               (SS Table E.4 layout)
 * ``adversarial_study``        FGSM / PGD accuracy against the MC prediction
 * ``lesion_study``             accuracy drop when one unit is removed (HV Sec. 4.1; ViT, AlterNet)
 """
@@ -30,15 +31,17 @@ from jax.tree_util import Partial
 from smoothing_jax.analysis.features import feature_variance, fourier_by_depth
 from smoothing_jax.analysis.frequency_noise import accuracy_vs_frequency
 from smoothing_jax.analysis.landscape import loss_surface, random_direction
-from smoothing_jax.analysis.lesion import lesion_study as _lesion_study
-from smoothing_jax.analysis.perturbation import perturbation_metrics, sequence_predictions, translate_sequences
+from smoothing_jax.analysis.lesion import lesion_accuracy_drops
+from smoothing_jax.analysis.perturbation import (perturbation_metrics, sequence_predictions,
+                                                 translate_sequences)
 from smoothing_jax.analysis.robustness import ensemble_nll, fgsm, pgd
 from smoothing_jax.analysis.spectrum import max_eigenvalue_spectrum, training_loss
 from smoothing_jax.data import create_pipeline
-from smoothing_jax.data.input_pipeline import Pipeline
+from smoothing_jax.data.pipeline import Pipeline
 from smoothing_jax import temporal
 from smoothing_jax.inference import mc_predict
-from smoothing_jax.train import create_model, load_checkpoint
+from smoothing_jax import workdir as workdir_lib
+from smoothing_jax.parallel import evaluate_batches
 
 
 @dataclasses.dataclass
@@ -59,12 +62,20 @@ class TrainedModel:
     """Pixels in [0, 1], NHWC → the model's normalised input."""
     return (pixels - jnp.asarray(self.pipeline.mean)) / jnp.asarray(self.pipeline.std)
 
-  def predict(self, images, num_samples: int = 1, rng: Optional[jax.Array] = None, batch_size: int = 500):
-    """Mean predictive ``[B, C]`` (numpy) of normalised ``images`` over ``num_samples`` MC samples."""
+  def predict(self,
+              images,
+              num_samples: int = 1,
+              rng: Optional[jax.Array] = None,
+              batch_size: int = 500):
+    """Mean predictive ``[B, C]`` (numpy) of normalised ``images`` over ``num_samples`` MC
+    samples."""
     rng = jax.random.key(0) if rng is None else rng
     num_samples = num_samples if self.stochastic else 1
-    out = [np.asarray(_predictive(self.model, self.variables, jnp.asarray(images[i:i + batch_size]), rng,
-                                  num_samples)) for i in range(0, len(images), batch_size)]
+    out = [
+        np.asarray(
+            _predictive(self.model, self.variables, jnp.asarray(images[i:i + batch_size]), rng,
+                        num_samples)) for i in range(0, len(images), batch_size)
+    ]
     return np.concatenate(out)
 
 
@@ -75,22 +86,29 @@ def _predictive(model, variables, images, rng, num_samples):
 
 def load_trained(workdir: str) -> TrainedModel:
   """Restore the latest checkpoint of ``workdir`` (its ``config.json`` picks model and data)."""
-  config, step, variables = load_checkpoint(workdir)
+  config, spec = workdir_lib.read_config(workdir)
+  _, step, variables = workdir_lib.load_checkpoint(workdir, config)
   rand = config.get("randaugment")  # training batches augmented as in training (Mixup/CutMix aside)
   pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir, False,
-                             (rand.num_layers, rand.magnitude, rand.magnitude_std) if rand else None)
-  return TrainedModel(workdir, config, step, create_model(config, pipeline), variables, pipeline)
+                             (rand.num_layers, rand.magnitude,
+                              rand.magnitude_std) if rand else None)
+  return TrainedModel(workdir, config, step, workdir_lib.build_model(config, spec), variables,
+                      pipeline)
 
 
 def eval_pixels(trained: TrainedModel, num_images: int):
   """The first ``num_images`` evaluation images as pixels in [0, 1] float32, and their labels."""
   if trained.pipeline.eval_images is None:
-    raise ValueError("The analyses need an in-memory evaluation split (CIFAR, npz or digits datasets).")
+    raise ValueError(
+        "The analyses need an in-memory evaluation split (CIFAR, npz or digits datasets).")
   images = trained.pipeline.eval_images[:num_images]
-  return images.astype(np.float32) / 255.0, trained.pipeline.eval_labels[:num_images].astype(np.int32)
+  return images.astype(np.float32) / 255.0, trained.pipeline.eval_labels[:num_images].astype(
+      np.int32)
 
 
-def train_batches(trained: TrainedModel, num_batches: int, batch_size: Optional[int] = None) -> list:
+def train_batches(trained: TrainedModel,
+                  num_batches: int,
+                  batch_size: Optional[int] = None) -> list:
   """``num_batches`` augmented training batches as in training (epoch 0 of the seeded pipeline)."""
   pipeline = trained.pipeline
   if batch_size is not None:
@@ -98,57 +116,95 @@ def train_batches(trained: TrainedModel, num_batches: int, batch_size: Optional[
   return list(itertools.islice(pipeline.train_iterator(), num_batches))
 
 
-def hessian_spectrum_study(trained: TrainedModel, *, num_batches: int = 10, batch_size: Optional[int] = None,
-                           k: int = 1, max_iters: int = 100, tol: float = 1e-3, seed: int = 0,
+def hessian_spectrum_study(trained: TrainedModel,
+                           *,
+                           num_batches: int = 10,
+                           batch_size: Optional[int] = None,
+                           k: int = 1,
+                           max_iters: int = 100,
+                           tol: float = 1e-3,
+                           seed: int = 0,
                            negative: bool = False) -> dict:
   """Top-``k`` Hessian eigenvalues of NLL + L2 on each of ``num_batches`` training batches
   (``negative``: also the most negative eigenvalue of each batch)."""
-  return max_eigenvalue_spectrum(trained.model, trained.variables, train_batches(trained, num_batches, batch_size),
-                                 k=k, weight_decay=trained.config.weight_decay, max_iters=max_iters, tol=tol,
-                                 rng=jax.random.key(seed), negative=negative)
+  return max_eigenvalue_spectrum(trained.model,
+                                 trained.variables,
+                                 train_batches(trained, num_batches, batch_size),
+                                 k=k,
+                                 weight_decay=trained.config.weight_decay,
+                                 max_iters=max_iters,
+                                 tol=tol,
+                                 rng=jax.random.key(seed),
+                                 negative=negative)
 
 
 def fourier_study(trained: TrainedModel, *, num_images: int = 256, seed: int = 0) -> dict:
   """``{block: Δlog-amplitude curve from 0 to π}`` on test images; one stochastic pass."""
   pixels, _ = eval_pixels(trained, num_images)
-  return fourier_by_depth(trained.model, trained.variables, trained.normalize(pixels), jax.random.key(seed))
+  return fourier_by_depth(trained.model, trained.variables, trained.normalize(pixels),
+                          jax.random.key(seed))
 
 
-def variance_study(trained: TrainedModel, *, num_images: int = 128, num_samples: int = 10, seed: int = 0) -> dict:
+def variance_study(trained: TrainedModel,
+                   *,
+                   num_images: int = 128,
+                   num_samples: int = 10,
+                   seed: int = 0) -> dict:
   """``{block: {"data", "model"}}`` feature-map variances on test images."""
   pixels, _ = eval_pixels(trained, num_images)
-  return feature_variance(trained.model, trained.variables, trained.normalize(pixels), num_samples=num_samples,
+  return feature_variance(trained.model,
+                          trained.variables,
+                          trained.normalize(pixels),
+                          num_samples=num_samples,
                           rng=jax.random.key(seed))
 
 
 def landscape_study(trained: TrainedModel, *, num_points: int = 21, scale: float = 1.0,
                     normalization: str = "filter", batch_size: int = 512, seed: int = 0) -> dict:
-  """Training loss (NLL and NLL+L2) on a ``num_points²`` grid over [−scale, scale]² (one augmented batch,
-  one fixed dropout key)."""
+  """Training loss (NLL and NLL+L2) on a ``num_points²`` grid over [−scale, scale]² (one
+  augmented batch, one fixed dropout key)."""
   batch = train_batches(trained, 1, batch_size)[0]
   key_d1, key_d2, dropout_key = jax.random.split(jax.random.key(seed), 3)
   params = trained.variables["params"]
-  loss_fn = Partial(functools.partial(training_loss, trained.model, 0.0), trained.variables.get("batch_stats", {}),
-                    dropout_key, jnp.asarray(batch["image"]), jnp.asarray(batch["label"]))
+  loss_fn = Partial(functools.partial(training_loss, trained.model, 0.0),
+                    trained.variables.get("batch_stats", {}), dropout_key,
+                    jnp.asarray(batch["image"]), jnp.asarray(batch["label"]))
   axis = np.linspace(-scale, scale, num_points)
   return loss_surface(loss_fn, params, random_direction(params, key_d1, normalization),
                       random_direction(params, key_d2, normalization), axis, axis,
                       weight_decay=trained.config.weight_decay)
 
 
-def frequency_noise_study(trained: TrainedModel, frequencies: Sequence[float] = tuple(np.arange(0, 1.01, 0.1)), *,
-                          std: float = 0.1, num_images: int = 1000, num_samples: int = 1, seed: int = 0) -> dict:
-  """Accuracy under Gaussian noise of pixel std ``std`` band-limited around each frequency (units of π)."""
+def frequency_noise_study(trained: TrainedModel,
+                          frequencies: Sequence[float] = tuple(np.arange(0, 1.01, 0.1)),
+                          *,
+                          std: float = 0.1,
+                          num_images: int = 1000,
+                          num_samples: int = 1,
+                          seed: int = 0) -> dict:
+  """Accuracy under Gaussian noise of pixel std ``std`` band-limited around each frequency
+  (units of π)."""
   pixels, labels = eval_pixels(trained, num_images)
-  predict = functools.partial(trained.predict, num_samples=num_samples, rng=jax.random.key(seed + 1))
-  noisy = accuracy_vs_frequency(lambda x: predict(trained.normalize(jnp.clip(x, 0.0, 1.0))), jnp.asarray(pixels),
-                                labels, frequencies, std=std, rng=jax.random.key(seed))
+  predict = functools.partial(trained.predict,
+                              num_samples=num_samples,
+                              rng=jax.random.key(seed + 1))
+  noisy = accuracy_vs_frequency(lambda x: predict(trained.normalize(jnp.clip(x, 0.0, 1.0))),
+                                jnp.asarray(pixels),
+                                labels,
+                                frequencies,
+                                std=std,
+                                rng=jax.random.key(seed))
   clean = float(np.mean(predict(trained.normalize(pixels)).argmax(-1) == labels))
   return {"frequencies": np.asarray(frequencies), "accuracy": noisy, "clean_accuracy": clean}
 
 
-def consistency_study(trained: TrainedModel, *, num_images: int = 500, length: int = 31, max_shift: int = 3,
-                      num_samples: int = 1, seed: int = 0) -> dict:
+def consistency_study(trained: TrainedModel,
+                      *,
+                      num_images: int = 500,
+                      length: int = 31,
+                      max_shift: int = 3,
+                      num_samples: int = 1,
+                      seed: int = 0) -> dict:
   """Consistency, CEC and relative confidence on shift-translated sequences of test images.
 
   Also returns ``relative_confidence_curve`` of the first sequence (SS Fig. E.3).
@@ -163,14 +219,26 @@ def consistency_study(trained: TrainedModel, *, num_images: int = 500, length: i
 
 @functools.partial(jax.jit, static_argnames=("model", "num_samples", "num_frames"))
 def _stream_statistics(model, variables, frames, labels, rng, num_samples, num_frames, decay_rate):
-  predictions = temporal.stream_predictions(model, variables, frames, rng=rng, num_samples=num_samples,
-                                            num_frames=num_frames, decay_rate=decay_rate)
+  predictions = temporal.stream_predictions(model,
+                                            variables,
+                                            frames,
+                                            rng=rng,
+                                            num_samples=num_samples,
+                                            num_frames=num_frames,
+                                            decay_rate=decay_rate)
   return temporal.stream_statistics(predictions, labels)
 
 
-def temporal_smoothing_study(trained: TrainedModel, *, num_images: int = 1000, length: int = 6, max_shift: int = 3,
-                             num_samples: int = 10, num_frames: int = temporal.NUM_FRAMES,
-                             decay_rate: float = temporal.DECAY_RATE, batch_size: int = 250, seed: int = 0) -> list:
+def temporal_smoothing_study(trained: TrainedModel,
+                             *,
+                             num_images: int = 1000,
+                             length: int = 6,
+                             max_shift: int = 3,
+                             num_samples: int = 10,
+                             num_frames: int = temporal.NUM_FRAMES,
+                             decay_rate: float = temporal.DECAY_RATE,
+                             batch_size: int = 250,
+                             seed: int = 0) -> list:
   """Temporal smoothing on data streams made of test images: each image becomes a clip of
   ``length`` frames shifted by up to ``max_shift`` pixels (:func:`translate_sequences`).
 
@@ -181,18 +249,20 @@ def temporal_smoothing_study(trained: TrainedModel, *, num_images: int = 1000, l
   """
   pixels, labels = eval_pixels(trained, num_images)
   videos = translate_sequences(pixels, length, max_shift, seed)
-  totals = None
-  for i in range(0, len(videos), batch_size):
-    frames = jnp.swapaxes(trained.normalize(jnp.asarray(videos[i:i + batch_size])), 0, 1)
-    stats = _stream_statistics(trained.model, trained.variables, frames, jnp.asarray(labels[i:i + batch_size]),
-                               jax.random.fold_in(jax.random.key(seed), i), num_samples, num_frames, decay_rate)
-    totals = temporal.merge_statistics(totals, stats)
+
+  def step(variables, batch, key):
+    frames = jnp.swapaxes(trained.normalize(jnp.asarray(batch["videos"])), 0, 1)
+    return _stream_statistics(trained.model, variables, frames, jnp.asarray(batch["labels"]), key,
+                              num_samples, num_frames, decay_rate)
+  batches = ({"videos": videos[i:i + batch_size], "labels": labels[i:i + batch_size]}
+             for i in range(0, len(videos), batch_size))
+  totals = evaluate_batches(step, trained.variables, batches, None, jax.random.key(seed))
   return temporal.statistics_rows(totals, num_samples)
 
 
 def _attack(trained: TrainedModel, kind: str, pgd_steps: int, seed: int):
-  """Jitted ``(variables, keys, pixels, labels, eps) -> adversarial pixels`` (arrays as arguments, not
-  constants, so XLA does not constant-fold the network)."""
+  """Jitted ``(variables, keys, pixels, labels, eps) -> adversarial pixels`` (arrays as
+  arguments, not constants, so XLA does not constant-fold the network)."""
   def run(variables, keys, x, y, eps):
     loss = functools.partial(ensemble_nll, trained.model, variables, keys, trained.normalize)
     if kind == "fgsm":
@@ -201,8 +271,13 @@ def _attack(trained: TrainedModel, kind: str, pgd_steps: int, seed: int):
   return jax.jit(run)
 
 
-def adversarial_study(trained: TrainedModel, epsilons: Sequence[float] = (1 / 255, 2 / 255, 4 / 255, 8 / 255), *,
-                      num_images: int = 256, num_samples: int = 1, pgd_steps: int = 10, seed: int = 0) -> dict:
+def adversarial_study(trained: TrainedModel,
+                      epsilons: Sequence[float] = (1 / 255, 2 / 255, 4 / 255, 8 / 255),
+                      *,
+                      num_images: int = 256,
+                      num_samples: int = 1,
+                      pgd_steps: int = 10,
+                      seed: int = 0) -> dict:
   """Accuracy and attack success rate of FGSM and PGD (random start) for each ε in pixel space."""
   pixels, labels = eval_pixels(trained, num_images)
   num_samples = num_samples if trained.stochastic else 1
@@ -210,19 +285,35 @@ def adversarial_study(trained: TrainedModel, epsilons: Sequence[float] = (1 / 25
   predict = functools.partial(trained.predict, num_samples=num_samples, rng=jax.random.key(seed))
   clean_correct = predict(trained.normalize(pixels)).argmax(-1) == labels
   x, y = jnp.asarray(pixels), jnp.asarray(labels)
-  attacks = {"fgsm": _attack(trained, "fgsm", pgd_steps, seed), "pgd": _attack(trained, "pgd", pgd_steps, seed)}
+  attacks = {
+      "fgsm": _attack(trained, "fgsm", pgd_steps, seed),
+      "pgd": _attack(trained, "pgd", pgd_steps, seed)
+  }
   rows = []
   for eps in epsilons:
     for name, attack in attacks.items():
-      correct = predict(trained.normalize(attack(trained.variables, keys, x, y, eps))).argmax(-1) == labels
+      correct = predict(trained.normalize(attack(trained.variables, keys, x, y,
+                                                 eps))).argmax(-1) == labels
       success = float(np.sum(clean_correct & ~correct) / max(np.sum(clean_correct), 1))
-      rows.append({"attack": name, "eps": float(eps), "accuracy": float(correct.mean()), "success_rate": success})
+      rows.append({
+          "attack": name,
+          "eps": float(eps),
+          "accuracy": float(correct.mean()),
+          "success_rate": success
+      })
   return {"clean_accuracy": float(clean_correct.mean()), "attacks": rows}
 
 
-def lesion_study(trained: TrainedModel, *, num_images: int = 1000, batch_size: int = 500, seed: int = 0) -> dict:
-  """Test accuracy with each residual unit removed (:func:`smoothing_jax.analysis.lesion.lesion_study`)."""
+def lesion_study(trained: TrainedModel,
+                 *,
+                 num_images: int = 1000,
+                 batch_size: int = 500,
+                 seed: int = 0) -> dict:
+  """Test accuracy with each residual unit removed
+  (:func:`smoothing_jax.analysis.lesion.lesion_accuracy_drops`)."""
   pixels, labels = eval_pixels(trained, num_images)
-  batches = [{"image": trained.normalize(pixels[i:i + batch_size]), "label": labels[i:i + batch_size]}
-             for i in range(0, len(pixels), batch_size)]
-  return _lesion_study(trained.model, trained.variables, batches, jax.random.key(seed))
+  batches = [{
+      "image": trained.normalize(pixels[i:i + batch_size]),
+      "label": labels[i:i + batch_size]
+  } for i in range(0, len(pixels), batch_size)]
+  return lesion_accuracy_drops(trained.model, trained.variables, batches, jax.random.key(seed))

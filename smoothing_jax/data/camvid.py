@@ -1,4 +1,5 @@
-"""TFDS builder for CamVid (Brostow et al. 2008): 11-class road-scene segmentation with video context.
+"""TFDS builder for CamVid (Brostow et al. 2008): 11-class road-scene segmentation with video
+context.
 
 Reads the standard release from ``manual_dir``:
 
@@ -34,8 +35,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-CLASSES = ("sky", "building", "pole", "road", "pavement", "tree", "sign_symbol", "fence", "car", "pedestrian",
-           "bicyclist")
+CLASSES = ("sky", "building", "pole", "road", "pavement", "tree", "sign_symbol", "fence", "car",
+           "pedestrian", "bicyclist")
 VOID = len(CLASSES)
 IMAGE_SIZE = (360, 480)
 CLIP_LENGTH = 6
@@ -43,26 +44,66 @@ STILLS_DIR, LABELS_DIR, SEQUENCES_DIR = "701_StillsRaw_full", "LabeledApproved_f
 
 # label_colors.txt: RGB → CamVid class, grouped into the 11 classes (anything else is void).
 CLASS_GROUPS = {
-    "sky": {"Sky": (128, 128, 128)},
-    "building": {"Building": (128, 0, 0), "Bridge": (0, 128, 64), "Wall": (64, 192, 0), "Tunnel": (64, 0, 64),
-                 "Archway": (192, 0, 128)},
-    "pole": {"Column_Pole": (192, 192, 128), "TrafficCone": (0, 0, 64)},
-    "road": {"Road": (128, 64, 128), "LaneMkgsDriv": (128, 0, 192), "LaneMkgsNonDriv": (192, 0, 64)},
-    "pavement": {"Sidewalk": (0, 0, 192), "ParkingBlock": (64, 192, 128), "RoadShoulder": (128, 128, 192)},
-    "tree": {"Tree": (128, 128, 0), "VegetationMisc": (192, 192, 0)},
-    "sign_symbol": {"SignSymbol": (192, 128, 128), "Misc_Text": (128, 128, 64), "TrafficLight": (0, 64, 64)},
-    "fence": {"Fence": (64, 64, 128)},
-    "car": {"Car": (64, 0, 128), "SUVPickupTruck": (64, 128, 192), "Train": (192, 64, 128),
-            "Truck_Bus": (192, 128, 192), "OtherMoving": (128, 64, 64)},
-    "pedestrian": {"Pedestrian": (64, 64, 0), "Child": (192, 128, 64), "CartLuggagePram": (64, 0, 192),
-                   "Animal": (64, 128, 64)},
-    "bicyclist": {"Bicyclist": (0, 128, 192), "MotorcycleScooter": (192, 0, 192)},
+    "sky": {
+        "Sky": (128, 128, 128)
+    },
+    "building": {
+        "Building": (128, 0, 0),
+        "Bridge": (0, 128, 64),
+        "Wall": (64, 192, 0),
+        "Tunnel": (64, 0, 64),
+        "Archway": (192, 0, 128)
+    },
+    "pole": {
+        "Column_Pole": (192, 192, 128),
+        "TrafficCone": (0, 0, 64)
+    },
+    "road": {
+        "Road": (128, 64, 128),
+        "LaneMkgsDriv": (128, 0, 192),
+        "LaneMkgsNonDriv": (192, 0, 64)
+    },
+    "pavement": {
+        "Sidewalk": (0, 0, 192),
+        "ParkingBlock": (64, 192, 128),
+        "RoadShoulder": (128, 128, 192)
+    },
+    "tree": {
+        "Tree": (128, 128, 0),
+        "VegetationMisc": (192, 192, 0)
+    },
+    "sign_symbol": {
+        "SignSymbol": (192, 128, 128),
+        "Misc_Text": (128, 128, 64),
+        "TrafficLight": (0, 64, 64)
+    },
+    "fence": {
+        "Fence": (64, 64, 128)
+    },
+    "car": {
+        "Car": (64, 0, 128),
+        "SUVPickupTruck": (64, 128, 192),
+        "Train": (192, 64, 128),
+        "Truck_Bus": (192, 128, 192),
+        "OtherMoving": (128, 64, 64)
+    },
+    "pedestrian": {
+        "Pedestrian": (64, 64, 0),
+        "Child": (192, 128, 64),
+        "CartLuggagePram": (64, 0, 192),
+        "Animal": (64, 128, 64)
+    },
+    "bicyclist": {
+        "Bicyclist": (0, 128, 192),
+        "MotorcycleScooter": (192, 0, 192)
+    },
 }
 _FILE = re.compile(r"^(?P<sequence>[0-9A-Za-z]+)_(?P<frame>f?\d+)(?:_L)?\.png$")
 
 
 def colour_lookup() -> np.ndarray:
-  """``[2^24]`` uint8 table from packed RGB (r·65536 + g·256 + b) to class index; void elsewhere."""
+  """``[2^24]`` uint8 table from packed RGB (r·65536 + g·256 + b) to class index; void
+  elsewhere."""
   table = np.full(1 << 24, VOID, np.uint8)
   for index, name in enumerate(CLASSES):
     for r, g, b in CLASS_GROUPS[name].values():
@@ -81,7 +122,8 @@ def parse_name(filename: str) -> tuple[str, int, str]:
   """``"0006R0_f00930.png"`` → ``("0006R0", 930, "f00930")``; a clear error for other names."""
   match = _FILE.match(os.path.basename(filename))
   if not match:
-    raise ValueError(f"Not a CamVid frame name: {filename!r} (expected <sequence>_<frame>[_L].png).")
+    raise ValueError(
+        f"Not a CamVid frame name: {filename!r} (expected <sequence>_<frame>[_L].png).")
   frame = match["frame"]
   return match["sequence"], int(frame.lstrip("f")), frame
 
@@ -126,13 +168,17 @@ class Camvid(tfds.core.GeneratorBasedBuilder):
   VERSION = tfds.core.Version("1.0.0")
   MANUAL_DOWNLOAD_INSTRUCTIONS = (
       "Download CamVid (http://mi.eng.cam.ac.uk/research/projects/VideoRec/CamVid/): the stills "
-      f"(701_StillsRaw_full.zip) and labels (LabeledApproved_full.zip) into manual_dir/{STILLS_DIR} and "
-      f"manual_dir/{LABELS_DIR}. For camvid/clips also extract the 30 Hz frames of the videos into "
-      f"manual_dir/{SEQUENCES_DIR}, named like the stills (e.g. 0001TP_006686.png, Seq05VD_f00001.png).")
+      "(701_StillsRaw_full.zip) and labels (LabeledApproved_full.zip) into "
+      f"manual_dir/{STILLS_DIR} and manual_dir/{LABELS_DIR}. For camvid/clips also extract the "
+      f"30 Hz frames of the videos into manual_dir/{SEQUENCES_DIR}, named like the stills "
+      "(e.g. 0001TP_006686.png, Seq05VD_f00001.png)."
+  )
   BUILDER_CONFIGS = [
       CamvidConfig(name="labeled", clip_length=0, description="Labelled stills."),
-      CamvidConfig(name="clips", clip_length=CLIP_LENGTH,
-                   description=f"Labelled stills with the {CLIP_LENGTH - 1} preceding 30 Hz video frames."),
+      CamvidConfig(
+          name="clips",
+          clip_length=CLIP_LENGTH,
+          description=f"Labelled stills with the {CLIP_LENGTH - 1} preceding 30 Hz video frames."),
   ]
 
   def _info(self):
@@ -185,7 +231,8 @@ class Camvid(tfds.core.GeneratorBasedBuilder):
       if not os.path.exists(label_path):
         label_path = os.path.join(root, LABELS_DIR, filename)
       if not os.path.exists(label_path):
-        raise FileNotFoundError(f"No label map for still {filename} in {os.path.join(root, LABELS_DIR)}.")
+        raise FileNotFoundError(
+            f"No label map for still {filename} in {os.path.join(root, LABELS_DIR)}.")
       image = resize_image(_read_rgb(os.path.join(root, STILLS_DIR, filename)))
       labels = resize_labels(colours_to_labels(_read_rgb(label_path), table))
       example = {"image": image, "label": labels[..., None], "name": stem}
@@ -199,8 +246,9 @@ class Camvid(tfds.core.GeneratorBasedBuilder):
             clip.append(image)
             continue
           if (sequence, previous) not in frames:
-            raise FileNotFoundError(f"Video frame {previous} of sequence {sequence} (before still {filename}) "
-                                    f"is missing from {os.path.join(root, SEQUENCES_DIR)}.")
+            raise FileNotFoundError(
+                f"Video frame {previous} of sequence {sequence} (before still {filename}) "
+                f"is missing from {os.path.join(root, SEQUENCES_DIR)}.")
           clip.append(resize_image(_read_rgb(frames[(sequence, previous)])))
         example["frames"] = np.stack(clip + [image])
       yield stem, example
@@ -212,13 +260,15 @@ def num_examples(config: str, split: str, data_dir: str | None = None) -> int:
 
 
 def load_clips(split: str = "test", data_dir: str | None = None):
-  """This process's share of ``camvid/clips``: ``(frames uint8 [N, T, H, W, 3], labels int32 [N, H, W],
-  names [N])``; the label map belongs to the last frame of each clip (void = 11)."""
+  """This process's share of ``camvid/clips``: ``(frames uint8 [N, T, H, W, 3],
+  labels int32 [N, H, W], names [N])``; the label map belongs to the last frame of each clip
+  (void = 11)."""
   builder = tfds.builder("camvid/clips", data_dir=data_dir)
   if not builder.is_prepared():
-    raise FileNotFoundError(f"camvid/clips is not prepared in {builder.data_dir_root}: run "
-                            f"`tfds build smoothing_jax/data/camvid.py --config=clips --manual_dir=<CamVid release> "
-                            f"--data_dir=<dir>` first. {Camvid.MANUAL_DOWNLOAD_INSTRUCTIONS}")
+    raise FileNotFoundError(
+        f"camvid/clips is not prepared in {builder.data_dir_root}: run "
+        f"`tfds build smoothing_jax/data/camvid.py --config=clips --manual_dir=<CamVid release> "
+        f"--data_dir=<dir>` first. {Camvid.MANUAL_DOWNLOAD_INSTRUCTIONS}")
   ds = builder.as_dataset(split=tfds.split_for_jax_process(split), shuffle_files=False)
   frames, labels, names = [], [], []
   for example in tfds.as_numpy(ds):
@@ -230,7 +280,8 @@ def load_clips(split: str = "test", data_dir: str | None = None):
 
 def palette() -> np.ndarray:
   """``[12, 3]`` uint8 display colours: each class's CamVid colour, then black for void."""
-  return np.asarray([next(iter(CLASS_GROUPS[name].values())) for name in CLASSES] + [(0, 0, 0)], np.uint8)
+  return np.asarray([next(iter(CLASS_GROUPS[name].values())) for name in CLASSES] + [(0, 0, 0)],
+                    np.uint8)
 
 
 def prepare(manual_dir: str, data_dir: str | None = None, configs=("labeled", "clips")):
@@ -242,10 +293,15 @@ def prepare(manual_dir: str, data_dir: str | None = None, configs=("labeled", "c
 
 if __name__ == "__main__":
   import argparse
-  parser = argparse.ArgumentParser(description="Prepare the CamVid TFDS datasets from the downloaded release.")
-  parser.add_argument("--manual_dir", required=True, help="folder with 701_StillsRaw_full/, LabeledApproved_full/ "
+  parser = argparse.ArgumentParser(
+      description="Prepare the CamVid TFDS datasets from the downloaded release.")
+  parser.add_argument("--manual_dir",
+                      required=True,
+                      help="folder with 701_StillsRaw_full/, LabeledApproved_full/ "
                       "and (for clips) sequences/")
-  parser.add_argument("--data_dir", default=None, help="TFDS data_dir (default: ~/tensorflow_datasets)")
+  parser.add_argument("--data_dir",
+                      default=None,
+                      help="TFDS data_dir (default: ~/tensorflow_datasets)")
   parser.add_argument("--configs", default="labeled,clips", help="comma-separated: labeled, clips")
   args = parser.parse_args()
   prepare(args.manual_dir, args.data_dir, args.configs.split(","))

@@ -12,14 +12,16 @@ import os
 import numpy as np
 import tensorflow_datasets as tfds
 
-from smoothing_jax.data.input_pipeline import CORRUPTIONS, EXTRA_CORRUPTIONS
+from smoothing_jax.data.datasets import CORRUPTIONS, EXTRA_CORRUPTIONS
 
 SEVERITIES = (1, 2, 3, 4, 5)
 
 
 class Cifar100CorruptedConfig(tfds.core.BuilderConfig):
   def __init__(self, *, corruption: str, severity: int, **kwargs):
-    super().__init__(name=f"{corruption}_{severity}", description=f"{corruption}, severity {severity}", **kwargs)
+    super().__init__(name=f"{corruption}_{severity}",
+                     description=f"{corruption}, severity {severity}",
+                     **kwargs)
     self.corruption = corruption
     self.severity = severity
 
@@ -28,8 +30,8 @@ class Cifar100Corrupted(tfds.core.GeneratorBasedBuilder):
   """CIFAR-100-C: the CIFAR-100 test set under 19 corruptions × 5 severities."""
   VERSION = tfds.core.Version("1.0.0")
   MANUAL_DOWNLOAD_INSTRUCTIONS = (
-      "Download CIFAR-100-C.tar (https://zenodo.org/record/3555552), extract it, and pass the folder "
-      "holding labels.npy and <corruption>.npy (or its parent) as --manual_dir.")
+      "Download CIFAR-100-C.tar (https://zenodo.org/record/3555552), extract it, and pass the "
+      "folder holding labels.npy and <corruption>.npy (or its parent) as --manual_dir.")
   BUILDER_CONFIGS = [Cifar100CorruptedConfig(corruption=c, severity=s)
                      for c in CORRUPTIONS + EXTRA_CORRUPTIONS for s in SEVERITIES]
 

@@ -1,4 +1,5 @@
-"""Mixup / CutMix with label smoothing, on device inside the jitted train step (timm ``Mixup``, mode "batch").
+"""Mixup / CutMix with label smoothing, on device inside the jitted train step (timm ``Mixup``,
+mode "batch").
 
 One λ per batch; the partner of example i is example B−1−i (the batch reversed).
 With probability ``switch_prob`` the batch uses CutMix (λ ~ Beta(α_c, α_c), a box
@@ -28,7 +29,9 @@ class Mixing(NamedTuple):
     if not 0.0 <= self.label_smoothing < 1.0:
       raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}.")
     if self.mixup_alpha < 0 or self.cutmix_alpha < 0:
-      raise ValueError(f"mixup_alpha and cutmix_alpha must be >= 0, got {self.mixup_alpha}, {self.cutmix_alpha}.")
+      raise ValueError(
+          f"mixup_alpha and cutmix_alpha must be >= 0, got {self.mixup_alpha}, {self.cutmix_alpha}."
+      )
     if not 0.0 <= self.switch_prob <= 1.0:
       raise ValueError(f"switch_prob must be in [0, 1], got {self.switch_prob}.")
     return self
@@ -41,7 +44,8 @@ def smooth_one_hot(labels, num_classes: int, smoothing: float):
 
 
 def cutmix_box(rng, lam, height: int, width: int):
-  """``(top, bottom, left, right)`` of the CutMix box for mixing ratio ``lam`` (timm ``rand_bbox``)."""
+  """``(top, bottom, left, right)`` of the CutMix box for mixing ratio ``lam``
+  (timm ``rand_bbox``)."""
   ratio = jnp.sqrt(1.0 - lam)
   cut_h, cut_w = (height * ratio).astype(jnp.int32), (width * ratio).astype(jnp.int32)
   ky, kx = jax.random.split(rng)
@@ -88,4 +92,5 @@ def mix_batch(rng, images, labels, mixing: Mixing):
     return with_cutmix(None)
   if mixing.cutmix_alpha <= 0:
     return with_mixup(None)
-  return jax.lax.cond(jax.random.uniform(k_switch) < mixing.switch_prob, with_cutmix, with_mixup, None)
+  return jax.lax.cond(
+      jax.random.uniform(k_switch) < mixing.switch_prob, with_cutmix, with_mixup, None)

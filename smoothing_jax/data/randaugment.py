@@ -1,4 +1,5 @@
-"""RandAugment (Cubuk et al. 2020) in TF ops with stateless seeds, as timm's ``rand-m{M}-n{N}-mstd{S}``.
+"""RandAugment (Cubuk et al. 2020) in TF ops with stateless seeds, as timm's
+``rand-m{M}-n{N}-mstd{S}``.
 
 Per image: N operations drawn uniformly (with replacement) from the 15 below,
 each applied with probability 0.5 at magnitude m ~ N(M, S²) clipped to [0, 10]
@@ -15,14 +16,17 @@ import math
 
 import tensorflow as tf
 
-OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "Solarize", "SolarizeAdd", "Color",
-       "Contrast", "Brightness", "Sharpness", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")
+OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "Solarize", "SolarizeAdd",
+       "Color", "Contrast", "Brightness", "Sharpness", "ShearX", "ShearY", "TranslateXRel",
+       "TranslateYRel")
 FILL = 128.0
 
 
 def _blend(degenerate, image, factor):
   """PIL ``ImageEnhance``: degenerate + factor·(image − degenerate), clipped to uint8."""
-  out = tf.cast(degenerate, tf.float32) + factor * (tf.cast(image, tf.float32) - tf.cast(degenerate, tf.float32))
+  out = tf.cast(
+      degenerate,
+      tf.float32) + factor * (tf.cast(image, tf.float32) - tf.cast(degenerate, tf.float32))
   return tf.cast(tf.floor(tf.clip_by_value(out, 0.0, 255.0)), tf.uint8)  # PIL truncates
 
 
@@ -33,9 +37,12 @@ def _affine(image, matrix):
   # Integer pixel coordinates (TF): shift the offsets by the half-pixel convention.
   matrix = tf.stack([a0, a1, a2 + 0.5 * (a0 + a1 - 1.0), b0, b1, b2 + 0.5 * (b0 + b1 - 1.0)])
   transforms = tf.concat([matrix, tf.zeros([2], tf.float32)], 0)[None]
-  out = tf.raw_ops.ImageProjectiveTransformV3(
-      images=tf.cast(image, tf.float32)[None], transforms=transforms, output_shape=tf.shape(image)[:2],
-      fill_value=FILL, interpolation="BILINEAR", fill_mode="CONSTANT")[0]
+  out = tf.raw_ops.ImageProjectiveTransformV3(images=tf.cast(image, tf.float32)[None],
+                                              transforms=transforms,
+                                              output_shape=tf.shape(image)[:2],
+                                              fill_value=FILL,
+                                              interpolation="BILINEAR",
+                                              fill_mode="CONSTANT")[0]
   return tf.cast(tf.clip_by_value(tf.round(out), 0.0, 255.0), tf.uint8)
 
 
@@ -49,7 +56,8 @@ def rotate(image, degrees):
 
 
 def auto_contrast(image):
-  """Stretch each channel to [0, 255] (unchanged where the channel is constant); PIL's lut in float64."""
+  """Stretch each channel to [0, 255] (unchanged where the channel is constant); PIL's lut in
+  float64."""
   x = tf.cast(image, tf.float64)
   lo, hi = tf.reduce_min(x, axis=(0, 1)), tf.reduce_max(x, axis=(0, 1))
   scale = tf.where(hi > lo, 255.0 / tf.maximum(hi - lo, 1.0), 1.0)
@@ -59,7 +67,9 @@ def auto_contrast(image):
 
 def _equalize_channel(channel):
   """PIL ``ImageOps.equalize`` of one uint8 channel [H, W]."""
-  hist = tf.math.bincount(tf.cast(tf.reshape(channel, [-1]), tf.int32), minlength=256, maxlength=256)
+  hist = tf.math.bincount(tf.cast(tf.reshape(channel, [-1]), tf.int32),
+                          minlength=256,
+                          maxlength=256)
   last = tf.gather(hist, tf.reduce_max(tf.where(hist > 0)[:, 0]))
   step = (tf.reduce_sum(hist) - last) // 255
   lut = (tf.cumsum(hist, exclusive=True) + step // 2) // tf.maximum(step, 1)
@@ -79,13 +89,14 @@ def grayscale(image):
 
 
 def sharpness_degenerate(image):
-  """PIL ``SMOOTH`` filter (3×3 kernel [1 1 1; 1 5 1; 1 1 1]/13) inside, original pixels on the border."""
+  """PIL ``SMOOTH`` filter (3×3 kernel [1 1 1; 1 5 1; 1 1 1]/13) inside, original pixels on
+  the border."""
   x = tf.cast(image, tf.float32)[None]
   kernel = tf.constant([[1, 1, 1], [1, 5, 1], [1, 1, 1]], tf.float32) / 13.0
   kernel = tf.tile(kernel[:, :, None, None], [1, 1, 3, 1])
   smooth = tf.round(tf.nn.depthwise_conv2d(x, kernel, [1, 1, 1, 1], "VALID"))[0]
-  return tf.pad(smooth, [[1, 1], [1, 1], [0, 0]]) + x[0] * tf.pad(tf.zeros_like(smooth), [[1, 1], [1, 1], [0, 0]],
-                                                                   constant_values=1.0)
+  return tf.pad(smooth, [[1, 1], [1, 1], [0, 0]]) + x[0] * tf.pad(
+      tf.zeros_like(smooth), [[1, 1], [1, 1], [0, 0]], constant_values=1.0)
 
 
 def apply_op(index, image, magnitude, sign):
@@ -100,11 +111,14 @@ def apply_op(index, image, magnitude, sign):
       lambda: equalize(image),
       lambda: 255 - image,
       lambda: rotate(image, sign * 30.0 * level),
-      lambda: tf.cast(tf.bitwise.left_shift(tf.bitwise.right_shift(x, dropped_bits), dropped_bits), tf.uint8),
+      lambda: tf.cast(tf.bitwise.left_shift(tf.bitwise.right_shift(x, dropped_bits), dropped_bits),
+                      tf.uint8),
       lambda: tf.where(x >= tf.cast(256 * level, tf.int32), 255 - image, image),
-      lambda: tf.where(x < 128, tf.cast(tf.minimum(x + tf.cast(110 * level, tf.int32), 255), tf.uint8), image),
+      lambda: tf.where(
+          x < 128, tf.cast(tf.minimum(x + tf.cast(110 * level, tf.int32), 255), tf.uint8), image),
       lambda: _blend(tf.tile(grayscale(image), [1, 1, 3]), image, enhance),
-      lambda: _blend(tf.fill(tf.shape(image), tf.round(tf.reduce_mean(grayscale(image)))), image, enhance),
+      lambda: _blend(tf.fill(tf.shape(image), tf.round(tf.reduce_mean(grayscale(image)))), image,
+                     enhance),
       lambda: _blend(tf.zeros_like(image), image, enhance),
       lambda: _blend(sharpness_degenerate(image), image, enhance),
       lambda: _affine(image, tf.stack([1.0, sign * 0.3 * level, 0.0, 0.0, 1.0, 0.0])),
@@ -116,17 +130,22 @@ def apply_op(index, image, magnitude, sign):
   return tf.ensure_shape(out, image.shape)
 
 
-def randaugment(image, seed, num_layers: int = 2, magnitude: float = 9.0, magnitude_std: float = 0.0,
+def randaugment(image,
+                seed,
+                num_layers: int = 2,
+                magnitude: float = 9.0,
+                magnitude_std: float = 0.0,
                 prob: float = 0.5):
   """RandAugment of one uint8 image [H, W, 3] with the stateless ``seed`` (int [2])."""
   seeds = tf.random.experimental.stateless_split(tf.cast(seed, tf.int64), 4 * num_layers)
   for i in range(num_layers):
     op_seed, apply_seed, magnitude_seed, sign_seed = (seeds[4 * i + j] for j in range(4))
     index = tf.random.stateless_uniform([], op_seed, 0, len(OPS), dtype=tf.int32)
-    m = magnitude + magnitude_std * tf.random.stateless_normal([], magnitude_seed) if magnitude_std > 0 else (
-        tf.constant(magnitude, tf.float32))
+    m = magnitude + magnitude_std * tf.random.stateless_normal(
+        [], magnitude_seed) if magnitude_std > 0 else (tf.constant(magnitude, tf.float32))
     m = tf.clip_by_value(m, 0.0, 10.0)
     sign = tf.where(tf.random.stateless_uniform([], sign_seed) < 0.5, -1.0, 1.0)
     augmented = apply_op(index, image, m, sign)
-    image = tf.cond(tf.random.stateless_uniform([], apply_seed) < prob, lambda: augmented, lambda: image)
+    image = tf.cond(
+        tf.random.stateless_uniform([], apply_seed) < prob, lambda: augmented, lambda: image)
   return image

@@ -1,9 +1,11 @@
-"""Multi-head self-attention (MSA): global, windowed with a relative position bias, and convolutional.
+"""Multi-head self-attention (MSA): global, windowed with a relative position bias, and
+convolutional.
 
 HV ("How do vision transformers work?") treats MSA as a trainable, data-specific
 smoothing: each output token is a convex combination of value tokens,
 
-  MSA(x) = concat_h softmax(q_h k_hᵀ / √d + B) v_h · W_out + b_out,   q, k, v = x W_{q,k,v} (no bias),
+  MSA(x) = concat_h softmax(q_h k_hᵀ / √d + B) v_h · W_out + b_out,
+  q, k, v = x W_{q,k,v} (no bias),
 
 with softmax rows summing to 1.  ``B`` is an additive logit bias shared by the
 heads: a learned relative position bias inside non-overlapping windows
@@ -40,8 +42,11 @@ class MultiHeadAttention(nn.Module):
   @nn.compact
   def __call__(self, x, bias=None, train: bool = False):
     """``bias``: additive attention logits broadcastable to [B, heads, N, N] (e.g. [N, N])."""
-    qkv = nn.DenseGeneral((3, self.num_heads, self.head_dim), use_bias=False, kernel_init=dense_init,
-                          dtype=self.dtype, name="qkv")(x)                     # [B, N, 3, h, d]
+    qkv = nn.DenseGeneral((3, self.num_heads, self.head_dim),
+                          use_bias=False,
+                          kernel_init=dense_init,
+                          dtype=self.dtype,
+                          name="qkv")(x)  # [B, N, 3, h, d]
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     logits = jnp.einsum("bihd,bjhd->bhij", q, k).astype(jnp.float32) * self.head_dim ** -0.5
     if bias is not None:
@@ -55,18 +60,22 @@ class MultiHeadAttention(nn.Module):
 
 
 def relative_position_index(window_size: int) -> np.ndarray:
-  """``[w², w², 2]`` table indices of the offset (Δrow, Δcol) + w − 1 from query i to key j (row-major)."""
-  coords = np.stack(np.meshgrid(np.arange(window_size), np.arange(window_size), indexing="ij"), -1).reshape(-1, 2)
+  """``[w², w², 2]`` table indices of the offset (Δrow, Δcol) + w − 1 from query i to key j
+  (row-major)."""
+  coords = np.stack(np.meshgrid(np.arange(window_size), np.arange(window_size), indexing="ij"),
+                    -1).reshape(-1, 2)
   return coords[None, :, :] - coords[:, None, :] + window_size - 1
 
 
 def neighbourhood_mask(height: int, width: int, kernel_size: int) -> np.ndarray:
-  """``[HW, HW]`` logit bias: 0 where key j lies in the k×k neighbourhood of query i, −∞ elsewhere.
+  """``[HW, HW]`` logit bias: 0 where key j lies in the k×k neighbourhood of query i, −∞
+  elsewhere.
 
   The neighbourhood is |Δrow|, |Δcol| ≤ k // 2 (k odd: centred on the query), so
   ``kernel_size >= 2·max(H, W) − 1`` is global attention.
   """
-  coords = np.stack(np.meshgrid(np.arange(height), np.arange(width), indexing="ij"), -1).reshape(-1, 2)
+  coords = np.stack(np.meshgrid(np.arange(height), np.arange(width), indexing="ij"),
+                    -1).reshape(-1, 2)
   offsets = np.abs(coords[None, :, :] - coords[:, None, :])
   inside = np.all(offsets <= kernel_size // 2, axis=-1)
   return np.where(inside, 0.0, -np.inf).astype(np.float32)
@@ -82,7 +91,8 @@ def window_partition(x, window_size: int):
 def window_merge(windows, batch: int, height: int, width: int, window_size: int):
   """Inverse of :func:`window_partition`."""
   c = windows.shape[-1]
-  x = windows.reshape(batch, height // window_size, width // window_size, window_size, window_size, c)
+  x = windows.reshape(batch, height // window_size, width // window_size, window_size, window_size,
+                      c)
   return x.transpose(0, 1, 3, 2, 4, 5).reshape(batch, height, width, c)
 
 
@@ -105,11 +115,16 @@ class WindowAttention(nn.Module):
     b, h, w, _ = x.shape
     p = self.window_size
     if p < 1 or h % p or w % p:
-      raise ValueError(f"window_size {p} does not divide the {h}×{w} feature map; choose a divisor "
-                       f"(AlterNet: 4 on 32×32 CIFAR inputs, 7 on 224×224 ImageNet inputs).")
+      raise ValueError(f"window_size {p} does not divide the {h}×{w} feature map; choose a "
+                       f"divisor (AlterNet: 4 on 32×32 CIFAR inputs, 7 on 224×224 ImageNet "
+                       f"inputs).")
     table = self.param("relative_position", nn.initializers.normal(0.02), (2 * p - 1, 2 * p - 1))
     index = relative_position_index(p)
     bias = table[index[..., 0], index[..., 1]]
-    out = MultiHeadAttention(self.num_heads, self.head_dim, self.out_features, self.dropout_rate, self.dtype,
+    out = MultiHeadAttention(self.num_heads,
+                             self.head_dim,
+                             self.out_features,
+                             self.dropout_rate,
+                             self.dtype,
                              name="attention")(window_partition(x, p), bias, train)
     return window_merge(out, b, h, w, p)

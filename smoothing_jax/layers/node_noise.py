@@ -1,4 +1,5 @@
-"""iBNN node noise (Trinh et al., "Scalable Bayesian neural networks by layer-wise input augmentation").
+"""iBNN node noise (Trinh et al., "Scalable Bayesian neural networks by layer-wise input
+augmentation").
 
 Every conv / dense layer multiplies its input nodes by z and (optionally) its
 bias by a scalar s, drawn per example from component k of a K-component
@@ -95,15 +96,19 @@ class NodeNoiseConv(_NodeNoise):
   @nn.compact
   def __call__(self, x, components: Optional[jax.Array] = None):
     x, components = self.perturb_input(x, components)
-    kernel = self.param("kernel", self.kernel_init, (self.kernel_size, self.kernel_size, x.shape[-1], self.features))
+    kernel = self.param("kernel", self.kernel_init,
+                        (self.kernel_size, self.kernel_size, x.shape[-1], self.features))
     p = self.padding
-    y = jax.lax.conv_general_dilated(x.astype(self.dtype), kernel.astype(self.dtype), (self.stride, self.stride),
-                                     ((p, p), (p, p)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    y = jax.lax.conv_general_dilated(x.astype(self.dtype),
+                                     kernel.astype(self.dtype), (self.stride, self.stride),
+                                     ((p, p), (p, p)),
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
     return self.add_bias(y, components, self.features) if self.use_bias else y
 
 
 class NodeNoiseDense(_NodeNoise):
-  """``nn.Dense`` with iBNN noise on its input nodes.  ``__call__(x [B,C_in], components) -> [B,features]``."""
+  """``nn.Dense`` with iBNN noise on its input nodes.
+  ``__call__(x [B,C_in], components) -> [B,features]``."""
   features: int = 10
   kernel_init: Callable = nn.initializers.lecun_normal()
   dtype: Any = jnp.float32

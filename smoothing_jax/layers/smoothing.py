@@ -1,4 +1,5 @@
-"""Spatial smoothing layers: ``Smooth = Blur ∘ Prob`` (Park & Kim, "Blurs behave like ensembles", Sec. 2).
+"""Spatial smoothing layers: ``Smooth = Blur ∘ Prob`` (Park & Kim, "Blurs behave like ensembles",
+Sec. 2).
 
 All layers take NHWC feature maps.
 """
@@ -95,7 +96,8 @@ class Blur(nn.Module):
   def setup(self):
     blur_kernel(self.kernel_size)  # validates the size
     if self.pad_mode not in PAD_MODES:
-      raise ValueError(f"Unknown blur pad_mode {self.pad_mode!r}; choose one of {sorted(PAD_MODES)}.")
+      raise ValueError(
+          f"Unknown blur pad_mode {self.pad_mode!r}; choose one of {sorted(PAD_MODES)}.")
 
   def __call__(self, x):
     if x.ndim != 4:
@@ -103,8 +105,10 @@ class Blur(nn.Module):
     if self.kernel_size == 1:
       return x
     before, after = blur_padding(self.kernel_size, self.same, self.pad_mode)
-    x = jnp.pad(x, ((0, 0), (before, after), (before, after), (0, 0)), mode=PAD_MODES[self.pad_mode])
-    # The kernel is separable, k ⊗ k / ‖k‖₁²: weighted sums of shifted views along H, then W.
+    x = jnp.pad(x, ((0, 0), (before, after), (before, after), (0, 0)),
+                mode=PAD_MODES[self.pad_mode])
+    # The kernel is separable, k ⊗ k / ‖k‖₁²: weighted sums of shifted views along H,
+    # then W.
     # (Cheaper than a grouped convolution, and XLA fuses it with the surrounding element-wise ops.)
     taps = np.asarray(BLUR_FILTERS[self.kernel_size]) / np.sum(BLUR_FILTERS[self.kernel_size])
     n = self.kernel_size

@@ -4,9 +4,10 @@ Names follow the reference implementation: ``<family>_<variant>[_<depth>]`` with
 variant ``dnn`` (deterministic), ``mcdo`` (MC dropout), ``dnn_smoothing`` or
 ``mcdo_smoothing``; plus the iBNN models ``vgg_ibnn_16`` and ``wideresnet_ibnn_28_10``
 (``num_components=K`` override; they take ``components`` and a ``"noise"`` key); and the
-self-attention models ``vit_{ti,s,b}`` and ``alternet_{18,34,50,101,152}`` (HV); and the segmentation
-U-Nets ``unet_{dnn,mcdo,dnn_smoothing,mcdo_smoothing}`` (per-pixel logits ``[B, H, W, C]``).  Every model
-is called as ``model.apply(variables, images_nhwc, train=False, rngs={"dropout": key})``.
+self-attention models ``vit_{ti,s,b}`` and ``alternet_{18,34,50,101,152}`` (HV); and the
+segmentation U-Nets ``unet_{dnn,mcdo,dnn_smoothing,mcdo_smoothing}`` (per-pixel logits
+``[B, H, W, C]``).  Every model is called as
+``model.apply(variables, images_nhwc, train=False, rngs={"dropout": key})``.
 """
 from __future__ import annotations
 
@@ -24,11 +25,18 @@ from smoothing_jax.models.vgg import VGG, VGG_STAGES
 from smoothing_jax.models.vit import ViT
 from smoothing_jax.models.wideresnet import WideResNet
 
-__all__ = ["AlexNet", "AlterNet", "ResNet", "UNet", "VGG", "ViT", "WideResNet", "get_model", "list_models",
-           "is_segmentation_model"]
+__all__ = [
+    "AlexNet", "AlterNet", "ResNet", "UNet", "VGG", "ViT", "WideResNet", "get_model", "list_models",
+    "is_segmentation_model"
+]
 
-RESNET_STAGES = {18: ((2, 2, 2, 2), "basic"), 34: ((3, 4, 6, 3), "basic"), 50: ((3, 4, 6, 3), "bottleneck"),
-                 101: ((3, 4, 23, 3), "bottleneck"), 152: ((3, 8, 36, 3), "bottleneck")}
+RESNET_STAGES = {
+    18: ((2, 2, 2, 2), "basic"),
+    34: ((3, 4, 6, 3), "basic"),
+    50: ((3, 4, 6, 3), "bottleneck"),
+    101: ((3, 4, 23, 3), "bottleneck"),
+    152: ((3, 8, 36, 3), "bottleneck")
+}
 VARIANTS = ("dnn", "mcdo", "dnn_smoothing", "mcdo_smoothing")
 MCDO_RATE = 0.3
 ALEXNET_MCDO_RATE = 0.1
@@ -37,9 +45,13 @@ IBNN_COMPONENTS = 4
 # ViT sizes: (hidden_dim, heads, mlp_dim); depth 12, head width 64 (HV ``vit.py``).
 VIT_SIZES = {"ti": (192, 3, 768), "s": (384, 6, 1536), "b": (768, 12, 3072)}
 # AlterNet: (block, blocks per stage, MSA blocks per stage) (HV ``alternet.py``).
-ALTERNET_STAGES = {18: ("basic", (2, 2, 2, 2), (0, 1, 1, 1)), 34: ("basic", (3, 4, 6, 4), (0, 1, 3, 2)),
-                   50: ("bottleneck", (3, 4, 6, 4), (0, 1, 3, 2)), 101: ("bottleneck", (3, 4, 23, 4), (0, 1, 3, 2)),
-                   152: ("bottleneck", (3, 8, 36, 4), (0, 1, 3, 2))}
+ALTERNET_STAGES = {
+    18: ("basic", (2, 2, 2, 2), (0, 1, 1, 1)),
+    34: ("basic", (3, 4, 6, 4), (0, 1, 3, 2)),
+    50: ("bottleneck", (3, 4, 6, 4), (0, 1, 3, 2)),
+    101: ("bottleneck", (3, 4, 23, 4), (0, 1, 3, 2)),
+    152: ("bottleneck", (3, 8, 36, 4), (0, 1, 3, 2))
+}
 
 
 def _architectures():
@@ -47,14 +59,17 @@ def _architectures():
   archs = {}
   for depth, (stages, block) in RESNET_STAGES.items():
     archs[f"resnet_{{}}_{depth}"] = (ResNet, dict(stage_sizes=stages, block=block), MCDO_RATE)
-    archs[f"preresnet_{{}}_{depth}"] = (ResNet, dict(stage_sizes=stages, block=block, preact=True), MCDO_RATE)
+    archs[f"preresnet_{{}}_{depth}"] = (ResNet, dict(stage_sizes=stages, block=block,
+                                                     preact=True), MCDO_RATE)
   for depth, width_per_group in ((50, 4), (101, 8)):
     archs[f"resnext_{{}}_{depth}"] = (
         ResNet, dict(stage_sizes=RESNET_STAGES[depth][0], block="bottleneck", groups=32,
                      width_per_group=width_per_group), MCDO_RATE)
   for depth in (50, 101):
-    archs[f"wideresnet_{{}}_{depth}"] = (
-        ResNet, dict(stage_sizes=RESNET_STAGES[depth][0], block="bottleneck", width_per_group=128), MCDO_RATE)
+    archs[f"wideresnet_{{}}_{depth}"] = (ResNet,
+                                         dict(stage_sizes=RESNET_STAGES[depth][0],
+                                              block="bottleneck",
+                                              width_per_group=128), MCDO_RATE)
   archs["wideresnet_{}_28_10"] = (WideResNet, dict(depth=28, widen_factor=10), MCDO_RATE)
   for depth, stages in VGG_STAGES.items():
     archs[f"vgg_{{}}_{depth}"] = (VGG, dict(stage_sizes=stages), MCDO_RATE)
@@ -73,14 +88,23 @@ def _registry():
           kwargs, dropout_rate=rate if variant.startswith("mcdo") else 0.0,
           smoothing=variant.endswith("smoothing")))
   # iBNN (Trinh et al.): node noise is a constructor option of the same families.
-  registry["vgg_ibnn_16"] = (VGG, dict(stage_sizes=VGG_STAGES[16], batch_norm=False, classifier="mlp512",
-                                       num_components=IBNN_COMPONENTS, noise_init_std=0.75))
-  registry["wideresnet_ibnn_28_10"] = (WideResNet, dict(depth=28, widen_factor=10, num_components=IBNN_COMPONENTS))
+  registry["vgg_ibnn_16"] = (VGG,
+                             dict(stage_sizes=VGG_STAGES[16],
+                                  batch_norm=False,
+                                  classifier="mlp512",
+                                  num_components=IBNN_COMPONENTS,
+                                  noise_init_std=0.75))
+  registry["wideresnet_ibnn_28_10"] = (WideResNet,
+                                       dict(depth=28,
+                                            widen_factor=10,
+                                            num_components=IBNN_COMPONENTS))
   # MSA as trainable smoothing (HV): ViTs and AlterNets (geometry from ``stem``, like the CNNs).
   for size, (dim, heads, mlp_dim) in VIT_SIZES.items():
     registry[f"vit_{size}"] = (ViT, dict(hidden_dim=dim, num_heads=heads, mlp_dim=mlp_dim))
   for depth, (block, stages, msas) in ALTERNET_STAGES.items():
-    registry[f"alternet_{depth}"] = (AlterNet, dict(block=block, stage_sizes=stages, msa_blocks=msas))
+    registry[f"alternet_{depth}"] = (AlterNet, dict(block=block,
+                                                    stage_sizes=stages,
+                                                    msa_blocks=msas))
   return registry
 
 
@@ -92,6 +116,11 @@ def list_models() -> list[str]:
 def is_segmentation_model(model: nn.Module) -> bool:
   """True for models with per-pixel outputs ``[B, H, W, C]`` (the U-Nets)."""
   return isinstance(model, UNet)
+
+
+def is_ibnn(model: nn.Module) -> bool:
+  """True for iBNN models: K ≥ 1 components of multiplicative node noise (``num_components``)."""
+  return getattr(model, "num_components", 0) > 0
 
 
 def get_model(name: str, num_classes: int, **overrides) -> nn.Module:
@@ -116,7 +145,8 @@ def get_model(name: str, num_classes: int, **overrides) -> nn.Module:
   fields = {f.name for f in dataclasses.fields(cls)} - {"parent", "name"}
   unknown = sorted(set(overrides) - fields)
   if unknown:
-    raise ValueError(f"Unknown option(s) {unknown} for model {name!r}; valid options: {sorted(fields)}.")
+    raise ValueError(
+        f"Unknown option(s) {unknown} for model {name!r}; valid options: {sorted(fields)}.")
   if not isinstance(num_classes, int) or num_classes < 1:
     raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}.")
   # Lists (e.g. from a JSON config) become tuples: modules must be hashable to be jit-static.

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-from smoothing_jax.models.common import CNN, GAPHead, MLPHead, adaptive_avg_pool, check_images, conv, max_pool
+from smoothing_jax.models.common import (CNN, GAPHead, MLPHead, adaptive_avg_pool, check_images,
+                                         conv, max_pool)
 
 
 class AlexNetBlock(CNN):
@@ -20,7 +21,12 @@ class AlexNetBlock(CNN):
 
   @nn.compact
   def __call__(self, x):
-    x = conv(self.features, self.kernel_size, self.stride, self.padding, dtype=self.dtype, name="conv")(x)
+    x = conv(self.features,
+             self.kernel_size,
+             self.stride,
+             self.padding,
+             dtype=self.dtype,
+             name="conv")(x)
     return self.dropout(nn.relu(x))
 
 
@@ -35,8 +41,13 @@ class AlexNet(CNN):
     w = self.width
 
     def block(features, kernel_size, stride, padding, name):
-      return AlexNetBlock(features=features, kernel_size=kernel_size, stride=stride, padding=padding,
-                          dropout_rate=self.dropout_rate, dtype=self.dtype, name=name)
+      return AlexNetBlock(features=features,
+                          kernel_size=kernel_size,
+                          stride=stride,
+                          padding=padding,
+                          dropout_rate=self.dropout_rate,
+                          dtype=self.dtype,
+                          name=name)
     imagenet = self.stem == "imagenet"
     pool = (lambda y: max_pool(y, 3, 2)) if imagenet else (lambda y: max_pool(y, 2, 2))
 

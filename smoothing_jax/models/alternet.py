@@ -22,14 +22,16 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from smoothing_jax.layers.attention import WindowAttention
-from smoothing_jax.models.common import STEMS, GAPHead, batch_norm, check_images, conv, drop_path, max_pool
+from smoothing_jax.models.common import (STEMS, GAPHead, batch_norm, check_images, conv, drop_path,
+                                         max_pool)
 from smoothing_jax.models.resnet import EXPANSION, PreActBlock
 
 WINDOW_SIZES = {"cifar": 4, "imagenet": 7}
 
 
 class AttentionBlock(nn.Module):
-  """Pre-activation MSA block: [B, H, W, C_in] → [B, H, W, channels · expansion]; inner width C_in / expansion."""
+  """Pre-activation MSA block: [B, H, W, C_in] → [B, H, W, channels · expansion]; inner width
+  C_in / expansion."""
   channels: int
   num_heads: int
   head_dim: int = 64
@@ -41,11 +43,17 @@ class AttentionBlock(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool, keep=None):
     out_channels = self.channels * EXPANSION[self.block]
-    bn = lambda name: batch_norm(use_running_average=not train, dtype=self.dtype, name=name)  # noqa: E731
+    bn = lambda name: batch_norm(use_running_average=not train, dtype=self.dtype, name=name
+                                )  # noqa: E731
     pre = nn.gelu(bn("bn1")(x), approximate=False)
-    skip = x if x.shape[-1] == out_channels else conv(out_channels, 1, dtype=self.dtype, name="shortcut_0")(pre)
+    skip = x if x.shape[-1] == out_channels else conv(
+        out_channels, 1, dtype=self.dtype, name="shortcut_0")(pre)
     y = bn("bn2")(conv(x.shape[-1] // EXPANSION[self.block], 1, dtype=self.dtype, name="conv")(pre))
-    y = WindowAttention(self.window_size, self.num_heads, self.head_dim, out_channels, dtype=self.dtype,
+    y = WindowAttention(self.window_size,
+                        self.num_heads,
+                        self.head_dim,
+                        out_channels,
+                        dtype=self.dtype,
                         name="attention")(y, train)
     return skip + drop_path(y, self.drop_path_rate, train, keep)
 
@@ -85,12 +93,14 @@ class AlterNet(nn.Module):
 
   def _check_structure(self):
     if not len(self.stage_sizes) == len(self.msa_blocks) == len(self.num_heads):
-      raise ValueError(f"stage_sizes {tuple(self.stage_sizes)}, msa_blocks {tuple(self.msa_blocks)} and "
-                       f"num_heads {tuple(self.num_heads)} need one entry per stage.")
+      raise ValueError(
+          f"stage_sizes {tuple(self.stage_sizes)}, msa_blocks {tuple(self.msa_blocks)} and "
+          f"num_heads {tuple(self.num_heads)} need one entry per stage.")
     for n, m in zip(self.stage_sizes, self.msa_blocks):
       if not 0 <= 2 * m <= n:
-        raise ValueError(f"A stage of {n} blocks holds at most {n // 2} MSA blocks (each follows a Conv block); "
-                         f"msa_blocks={tuple(self.msa_blocks)}.")
+        raise ValueError(
+            f"A stage of {n} blocks holds at most {n // 2} MSA blocks (each follows a Conv block); "
+            f"msa_blocks={tuple(self.msa_blocks)}.")
     if self.block not in EXPANSION:
       raise ValueError(f"Unknown block {self.block!r}; choose one of {sorted(EXPANSION)}.")
     if self.stem not in STEMS:
@@ -114,10 +124,20 @@ class AlterNet(nn.Module):
         rate = self.stochastic_depth * i / max(len(units) - 1, 1)
         keep = None if block_mask is None else block_mask[i]
         if kind == "msa":
-          x = AttentionBlock(channels, self.num_heads[stage - 1], self.head_dim, window, self.block, rate,
-                             self.dtype, name=name)(x, train, keep)
+          x = AttentionBlock(channels,
+                             self.num_heads[stage - 1],
+                             self.head_dim,
+                             window,
+                             self.block,
+                             rate,
+                             self.dtype,
+                             name=name)(x, train, keep)
         else:
-          x = PreActBlock(channels=channels, stride=2 if (stage > 1 and j == 0) else 1, block=self.block,
-                          drop_path_rate=rate, dtype=self.dtype, name=name)(x, train, keep)
+          x = PreActBlock(channels=channels,
+                          stride=2 if (stage > 1 and j == 0) else 1,
+                          block=self.block,
+                          drop_path_rate=rate,
+                          dtype=self.dtype,
+                          name=name)(x, train, keep)
         i += 1
     return GAPHead(self.num_classes, bn=True, dtype=self.dtype, name="classifier_0")(x, train)

@@ -24,7 +24,14 @@ batch_norm = functools.partial(nn.BatchNorm, momentum=0.9, epsilon=1e-5)
 conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
 
 
-def conv(features, kernel_size, stride=1, padding=0, groups=1, bias=False, name=None, dtype=jnp.float32):
+def conv(features,
+         kernel_size,
+         stride=1,
+         padding=0,
+         groups=1,
+         bias=False,
+         name=None,
+         dtype=jnp.float32):
   """``nn.Conv2d``-equivalent: explicit symmetric zero padding, no bias by default."""
   return nn.Conv(features, (kernel_size, kernel_size), strides=(stride, stride),
                  padding=((padding, padding), (padding, padding)), feature_group_count=groups,
@@ -39,7 +46,8 @@ def drop_path(branch, rate: float, train: bool, keep=None):
   multiplies the branch at any time, so ``keep = 0`` removes the unit (lesion study).
   """
   if rate > 0:
-    branch = nn.Dropout(rate, broadcast_dims=tuple(range(1, branch.ndim)), deterministic=not train)(branch)
+    branch = nn.Dropout(rate, broadcast_dims=tuple(range(1, branch.ndim)),
+                        deterministic=not train)(branch)
   return branch if keep is None else branch * jnp.asarray(keep, branch.dtype)
 
 
@@ -61,7 +69,9 @@ def adaptive_avg_pool(x, output_size: int):
       start, end = (i * n) // output_size, -(-((i + 1) * n) // output_size)
       m[i, start:end] = 1.0 / (end - start)
     return jnp.asarray(m, x.dtype)
-  return jnp.einsum("ih,jw,bhwc->bijc", averaging_matrix(x.shape[1]), averaging_matrix(x.shape[2]), x)
+
+  return jnp.einsum("ih,jw,bhwc->bijc", averaging_matrix(x.shape[1]), averaging_matrix(x.shape[2]),
+                    x)
 
 
 def check_images(x, channels: int = 3):
@@ -133,7 +143,8 @@ class CNN(nn.Module):
   dropout_rate: float = 0.0
   smoothing: bool = False
   prob: Optional[str] = "tanh"
-  temperature: Optional[float] = None  # None: 10 for "tanh", 5 for "scale" (layers.DEFAULT_TEMPERATURE)
+  temperature: Optional[
+      float] = None  # None: 10 for "tanh", 5 for "scale" (layers.DEFAULT_TEMPERATURE)
   blur_size: int = 2
   blur_same: bool = False
   pad_mode: str = "constant"
@@ -144,45 +155,74 @@ class CNN(nn.Module):
   noise_init_std: float = 0.5
   bias_noise: bool = True
 
-  def check_options(self, default_classifier: str, classifiers=("gap", "mlp"), node_noise: bool = False) -> str:
-    """Validate the shared options against what the family supports; return the classifier to build."""
+  def check_options(self,
+                    default_classifier: str,
+                    classifiers=("gap", "mlp"),
+                    node_noise: bool = False) -> str:
+    """Validate the shared options against what the family supports; return the classifier
+    to build."""
     if self.stem not in STEMS:
       raise ValueError(f"Unknown stem {self.stem!r}; choose one of {STEMS}.")
     classifier = self.classifier or default_classifier
     if classifier not in classifiers:
-      raise ValueError(f"Unknown classifier {classifier!r} for {type(self).__name__}; choose one of {classifiers}.")
+      raise ValueError(
+          f"Unknown classifier {classifier!r} for {type(self).__name__}; choose one of "
+          f"{classifiers}."
+      )
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate!r}.")
     if self.num_components < 0:
-      raise ValueError(f"num_components (iBNN K) must be >= 1, or 0 for no node noise; got {self.num_components}.")
+      raise ValueError(
+          "num_components (iBNN K) must be >= 1, or 0 for no node noise; got "
+          f"{self.num_components}."
+      )
     if self.num_components and not node_noise:
-      raise ValueError(f"{type(self).__name__} has no iBNN variant; node noise is built for VGG and WideResNet.")
+      raise ValueError(
+          f"{type(self).__name__} has no iBNN variant; node noise is built for VGG and WideResNet.")
     return classifier
 
   def noise_options(self) -> dict:
     """The iBNN fields, for passing on to blocks."""
-    return dict(num_components=self.num_components, noise_init_std=self.noise_init_std, bias_noise=self.bias_noise)
+    return dict(num_components=self.num_components,
+                noise_init_std=self.noise_init_std,
+                bias_noise=self.bias_noise)
 
   def conv(self, x, components, features, kernel_size, stride=1, padding=0, bias=False, name=None):
     """A ``conv`` layer applied to ``x``, with iBNN node noise when ``num_components`` > 0."""
     if self.num_components:
-      return NodeNoiseConv(self.num_components, self.bias_noise, self.noise_init_std, features=features,
-                           kernel_size=kernel_size, stride=stride, padding=padding, use_bias=bias,
-                           dtype=self.dtype, name=name)(x, components)
+      return NodeNoiseConv(self.num_components,
+                           self.bias_noise,
+                           self.noise_init_std,
+                           features=features,
+                           kernel_size=kernel_size,
+                           stride=stride,
+                           padding=padding,
+                           use_bias=bias,
+                           dtype=self.dtype,
+                           name=name)(x, components)
     return conv(features, kernel_size, stride, padding, bias=bias, dtype=self.dtype, name=name)(x)
 
   def dense(self, x, components, features, name=None):
     """``nn.Dense`` applied to ``x``, with iBNN node noise when ``num_components`` > 0."""
     if self.num_components:
-      return NodeNoiseDense(self.num_components, self.bias_noise, self.noise_init_std, features=features,
-                            dtype=self.dtype, name=name)(x, components)
+      return NodeNoiseDense(self.num_components,
+                            self.bias_noise,
+                            self.noise_init_std,
+                            features=features,
+                            dtype=self.dtype,
+                            name=name)(x, components)
     return nn.Dense(features, dtype=self.dtype, name=name)(x)
 
   def smooth(self, x, name: str):
     """The stage-end smoothing block (identity unless ``smoothing``)."""
     if not self.smoothing:
       return x
-    return Smooth(self.prob, self.temperature, self.blur_size, self.blur_same, self.pad_mode, name=name)(x)
+    return Smooth(self.prob,
+                  self.temperature,
+                  self.blur_size,
+                  self.blur_same,
+                  self.pad_mode,
+                  name=name)(x)
 
   def dropout(self, x):
     """MC dropout at a reference position (identity for ``dnn`` models)."""

@@ -1,4 +1,5 @@
-"""ResNet, pre-activation ResNet, ResNeXt and Wide ResNet-50-2/101-2 (reference ``models/resnet.py``).
+"""ResNet, pre-activation ResNet, ResNeXt and Wide ResNet-50-2/101-2 (reference
+``models/resnet.py``).
 
 One module, variants as arguments:
   * ``block``: ``"basic"`` or ``"bottleneck"``; ``groups`` / ``width_per_group``
@@ -13,14 +14,15 @@ from typing import Sequence
 
 import flax.linen as nn
 
-from smoothing_jax.models.common import (CNN, GAPHead, MLPHead, adaptive_avg_pool, check_images, conv, drop_path,
-                                         max_pool)
+from smoothing_jax.models.common import (CNN, GAPHead, MLPHead, adaptive_avg_pool, check_images,
+                                         conv, drop_path, max_pool)
 
 EXPANSION = {"basic": 1, "bottleneck": 4}
 
 
 class _Block(CNN):
-  """Fields shared by the residual blocks: output ``channels · expansion``, inner width for groups."""
+  """Fields shared by the residual blocks: output ``channels · expansion``, inner width for
+  groups."""
   channels: int = 64
   stride: int = 1
   block: str = "basic"
@@ -30,7 +32,8 @@ class _Block(CNN):
 
   def widths(self):
     """(inner width of the 3×3 conv, block output channels), as torchvision computes them."""
-    return int(self.channels * (self.width_per_group / 64.0)) * self.groups, self.channels * EXPANSION[self.block]
+    return int(self.channels *
+               (self.width_per_group / 64.0)) * self.groups, self.channels * EXPANSION[self.block]
 
 
 class ResNetBlock(_Block):
@@ -44,7 +47,8 @@ class ResNetBlock(_Block):
       skip = conv(out_channels, 1, self.stride, dtype=self.dtype, name="shortcut_0")(x)
       skip = self.bn(train, "shortcut_1")(skip)
     if self.block == "basic":
-      y = nn.relu(self.bn(train, "bn1")(conv(width, 3, self.stride, 1, dtype=self.dtype, name="conv1")(x)))
+      y = nn.relu(
+          self.bn(train, "bn1")(conv(width, 3, self.stride, 1, dtype=self.dtype, name="conv1")(x)))
       y = self.dropout(y)
       y = self.bn(train, "bn2")(conv(out_channels, 3, 1, 1, dtype=self.dtype, name="conv2")(y))
     else:
@@ -118,13 +122,19 @@ class ResNet(CNN):
     for stage, num_blocks in enumerate(self.stage_sizes, start=1):
       channels = self.width * 2 ** (stage - 1)
       for j in range(num_blocks):
-        x = block_cls(channels=channels, stride=2 if (stage > 1 and j == 0) else 1, block=self.block,
-                      groups=self.groups, width_per_group=self.width_per_group,
-                      name=f"layer{stage}_{j}", **shared)(x, train)
+        x = block_cls(channels=channels,
+                      stride=2 if (stage > 1 and j == 0) else 1,
+                      block=self.block,
+                      groups=self.groups,
+                      width_per_group=self.width_per_group,
+                      name=f"layer{stage}_{j}",
+                      **shared)(x, train)
       # Pre-activation networks do not smooth the last stage (reference num_sblocks [1, 1, 1, 0]).
       if not (self.preact and stage == len(self.stage_sizes)):
         x = self.smooth(x, f"smooth{stage}_0")
 
     if classifier == "mlp":
-      return MLPHead(self.num_classes, dtype=self.dtype, name="classifier_1")(adaptive_avg_pool(x, 7), train)
-    return GAPHead(self.num_classes, bn=self.preact, dtype=self.dtype, name="classifier_0")(x, train)
+      return MLPHead(self.num_classes, dtype=self.dtype,
+                     name="classifier_1")(adaptive_avg_pool(x, 7), train)
+    return GAPHead(self.num_classes, bn=self.preact, dtype=self.dtype, name="classifier_0")(x,
+                                                                                            train)

@@ -51,7 +51,8 @@ class UNet(CNN):
       return tuple(s for s in range(middle - 2, middle + 4) if 1 <= s <= stages)
     bad = [s for s in self.dropout_stages if not 1 <= s <= stages]
     if bad:
-      raise ValueError(f"dropout_stages {bad} out of range: a depth-{self.depth} U-Net has stages 1..{stages}.")
+      raise ValueError(
+          f"dropout_stages {bad} out of range: a depth-{self.depth} U-Net has stages 1..{stages}.")
     return tuple(self.dropout_stages)
 
   def conv_block(self, x, features: int, train: bool, name: str):
@@ -65,8 +66,9 @@ class UNet(CNN):
     if self.num_components:
       raise ValueError("UNet has no iBNN variant (num_components must be 0).")
     if self.depth < 1 or self.width < 1 or min(self.encoder_convs) < 1:
-      raise ValueError(f"UNet needs width >= 1 and at least two encoder levels of >= 1 conv, got width "
-                       f"{self.width}, encoder_convs {self.encoder_convs}.")
+      raise ValueError(
+          f"UNet needs width >= 1 and at least two encoder levels of >= 1 conv, got width "
+          f"{self.width}, encoder_convs {self.encoder_convs}.")
     if len(self.decoder_convs) != self.depth or min(self.decoder_convs) < 1:
       raise ValueError(f"decoder_convs {self.decoder_convs} must give >= 1 conv for each of the "
                        f"{self.depth} decoder levels (encoder_convs {self.encoder_convs}).")
@@ -87,7 +89,8 @@ class UNet(CNN):
       skips.append(x)
       x = self.dropout(x) if level + 1 in dropout_after else x
       x = self.smooth(x, f"smooth{level + 1}")
-      pad = ((0, x.shape[1] % 2), (0, x.shape[2] % 2))  # ceil mode ("SAME"): odd maps keep their last row
+      pad = ((0, x.shape[1] % 2), (0, x.shape[2] % 2)
+            )  # ceil mode ("SAME"): odd maps keep their last row
       x = nn.max_pool(x, (2, 2), (2, 2), padding=pad)
     for stage, (level, convs) in enumerate(zip(reversed(range(self.depth)), self.decoder_convs),
                                            start=self.depth + 2):

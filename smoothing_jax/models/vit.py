@@ -1,4 +1,5 @@
-"""Vision Transformer (Dosovitskiy et al.; HV ``models/vit.py``) with global, windowed or convolutional MSA.
+"""Vision Transformer (Dosovitskiy et al.; HV ``models/vit.py``) with global, windowed or
+convolutional MSA.
 
 Linear patch embedding of p×p patches (p = 2 on 32×32 CIFAR, 16 on 224×224
 ImageNet), a CLS token and absolute position embeddings (init N(0, 0.02²)),
@@ -50,12 +51,20 @@ class TransformerUnit(nn.Module):
     y = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype, name="norm")(x)
     if self.kind == "msa" and self.window_size:
       b, _, d = y.shape
-      y = WindowAttention(self.window_size, self.num_heads, self.head_dim, dropout_rate=self.dropout_rate,
-                          dtype=self.dtype, name="attention")(y.reshape(b, *self.grid, d), train)
+      y = WindowAttention(self.window_size,
+                          self.num_heads,
+                          self.head_dim,
+                          dropout_rate=self.dropout_rate,
+                          dtype=self.dtype,
+                          name="attention")(y.reshape(b, *self.grid, d), train)
       y = y.reshape(b, -1, d)
     elif self.kind == "msa":
-      bias = jnp.asarray(neighbourhood_mask(*self.grid, self.kernel_size)) if self.kernel_size else None
-      y = MultiHeadAttention(self.num_heads, self.head_dim, dropout_rate=self.dropout_rate, dtype=self.dtype,
+      bias = jnp.asarray(neighbourhood_mask(*self.grid,
+                                            self.kernel_size)) if self.kernel_size else None
+      y = MultiHeadAttention(self.num_heads,
+                             self.head_dim,
+                             dropout_rate=self.dropout_rate,
+                             dtype=self.dtype,
                              name="attention")(y, bias, train)
     else:
       y = nn.gelu(nn.Dense(self.mlp_dim, kernel_init=dense_init, dtype=self.dtype, name="fc1")(y),
@@ -73,7 +82,8 @@ class ViT(nn.Module):
     hidden_dim, depth, num_heads, head_dim, mlp_dim: ViT-Ti 192/12/3/64/768.
     patch_size: None = 2 for the CIFAR stem, 16 for ImageNet.
     classifier: "token" (CLS → LN → Dense) or "gap" (mean of tokens → LN → Dense).
-    dropout_rate_train: train-only dropout in MSA/MLP outputs; embedding_dropout_rate after the embedding.
+    dropout_rate_train: train-only dropout in MSA/MLP outputs; embedding_dropout_rate after the
+      embedding.
     stochastic_depth: the last block's DropPath rate (linear in depth).
     window_size: MSA within non-overlapping windows of the token grid (with a
       relative position bias); kernel_size: MSA within a k×k neighbourhood.
@@ -105,14 +115,19 @@ class ViT(nn.Module):
     if self.stem not in STEMS:
       raise ValueError(f"Unknown stem {self.stem!r}; choose one of {STEMS}.")
     if self.classifier not in CLASSIFIERS:
-      raise ValueError(f"Unknown classifier {self.classifier!r} for ViT; choose one of {CLASSIFIERS}.")
+      raise ValueError(
+          f"Unknown classifier {self.classifier!r} for ViT; choose one of {CLASSIFIERS}.")
     if self.window_size and self.kernel_size:
       raise ValueError("Give window_size or kernel_size (local MSA), not both.")
     if (self.window_size or self.kernel_size) and self.classifier != "gap":
-      raise ValueError("Local MSA (window_size / kernel_size) needs classifier='gap' (a CLS token has no position).")
+      raise ValueError(
+          "Local MSA (window_size / kernel_size) needs classifier='gap' (a CLS token has no "
+          "position)."
+      )
     p = self.patch_size or PATCH_SIZES[self.stem]
     if x.shape[1] % p or x.shape[2] % p:
-      raise ValueError(f"Image size {x.shape[1]}×{x.shape[2]} is not divisible by the patch size {p}.")
+      raise ValueError(
+          f"Image size {x.shape[1]}×{x.shape[2]} is not divisible by the patch size {p}.")
     return p
 
   @nn.compact
@@ -126,15 +141,26 @@ class ViT(nn.Module):
         patches.reshape(b, grid[0] * grid[1], -1))
     if self.classifier == "token":
       cls = self.param("cls_token", nn.initializers.normal(0.02), (1, 1, self.hidden_dim))
-      tokens = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, self.hidden_dim)).astype(tokens.dtype), tokens], 1)
-    tokens = tokens + self.param("pos_embedding", nn.initializers.normal(0.02), (1,) + tokens.shape[1:])
+      tokens = jnp.concatenate(
+          [jnp.broadcast_to(cls, (b, 1, self.hidden_dim)).astype(tokens.dtype), tokens], 1)
+    tokens = tokens + self.param("pos_embedding", nn.initializers.normal(0.02),
+                                 (1,) + tokens.shape[1:])
     tokens = nn.Dropout(self.embedding_dropout_rate, deterministic=not train)(tokens)
 
     for i, (name, kind) in enumerate(self.units()):
       rate = self.stochastic_depth * (i // 2) / max(self.depth - 1, 1)
-      tokens = TransformerUnit(kind, self.num_heads, self.head_dim, self.mlp_dim, self.dropout_rate_train, rate,
-                               self.window_size, self.kernel_size, grid, self.dtype, name=name)(
-          tokens, train, None if block_mask is None else block_mask[i])
+      tokens = TransformerUnit(kind,
+                               self.num_heads,
+                               self.head_dim,
+                               self.mlp_dim,
+                               self.dropout_rate_train,
+                               rate,
+                               self.window_size,
+                               self.kernel_size,
+                               grid,
+                               self.dtype,
+                               name=name)(tokens, train,
+                                          None if block_mask is None else block_mask[i])
 
     pooled = tokens[:, 0] if self.classifier == "token" else jnp.mean(tokens, axis=1)
     pooled = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype, name="head_norm")(pooled)
@@ -142,7 +168,8 @@ class ViT(nn.Module):
 
 
 def tokens_to_map(tokens):
-  """``[B, N, D]`` unit output → ``[B, h, w, D]`` (drops a CLS token when N = h·w + 1; square grids)."""
+  """``[B, N, D]`` unit output → ``[B, h, w, D]`` (drops a CLS token when N = h·w + 1;
+  square grids)."""
   n = tokens.shape[1]
   side = math.isqrt(n)
   if side * side != n:

@@ -23,9 +23,22 @@ class WideBasic(CNN):
 
   @nn.compact
   def __call__(self, x, train: bool, components=None):
-    y = self.conv(nn.relu(self.bn(train, "bn1")(x)), components, self.features, 3, 1, 1, bias=True, name="conv1")
+    y = self.conv(nn.relu(self.bn(train, "bn1")(x)),
+                  components,
+                  self.features,
+                  3,
+                  1,
+                  1,
+                  bias=True,
+                  name="conv1")
     y = self.dropout(y)
-    y = self.conv(nn.relu(self.bn(train, "bn2")(y)), components, self.features, 3, self.stride, 1, bias=True,
+    y = self.conv(nn.relu(self.bn(train, "bn2")(y)),
+                  components,
+                  self.features,
+                  3,
+                  self.stride,
+                  1,
+                  bias=True,
                   name="conv2")
     if self.stride != 1 or x.shape[-1] != self.features:
       x = self.conv(x, components, self.features, 1, self.stride, bias=True, name="shortcut")
@@ -33,7 +46,8 @@ class WideBasic(CNN):
 
 
 class WideResNet(CNN):
-  """WRN-depth-k.  ``__call__(images [B,H,W,3], train, components=None) -> logits``.  CIFAR geometry only."""
+  """WRN-depth-k.  ``__call__(images [B,H,W,3], train, components=None) -> logits``.
+  CIFAR geometry only."""
   depth: int = 28
   widen_factor: int = 10
   width: int = 16

@@ -1,9 +1,15 @@
-"""A small PyTorch re-implementation of the reference architectures, for parity tests only.
+"""A small PyTorch re-implementation of the reference architectures, for parity checks only.
 
 Module attribute names and ``Sequential`` layouts follow the reference
 repositories (``xxxnell/spatial-smoothing``, ``trungtrinh44/ibnn``) so that its
 ``state_dict`` keys are the reference's.  Written from the reference's documented
-semantics; only the deterministic paths are needed.
+semantics; only the deterministic paths are needed.  Used by the parity tests
+(``tests/test_convert.py``, ``tests/test_transformers.py``) and by
+``experiments/bench_hessian.py``.
+
+PyTorch is an optional dependency (``pip install -r requirements-test.txt``, or the
+``torch`` extra of pyproject.toml): nothing else in ``smoothing_jax`` imports this module,
+and importing it without torch installed raises ``ImportError``.
 """
 import torch
 from torch import nn
@@ -40,7 +46,8 @@ class GAP(nn.Module):
 class MLP(nn.Module):
   def __init__(self, cin, num_classes):
     super().__init__()
-    self.dense1, self.dense2, self.dense3 = nn.Linear(cin, 4096), nn.Linear(4096, 4096), nn.Linear(4096, num_classes)
+    self.dense1, self.dense2 = nn.Linear(cin, 4096), nn.Linear(4096, 4096)
+    self.dense3 = nn.Linear(4096, num_classes)
 
   def forward(self, x):
     x = torch.relu(self.dense1(x.flatten(1)))
@@ -48,7 +55,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-  def __init__(self, cin, channels, stride, bottleneck, preact, groups=1, width_per_group=64, mcdo=False):
+  def __init__(self, cin, channels, stride, bottleneck, preact, groups=1, width_per_group=64,
+               mcdo=False):
     super().__init__()
     exp = 4 if bottleneck else 1
     width = int(channels * width_per_group / 64) * groups
@@ -62,7 +70,9 @@ class Block(nn.Module):
         sc.append(nn.BatchNorm2d(cout))
     self.shortcut = nn.Sequential(*sc)
     if bottleneck:
-      self.conv1, self.conv2, self.conv3 = conv(cin, width, 1), conv(width, width, 3, stride, 1, groups), conv(width, cout, 1)
+      self.conv1 = conv(cin, width, 1)
+      self.conv2 = conv(width, width, 3, stride, 1, groups)
+      self.conv3 = conv(width, cout, 1)
       bn_channels = [cin, width, width] if preact else [width, width, cout]
       self.bn1, self.bn2, self.bn3 = (nn.BatchNorm2d(c) for c in bn_channels)
     else:
@@ -95,8 +105,8 @@ class Block(nn.Module):
 
 
 class ResNet(nn.Module):
-  def __init__(self, stages, bottleneck, num_classes, width=64, preact=False, smoothing=False, mlp=False,
-               groups=1, width_per_group=64, mcdo=False):
+  def __init__(self, stages, bottleneck, num_classes, width=64, preact=False, smoothing=False,
+               mlp=False, groups=1, width_per_group=64, mcdo=False):
     super().__init__()
     self.layer0 = nn.Sequential(conv(3, width, 3, 1, 1)) if preact else nn.Sequential(
         conv(3, width, 3, 1, 1), nn.BatchNorm2d(width), nn.ReLU())
@@ -104,14 +114,16 @@ class ResNet(nn.Module):
     for i, n in enumerate(stages, start=1):
       blocks = []
       for j in range(n):
-        blocks.append(Block(cin, width * 2 ** (i - 1), 2 if i > 1 and j == 0 else 1, bottleneck, preact,
-                            groups, width_per_group, mcdo))
+        blocks.append(Block(cin, width * 2 ** (i - 1), 2 if i > 1 and j == 0 else 1, bottleneck,
+                            preact, groups, width_per_group, mcdo))
         cin = width * 2 ** (i - 1) * exp
       setattr(self, f"layer{i}", nn.Sequential(*blocks))
       smooth = smoothing and not (preact and i == len(stages))
       setattr(self, f"smooth{i}", nn.Sequential(TanhBlur()) if smooth else nn.Sequential())
-    self.classifier = nn.Sequential(nn.AdaptiveAvgPool2d((7, 7)), MLP(49 * cin, num_classes)) if mlp else \
-        nn.Sequential(GAP(cin, num_classes, bn=preact))
+    if mlp:
+      self.classifier = nn.Sequential(nn.AdaptiveAvgPool2d((7, 7)), MLP(49 * cin, num_classes))
+    else:
+      self.classifier = nn.Sequential(GAP(cin, num_classes, bn=preact))
 
   def forward(self, x):
     x = self.layer0(x)
@@ -143,7 +155,8 @@ class VGG(nn.Module):
         cin = w
       setattr(self, f"layer{i}", nn.Sequential(*layers))
       setattr(self, f"smooth{i}", nn.Sequential(TanhBlur()) if smoothing else nn.Sequential())
-    self.classifier = nn.Sequential(nn.MaxPool2d(2, 2), nn.AdaptiveAvgPool2d((7, 7)), MLP(49 * cin, num_classes))
+    self.classifier = nn.Sequential(nn.MaxPool2d(2, 2), nn.AdaptiveAvgPool2d((7, 7)),
+                                    MLP(49 * cin, num_classes))
 
   def forward(self, x):
     for i in range(5):
@@ -168,7 +181,8 @@ class AlexNetCifar(nn.Module):
     self.layer1 = nn.Sequential(nn.MaxPool2d(2, 2), AlexBlock(w, 3 * w, 5, 1, 2))
     self.layer2 = nn.Sequential(nn.MaxPool2d(2, 2), AlexBlock(3 * w, 6 * w, 3, 1, 1),
                                 AlexBlock(6 * w, 4 * w, 3, 1, 1), AlexBlock(4 * w, 4 * w, 3, 1, 1))
-    self.classifier = nn.Sequential(nn.MaxPool2d(2, 2), nn.AdaptiveAvgPool2d((2, 2)), MLP(4 * 4 * w, num_classes))
+    self.classifier = nn.Sequential(nn.MaxPool2d(2, 2), nn.AdaptiveAvgPool2d((2, 2)),
+                                    MLP(4 * 4 * w, num_classes))
 
   def forward(self, x):
     return self.classifier(self.layer2(self.layer1(self.layer0(x))))
@@ -181,8 +195,8 @@ class WideBasic(nn.Module):
     self.conv1 = nn.Conv2d(cin, planes, 3, padding=1, bias=True)
     self.bn2 = nn.BatchNorm2d(planes)
     self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=True)
-    self.shortcut = nn.Conv2d(cin, planes, 1, stride=stride, bias=True) if stride != 1 or cin != planes \
-        else nn.Identity()
+    self.shortcut = (nn.Conv2d(cin, planes, 1, stride=stride, bias=True)
+                     if stride != 1 or cin != planes else nn.Identity())
 
   def forward(self, x):
     out = self.conv1(torch.relu(self.bn1(x)))
@@ -228,10 +242,11 @@ def randomize(model: nn.Module, seed: int = 0) -> nn.Module:
   return model.eval()
 
 
-# ----------------------------------------------------------------------------- HV self-attention models
+# ------------------------------------------------------------------------ HV self-attention models
 
 class Attention(nn.Module):
-  """HV ``Attention1d`` (``mask``: additive logits) / ``Attention2d`` with k=1 on flattened windows."""
+  """HV ``Attention1d`` (``mask``: additive logits) / ``Attention2d`` with k=1 on flattened
+  windows."""
   def __init__(self, dim_in, dim_out, heads, dim_head):
     super().__init__()
     self.heads, self.scale = heads, dim_head ** -0.5
@@ -240,7 +255,8 @@ class Attention(nn.Module):
 
   def forward(self, x, mask=None):
     b, n, _ = x.shape
-    q, k, v = (t.reshape(b, n, self.heads, -1).transpose(1, 2) for t in self.to_qkv(x).chunk(3, dim=-1))
+    q, k, v = (t.reshape(b, n, self.heads, -1).transpose(1, 2)
+               for t in self.to_qkv(x).chunk(3, dim=-1))
     dots = q @ k.transpose(-1, -2) * self.scale
     if mask is not None:
       dots = dots + mask
@@ -249,7 +265,8 @@ class Attention(nn.Module):
 
 
 class LocalAttention(nn.Module):
-  """HV ``LocalAttention`` on NCHW maps: non-overlapping windows + a (2w−1)² relative position table."""
+  """HV ``LocalAttention`` on NCHW maps: non-overlapping windows + a (2w−1)² relative position
+  table."""
   def __init__(self, dim_in, dim_out, heads, dim_head, window_size):
     super().__init__()
     self.attn, self.p = Attention(dim_in, dim_out, heads, dim_head), window_size
@@ -280,14 +297,17 @@ class TransformerBlock(nn.Module):
 
 
 class ViT(nn.Module):
-  """HV ``vit.py``: linear patch embedding ((p1 p2 c) order), CLS token, absolute positions, CLS→LN→Linear."""
+  """HV ``vit.py``: linear patch embedding ((p1 p2 c) order), CLS token, absolute positions,
+  CLS→LN→Linear."""
   def __init__(self, image_size, patch_size, num_classes, depth, dim, heads, mlp_dim, dim_head=64):
     super().__init__()
     self.p = patch_size
     self.embedding = nn.Linear(3 * patch_size ** 2, dim)
     self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
-    self.pos_embedding = nn.Parameter(torch.randn(1, (image_size // patch_size) ** 2 + 1, dim) * 0.02)
-    self.transformers = nn.Sequential(*[TransformerBlock(dim, heads, dim_head, mlp_dim) for _ in range(depth)])
+    num_patches = (image_size // patch_size) ** 2
+    self.pos_embedding = nn.Parameter(torch.randn(1, num_patches + 1, dim) * 0.02)
+    self.transformers = nn.Sequential(*[TransformerBlock(dim, heads, dim_head, mlp_dim)
+                                        for _ in range(depth)])
     self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, num_classes)
 
   def forward(self, x):
@@ -299,12 +319,14 @@ class ViT(nn.Module):
 
 
 class AttentionBlockB(nn.Module):
-  """HV pre-activation MSA block: BN-GELU → conv1×1 → BN → LocalAttention (+ 1×1 shortcut on a shape change)."""
+  """HV pre-activation MSA block: BN-GELU → conv1×1 → BN → LocalAttention (+ 1×1 shortcut
+  on a shape change)."""
   def __init__(self, cin, channels, heads, dim_head, window_size, expansion=4):
     super().__init__()
     cout, width = channels * expansion, cin // expansion
     self.shortcut = nn.Sequential(*([conv(cin, cout, 1)] if cin != cout else []))
-    self.norm1, self.conv, self.norm2 = nn.BatchNorm2d(cin), conv(cin, width, 1), nn.BatchNorm2d(width)
+    self.norm1, self.conv = nn.BatchNorm2d(cin), conv(cin, width, 1)
+    self.norm2 = nn.BatchNorm2d(width)
     self.attn = LocalAttention(width, cout, heads, dim_head, window_size)
 
   def forward(self, x):
@@ -314,8 +336,10 @@ class AttentionBlockB(nn.Module):
 
 
 class AlterNet(nn.Module):
-  """HV ``AlterNet`` (StemB without pooling on CIFAR, pre-act Conv blocks, MSA blocks at stage ends, BNGAP)."""
-  def __init__(self, stages, msas, heads, num_classes, bottleneck=True, width=64, dim_head=64, window_size=4):
+  """HV ``AlterNet`` (StemB without pooling on CIFAR, pre-act Conv blocks, MSA blocks at stage
+  ends, BNGAP)."""
+  def __init__(self, stages, msas, heads, num_classes, bottleneck=True, width=64, dim_head=64,
+               window_size=4):
     super().__init__()
     exp = 4 if bottleneck else 1
     self.layer0 = nn.Sequential(conv(3, width, 3, 1, 1))

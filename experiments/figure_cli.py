@@ -1,4 +1,5 @@
-"""Command-line plumbing shared by the figure scripts in ``experiments/``.
+"""Command-line plumbing shared by the figure scripts in ``experiments/`` (they import it as
+``figure_cli``: a script's directory is on ``sys.path``; the tests add ``experiments/`` too).
 
 ``--workdir LABEL=DIR`` (repeatable; the first is the baseline), ``--figures`` (a
 subset), ``--out`` and ``--size KEY=INT`` overrides; results go to JSON files with
@@ -12,7 +13,7 @@ import os
 
 import numpy as np
 
-from smoothing_jax.analysis import trained as studies
+from smoothing_jax.analysis import trained
 
 
 def jsonable(x):
@@ -27,10 +28,12 @@ def jsonable(x):
 
 
 def figure_parser(description: str, figures, size_names) -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(description=description,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workdir", action="append", required=True, metavar="LABEL=DIR",
                       help="a trained workdir; the first one is the baseline")
-  parser.add_argument("--figures", default=",".join(figures), help="comma-separated subset of " + ", ".join(figures))
+  parser.add_argument("--figures", default=",".join(figures),
+                      help="comma-separated subset of " + ", ".join(figures))
   parser.add_argument("--out", required=True)
   parser.add_argument("--size", action="append", default=[], metavar="KEY=INT",
                       help="override one size (" + ", ".join(size_names) + ")")
@@ -60,7 +63,7 @@ def sizes_with_overrides(parser, args, sizes: dict) -> dict:
 def load_workdirs(specs) -> dict:
   """``{label: TrainedModel}`` from ``LABEL=DIR`` (or ``DIR``, labelled by its name), in order."""
   pairs = [w.split("=", 1) if "=" in w else (os.path.basename(w.rstrip("/")), w) for w in specs]
-  return {label: studies.load_trained(path) for label, path in pairs}
+  return {label: trained.load_trained(path) for label, path in pairs}
 
 
 def write_json(path: str, data, indent=None):
@@ -70,7 +73,7 @@ def write_json(path: str, data, indent=None):
 
 def write_report(out: str, summaries: dict, orderings: dict, models: dict) -> None:
   """``out/summary.json`` (summaries, orderings, checkpoint steps), also printed."""
-  report = jsonable({"summary": summaries, "orderings": orderings,
-                     "checkpoints": {label: {"workdir": m.workdir, "step": m.step} for label, m in models.items()}})
+  checkpoints = {label: {"workdir": m.workdir, "step": m.step} for label, m in models.items()}
+  report = jsonable({"summary": summaries, "orderings": orderings, "checkpoints": checkpoints})
   write_json(os.path.join(out, "summary.json"), report, indent=1)
   print(json.dumps(report, indent=1))

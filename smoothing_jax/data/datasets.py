@@ -1,0 +1,235 @@
+"""Datasets: what a ``dataset`` config string names, and loading its examples.
+
+Owns the dataset specs and name parsing (:class:`DatasetSpec`, :func:`parse_dataset`,
+:func:`corruption_dataset` and the constants), the sources (TFDS CIFAR-10/100, ImageNet,
+corruption sets, CamVid; local ``npz:`` arrays; scikit-learn's ``digits``),
+:class:`DatasetUnavailableError`, the per-dataset normalisation statistics and sums over
+processes (multi-host).  Each process reads only its shard.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import jax
+import numpy as np
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+NORMALIZATION = {
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
+    "cifar100": ((0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761)),
+    "imagenet2012": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+}
+NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "imagenet2012": 1000, "digits": 10, "camvid": 11}
+CORRUPTIONS = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur",
+               "motion_blur", "zoom_blur", "snow", "frost", "fog", "brightness", "contrast",
+               "elastic_transform", "pixelate", "jpeg_compression")
+EXTRA_CORRUPTIONS = ("speckle_noise", "gaussian_blur", "spatter", "saturate")
+# Corruption names above are the canonical ones (the paper's, SS's and Hendrycks' file names);
+# TFDS ``cifar10_corrupted`` names two of them differently.  Our CIFAR-100-C builder and TFDS
+# ``imagenet2012_corrupted`` use the canonical names.
+SOURCE_CORRUPTION_NAMES = {
+    "cifar10": {"glass_blur": "frosted_glass_blur", "elastic_transform": "elastic"}}
+BASES = tuple(NORMALIZATION)
+SEGMENTATION_DATASETS = ("camvid",)  # TFDS builder in smoothing_jax.data.camvid
+
+
+class DatasetUnavailableError(RuntimeError):
+  """A dataset is neither prepared locally nor downloadable; the message says how to get it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+  """What a ``dataset`` config string refers to.
+
+  ``name`` forms: ``cifar10``, ``cifar100``, ``imagenet2012``, ``camvid``,
+  ``<base>_corrupted/<type>_<severity>`` (test set only), ``npz:<dir>`` (uint8
+  ``images`` [N,H,W,3] + ``labels`` [N], or label maps [N,H,W], in
+  ``<dir>/{train,test}.npz``), ``digits`` (scikit-learn's bundled 8×8 digits,
+  upsampled to 32×32; no network needed).
+  """
+  name: str
+  source: str                     # "tfds", "npz" or "digits"
+  base: str                       # cifar10 | cifar100 | imagenet2012 | npz | digits
+  corruption: Optional[tuple] = None  # (type, severity)
+
+  @property
+  def geometry(self) -> str:
+    return "imagenet" if self.base == "imagenet2012" else "cifar"
+
+  @property
+  def eval_split(self) -> str:
+    return "validation" if self.base == "imagenet2012" else "test"
+
+  @property
+  def tfds_name(self) -> str:
+    """The TFDS builder (and config) to read: corruption types in the source's own naming."""
+    if self.corruption is None:
+      return self.name
+    return corruption_dataset(self.base, *self.corruption, source_names=True)
+
+
+def corruption_dataset(base: str, corruption: str, severity: int,
+                       source_names: bool = False) -> str:
+  """``<base>_corrupted/<type>_<severity>`` for a canonical corruption type; ``source_names``
+  spells the type as the TFDS builder of ``base`` does (e.g. ``elastic`` for CIFAR-10-C)."""
+  if source_names:
+    corruption = SOURCE_CORRUPTION_NAMES.get(base, {}).get(corruption, corruption)
+  return f"{base}_corrupted/{corruption}_{severity}"
+
+
+def parse_dataset(name: str) -> DatasetSpec:
+  """Parse a dataset string; raise ``ValueError`` naming the supported forms."""
+  if name == "digits":
+    return DatasetSpec(name, "digits", "digits")
+  if name.startswith("npz:"):
+    if not name[4:]:
+      raise ValueError(
+          "dataset 'npz:' needs a directory: npz:<dir> with train.npz and test.npz.")
+    return DatasetSpec(name, "npz", "npz")
+  if name in BASES + SEGMENTATION_DATASETS:
+    return DatasetSpec(name, "tfds", name)
+  base, _, config = name.partition("_corrupted/")
+  if base in BASES and config:
+    ctype, _, severity = config.rpartition("_")
+    source_to_canonical = {v: k for k, v in SOURCE_CORRUPTION_NAMES.get(base, {}).items()}
+    canonical = source_to_canonical.get(ctype, ctype)
+    if canonical in CORRUPTIONS + EXTRA_CORRUPTIONS and severity in {"1", "2", "3", "4", "5"}:
+      return DatasetSpec(corruption_dataset(base, canonical, int(severity)), "tfds", base,
+                         (canonical, int(severity)))
+  raise ValueError(
+      f"Unknown dataset {name!r}. Supported: {', '.join(BASES + SEGMENTATION_DATASETS)}, "
+      "'<base>_corrupted/<type>_<1-5>' "
+      f"(types: {', '.join(CORRUPTIONS)}), 'npz:<dir>' and 'digits'.")
+
+
+# ----------------------------------------------------------------------------- TFDS
+
+def tfds_builder(spec: DatasetSpec, data_dir: Optional[str], download: bool):
+  """The TFDS builder of ``spec``, downloaded and prepared first if ``download`` and needed."""
+  builder = tfds.builder(spec.tfds_name, data_dir=data_dir)
+  if not builder.is_prepared() and download:
+    try:
+      builder.download_and_prepare()
+    except Exception as e:  # network down, manual download required, ...
+      raise DatasetUnavailableError(
+          _missing_message(spec, builder, f"Download failed: {e}")) from e
+  return builder
+
+
+def prepared_tfds_builder(spec: DatasetSpec, data_dir: Optional[str], download: bool):
+  """:func:`tfds_builder`, or :class:`DatasetUnavailableError` if it is not prepared."""
+  builder = tfds_builder(spec, data_dir, download)
+  if not builder.is_prepared():
+    raise DatasetUnavailableError(_missing_message(spec, builder))
+  return builder
+
+
+def _missing_message(spec, builder, reason=""):
+  if spec.base in SEGMENTATION_DATASETS:
+    return (f"Dataset {spec.name!r} is not prepared in data_dir {builder.data_dir_root!r}. "
+            f"{reason} Prepare it from the downloaded release with "
+            f"`python -m smoothing_jax.data.{spec.base} --manual_dir=<release> "
+            f"--data_dir=<dir>` and pass --config.data_dir=<dir>, or train from local arrays "
+            f"with --config.dataset=npz:<dir> (uint8 images [N,H,W,3] and label maps [N,H,W] "
+            f"in train.npz/test.npz).")
+  return (f"Dataset {spec.name!r} is not prepared in data_dir {builder.data_dir_root!r} "
+          f"(searched {builder.data_dir!r}). {reason} Prepare it on a machine with network "
+          f"access with `tfds build {spec.name.split('/')[0]} --data_dir=<dir>` (ImageNet and "
+          f"CIFAR-100-C need --manual_dir) and pass --config.data_dir=<dir>, or train from "
+          f"local arrays with --config.dataset=npz:<dir> (uint8 images [N,H,W,3] and labels "
+          f"[N] in train.npz/test.npz).")
+
+
+def tfds_split(spec: DatasetSpec, split: str, data_dir: Optional[str],
+               download: bool) -> tf.data.Dataset:
+  """This process's shard of a TFDS split as ``{"image", "label"}`` examples."""
+  builder = tfds_builder(spec, data_dir, download)
+  try:
+    return builder.as_dataset(split=tfds.split_for_jax_process(split), shuffle_files=False)
+  except AssertionError as e:  # TFDS: "could not find data in ..."
+    raise DatasetUnavailableError(_missing_message(spec, builder)) from e
+
+
+# ----------------------------------------------------------------------------- arrays
+
+def _digits_arrays(split: str):
+  from sklearn.datasets import load_digits  # small; ships its data
+  digits = load_digits()
+  images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)[..., None]
+  images = tf.image.resize(np.repeat(images, 3, axis=-1), (32, 32), method="bilinear").numpy()
+  images = np.clip(np.round(images), 0, 255).astype(np.uint8)
+  order = np.random.default_rng(0).permutation(len(images))
+  held_out = order[:360]  # fixed held-out test split
+  idx = np.sort(held_out if split == "test" else order[360:])
+  return images[idx], digits.target[idx].astype(np.int32)
+
+
+def _npz_arrays(spec: DatasetSpec, split: str):
+  directory = spec.name[4:]
+  path = os.path.join(directory, f"{split}.npz")
+  if not os.path.exists(path):
+    raise DatasetUnavailableError(
+        f"Dataset {spec.name!r}: {path} does not exist (need train.npz and test.npz "
+        "with uint8 'images' [N,H,W,3] and integer 'labels' [N]).")
+  with np.load(path) as data:
+    if "images" not in data or "labels" not in data:
+      raise ValueError(
+          f"{path} must contain arrays 'images' and 'labels', found {sorted(data.files)}.")
+    images, labels = data["images"], data["labels"]
+  if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
+    raise ValueError(
+        f"{path}: 'images' must be uint8 [N,H,W,3], got {images.dtype} {images.shape}.")
+  if labels.shape not in (images.shape[:1], images.shape[:3]):
+    raise ValueError(
+        f"{path}: 'labels' shape {labels.shape} must be [N] (classes) or [N,H,W] "
+        f"(label maps) for images {images.shape}.")
+  return images, labels.astype(np.int32)
+
+
+def load_arrays(spec: DatasetSpec, split: str, data_dir: Optional[str] = None,
+                download: bool = False):
+  """This process's shard of a small split as numpy
+  ``(uint8 images [N,H,W,3], int32 labels [N] or label maps [N,H,W])``."""
+  if spec.source == "digits":
+    images, labels = _digits_arrays(split)
+  elif spec.source == "npz":
+    images, labels = _npz_arrays(spec, split)
+  else:
+    ds = tfds_split(spec, split, data_dir, download)
+    batches = list(tfds.as_numpy(ds.map(lambda ex: (ex["image"], ex["label"])).batch(4096)))
+    images = np.concatenate([b[0] for b in batches])
+    labels = np.concatenate([b[1] for b in batches]).astype(np.int32)
+    if labels.ndim == 4:  # label maps are stored as one-channel images
+      labels = labels[..., 0]
+    return images, labels
+  process, count = jax.process_index(), jax.process_count()
+  return images[process::count], labels[process::count]
+
+
+# ----------------------------------------------------------------------------- statistics
+
+def sum_over_processes(x: np.ndarray) -> np.ndarray:
+  """``x`` summed over all processes (multi-host); ``x`` itself on one process."""
+  if jax.process_count() == 1:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils
+  return np.sum(multihost_utils.process_allgather(np.asarray(x)), axis=0)
+
+
+def normalization(spec: DatasetSpec, train_images: Optional[np.ndarray] = None):
+  """Per-channel (mean, std) in [0, 1] units: the paper's constants, or the (whole)
+  training set's own."""
+  key = spec.base if spec.base in NORMALIZATION else None
+  if key:
+    return NORMALIZATION[key]
+  pixels = train_images.reshape(-1, 3).astype(np.float64) / 255.0
+  if jax.process_count() == 1:
+    return tuple(pixels.mean(0)), tuple(pixels.std(0))
+  # Each process holds a shard: combine the moments so that every process normalises alike.
+  total = sum_over_processes(
+      np.concatenate([[len(pixels)], pixels.sum(0), np.square(pixels).sum(0)]))
+  mean = total[1:4] / total[0]
+  return tuple(mean), tuple(np.sqrt(np.maximum(total[4:7] / total[0] - mean ** 2, 0.0)))

@@ -1,0 +1,264 @@
+"""Every figure of the library, one ``plot_*`` function per figure; each returns the matplotlib
+``Figure`` (save it with ``fig.savefig("name.png")``).
+
+The inputs are plain results: an :class:`~smoothing_jax.metrics.UncertaintyMetrics` accumulator,
+the rows of :mod:`smoothing_jax.evaluate`, iBNN OOD curves, or what the ``*_study`` functions of
+:mod:`smoothing_jax.analysis.trained` (and the analysis modules under them) return.
+
+matplotlib is imported when a figure is drawn, not when this module is imported, so importing
+:mod:`smoothing_jax.evaluate` does not need it; choose a backend (``matplotlib.use("Agg")``)
+before the first figure where there is no display.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+if TYPE_CHECKING:
+  from smoothing_jax.metrics import UncertaintyMetrics
+
+SMALL = (5, 3.2)  # the size of a one-axes figure
+# The metric panels of the evaluation figures: key → (axis label, scale of the stored value).
+METRIC_PANELS = {"nll": ("NLL", 1), "acc": ("Accuracy (%)", 100), "ece": ("ECE (%)", 100),
+                 "consistency": ("Consistency (%)", 100)}
+
+
+def _pyplot():
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def _axes(figsize=SMALL, ax=None):
+  """``(fig, ax)``: a new one-axes figure, or ``ax`` (if given) and its figure."""
+  return _pyplot().subplots(figsize=figsize) if ax is None else (ax.figure, ax)
+
+
+def _finish(fig, ax, xlabel: str, ylabel: str, title: Optional[str] = None, **legend):
+  """Axis labels, the title (unless None) and a legend (``legend``: its options); laid out."""
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  if title is not None:
+    ax.set_title(title)
+  ax.legend(**legend)
+  fig.tight_layout()
+  return fig
+
+
+def _metric_panels(keys, figsize):
+  """One axes per metric of ``keys`` (see ``METRIC_PANELS``), in a row: ``fig`` and
+  ``[(ax, key, label, scale)]``."""
+  fig, axes = _pyplot().subplots(1, len(keys), figsize=figsize)
+  return fig, [(ax, key) + METRIC_PANELS[key] for ax, key in zip(axes, keys)]
+
+
+def _with_suptitle(fig, title: str):
+  fig.suptitle(title)
+  fig.tight_layout()
+  return fig
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+def plot_reliability_diagram(metrics: UncertaintyMetrics, title: Optional[str] = None):
+  """Reliability diagram (accuracy per confidence bin) above a confidence histogram.
+
+  Returns the matplotlib ``Figure``; save it with ``fig.savefig("reliability.png")``.
+  """
+  rel = metrics.reliability()
+  edges = rel["edges"]
+  centers, width = (edges[:-1] + edges[1:]) / 2, edges[1] - edges[0]
+  fig, (top, bottom) = _pyplot().subplots(2, 1, figsize=(4.5, 6), sharex=True,
+                                          gridspec_kw={"height_ratios": [3, 1]})
+  top.bar(centers, rel["accuracy"], width=width, edgecolor="black", color="tab:blue",
+          label="accuracy")
+  top.bar(centers, rel["confidence"] - rel["accuracy"], bottom=rel["accuracy"], width=width,
+          edgecolor="tab:red", color="tab:red", alpha=0.3, label="gap")
+  top.plot([0, 1], [0, 1], "k--", linewidth=1)
+  top.set_ylabel("accuracy")
+  top.set_ylim(0, 1)
+  stats = metrics.compute()
+  top.set_title(title or f"ECE {100 * stats['ece']:.2f}%  Acc {100 * stats['acc']:.2f}%")
+  top.legend(loc="upper left")
+  bottom.bar(centers, rel["count"] / max(rel["count"].sum(), 1.0), width=width, edgecolor="black",
+             color="gray")
+  bottom.set_xlabel("confidence")
+  bottom.set_ylabel("fraction")
+  bottom.set_xlim(0, 1)
+  fig.tight_layout()
+  return fig
+
+
+def plot_ensemble_sizes(rows: list, title: str = ""):
+  """NLL, accuracy and ECE against ensemble size (paper Fig. 3 layout); returns the Figure."""
+  sizes = [r["ensemble_size"] for r in rows]
+  fig, panels = _metric_panels(("nll", "acc", "ece"), (11, 3.2))
+  for ax, key, label, scale in panels:
+    ax.plot(sizes, [scale * r[key] for r in rows], "o-")
+    ax.set_xscale("log")
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xlabel("ensemble size")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+  return _with_suptitle(fig, title)
+
+
+def plot_stream_table(results, title: str = ""):
+  """NLL, ECE, accuracy and consistency bars for each inference method: ``results`` is one model's
+  rows (``[{"method", "nll", ...}]``) or ``{model label: rows}``; returns the Figure."""
+  results = {"": results} if isinstance(results, list) else results
+  bars = [(f"{label}\n{r['method']}".strip(), r) for label, rows in results.items() for r in rows]
+  colours = _pyplot().cm.tab10(np.arange(len(bars)) % 10)
+  fig, panels = _metric_panels(("nll", "ece", "acc", "consistency"),
+                               (3.5 + 1.1 * len(bars) * 4 / 3, 3.6))
+  for ax, key, label, scale in panels:
+    values = [scale * r[key] for _, r in bars]
+    ax.bar(range(len(bars)), values, color=colours)
+    low, high = min(values), max(values)
+    ax.set_ylim(max(0.0, low - 0.5 * (high - low + 1e-3)), high + 0.25 * (high - low + 1e-3))
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars], rotation=60, ha="right", fontsize=7)
+    ax.set_title(label)
+  return _with_suptitle(fig, title)
+
+
+def plot_stream_examples(frames, labels, predictions: dict, palette, title: str = ""):
+  """One clip: the labelled frame, its ground truth, and per method the predicted classes and
+  confidence (max probability).  ``frames [T, H, W, 3]`` uint8, ``labels [H, W]``,
+  ``predictions {method: probs [H, W, C]}``, ``palette [C + 1, 3]`` (last row: void)."""
+  palette = np.asarray(palette, np.uint8)
+  num_classes = palette.shape[0] - 1
+  columns = 1 + len(predictions)
+  fig, axes = _pyplot().subplots(2, columns, figsize=(3.2 * columns, 5.2), squeeze=False)
+  axes[0, 0].imshow(frames[-1])
+  axes[0, 0].set_title("frame")
+  axes[1, 0].imshow(palette[np.where((labels >= 0) & (labels < num_classes), labels, num_classes)])
+  axes[1, 0].set_title("ground truth")
+  for col, (method, probs) in enumerate(predictions.items(), start=1):
+    axes[0, col].imshow(palette[np.argmax(probs, -1)])
+    axes[0, col].set_title(f"{method}: prediction")
+    image = axes[1, col].imshow(np.max(probs, -1), vmin=0, vmax=1, cmap="viridis")
+    axes[1, col].set_title(f"{method}: confidence")
+  fig.colorbar(image, ax=axes[1, :].tolist(), fraction=0.02)
+  for ax in axes.flat:
+    ax.axis("off")
+  fig.suptitle(title)
+  return fig
+
+
+def plot_ood_curves(curves: dict, title: str = ""):
+  """Total, aleatoric and epistemic entropy against the corruption level (iBNN); returns the
+  Figure."""
+  fig, ax = _axes()
+  for key, style in (("total", "k-"), ("aleatoric", "b--"), ("epistemic", "r-.")):
+    ax.plot(curves["levels"], curves[key], style, label=key)
+  return _finish(fig, ax, "corruption level", "entropy (nats)", title)
+
+
+# ----------------------------------------------------------------------------- analyses
+
+def plot_spectra(spectra: dict, bins: int = 40):
+  """Overlaid histograms of pooled eigenvalues, ``{label: eigenvalues array}``; returns the
+  Figure."""
+  fig, ax = _axes()
+  values = np.concatenate([np.ravel(v) for v in spectra.values()])
+  edges = np.linspace(values.min(), values.max(), bins + 1)
+  for label, v in spectra.items():
+    ax.hist(np.ravel(v), bins=edges, alpha=0.5, density=True, label=label)
+  return _finish(fig, ax, "Hessian eigenvalue (top-k per mini-batch)", "density")
+
+
+def plot_surface(surface: dict, key: str = "loss", title: Optional[str] = None):
+  """Contour and 3-D plots of ``surface[key]``; returns the Figure."""
+  a, b = np.meshgrid(surface["alphas"], surface["betas"], indexing="ij")
+  z = surface[key]
+  fig = _pyplot().figure(figsize=(9, 3.8))
+  ax = fig.add_subplot(1, 2, 1)
+  contour = ax.contour(a, b, z, levels=20)
+  ax.clabel(contour, fontsize=6)
+  ax.set_xlabel("α")
+  ax.set_ylabel("β")
+  ax3 = fig.add_subplot(1, 2, 2, projection="3d")
+  ax3.plot_surface(a, b, z, cmap="viridis")
+  return _with_suptitle(fig, title or key)
+
+
+def plot_by_depth(values: dict, ylabel: str, title: str = "", kinds: Optional[dict] = None):
+  """Line plot of ``{label: {block: value}}`` against normalised depth; returns the Figure.
+
+  ``kinds`` ``{label: {block: kind}}`` (:func:`smoothing_jax.analysis.features.block_kinds`)
+  shades the MSA blocks grey, as HV's figures do.
+  """
+  fig, ax = _axes()
+  for label, by_block in values.items():
+    depth = np.linspace(0, 1, len(by_block))
+    line, = ax.plot(depth, list(by_block.values()), "o-", label=label, markersize=3)
+    label_kinds = (kinds or {}).get(label, {})
+    msa = [(d, value) for d, (block, value) in zip(depth, by_block.items())
+           if label_kinds.get(block) == "msa"]
+    if msa:
+      half = 0.5 / max(len(by_block) - 1, 1)
+      for d, _ in msa:
+        ax.axvspan(d - half, d + half, color="0.85", zorder=0)
+      ax.plot(*zip(*msa), "s", color=line.get_color(), markersize=6, markerfacecolor="white")
+  return _finish(fig, ax, "normalised depth", ylabel, title)
+
+
+def plot_delta_log_amplitude(curves: dict, title: str = "", ax=None):
+  """Δlog-amplitude from 0 to π for each block, ``{block: curve}``, coloured by depth (HV Fourier
+  plot).
+
+  Draws on ``ax`` if given; returns the Figure.
+  """
+  fig, ax = _axes(ax=ax)
+  colors = _pyplot().cm.plasma(np.linspace(0, 0.9, len(curves)))
+  for color, (block, curve) in zip(colors, curves.items()):
+    ax.plot(np.linspace(0, 1, len(curve)), curve, color=color, label=block)
+  return _finish(fig, ax, "frequency (×π)", "Δ log amplitude", title, fontsize=6, ncol=2)
+
+
+def plot_accuracy_vs_frequency(results: dict, title: str = ""):
+  """Accuracy against noise frequency, ``{label: (frequencies, accuracies)}`` (paper Fig. 6c)."""
+  fig, ax = _axes()
+  for label, (freqs, acc) in results.items():
+    ax.plot(freqs, 100 * np.asarray(acc), "o-", label=label)
+  return _finish(fig, ax, "noise frequency (×π)", "accuracy (%)", title)
+
+
+def plot_relative_confidence(curves: dict, title: str = ""):
+  """Relative confidence along one sequence, ``{label: array [T]}`` (paper Fig. E.3); returns the
+  Figure."""
+  fig, ax = _axes()
+  for label, values in curves.items():
+    ax.plot(np.arange(len(values)), values, "o-", ms=3, label=label)
+  ax.set_ylim(0, 1.05)
+  return _finish(fig, ax, "frame", "relative confidence", title)
+
+
+def plot_attack_accuracy(results: dict, title: str = ""):
+  """Accuracy against ε (pixels ×255) per attack,
+  ``{label: [{"attack", "eps", "accuracy"}, …]}``; returns the Figure."""
+  fig, ax = _axes()
+  for label, rows in results.items():
+    for attack, style in (("fgsm", "o--"), ("pgd", "s-")):
+      picked = [r for r in rows if r["attack"] == attack]
+      ax.plot([255 * r["eps"] for r in picked], [100 * r["accuracy"] for r in picked], style,
+              label=f"{label} ({attack.upper()})")
+  return _finish(fig, ax, "ε (×1/255)", "accuracy (%)", title, fontsize=7)
+
+
+def plot_lesion(results: dict, title: str = ""):
+  """Accuracy drop per unit index, ``{label: lesion result}`` (a
+  :func:`smoothing_jax.analysis.lesion.lesion_accuracy_drops` result); MSA units hatched.
+  Returns the Figure."""
+  fig, ax = _axes((6, 3.2))
+  width = 0.8 / max(len(results), 1)
+  for j, (label, result) in enumerate(results.items()):
+    rows = result["units"]
+    index = np.array([r["index"] for r in rows]) + (j - (len(results) - 1) / 2) * width
+    drops = np.array([100 * r["drop"] for r in rows])
+    bars = ax.bar(index, drops, width, label=label)
+    for bar, r in zip(bars, rows):
+      if r["kind"] == "msa":
+        bar.set_hatch("//")
+        bar.set_edgecolor("black")
+  return _finish(fig, ax, "unit index (hatched: MSA)", "accuracy drop (pp)", title)

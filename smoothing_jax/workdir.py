@@ -1,0 +1,230 @@
+"""A run's directory: the config it recorded, its checkpoints, and the trained model.
+
+  <workdir>/config.json            the run's config, plus ``model_spec`` (classes, stem, image
+                                   shape): enough to rebuild the model without the dataset
+  <workdir>/checkpoints/<step>/    orbax checkpoints of the train state
+
+``load(workdir) -> (config, model, variables)`` is what evaluation, analyses, notebooks
+and benchmarks use.  Checkpoints restore onto the current devices, whatever device count
+wrote them; a step that cannot be read is skipped with a warning (``restore_latest``).
+"""
+from __future__ import annotations
+
+import json
+import logging as std_logging
+import os
+import sys
+from typing import Optional
+
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+from smoothing_jax.models import get_model
+from smoothing_jax.parallel import create_mesh, shardings
+
+CONFIG_FILE = "config.json"
+CHECKPOINTS = "checkpoints"
+
+
+def checkpoint_dir(workdir: str) -> str:
+  """``<workdir>/checkpoints`` as an absolute path (orbax needs one)."""
+  return os.path.join(os.path.abspath(workdir), CHECKPOINTS)
+
+
+def write_config(workdir: str, config: ml_collections.ConfigDict, model_spec: dict):
+  """Record ``config`` and the ``model_spec`` in ``<workdir>/config.json`` (written atomically)."""
+  record = json.loads(config.to_json_best_effort())
+  record["model_spec"] = model_spec
+  path = os.path.join(workdir, CONFIG_FILE)
+  with open(path + ".tmp", "w") as f:
+    json.dump(record, f, indent=2)
+  os.replace(path + ".tmp", path)
+
+
+def read_config(workdir: str) -> tuple:
+  """``(config, model_spec)`` recorded in ``<workdir>/config.json``."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"No run in {workdir}: {path} does not exist (train into it first).")
+  with open(path) as f:
+    record = json.load(f)
+  spec = record.pop("model_spec", None)
+  if spec is None:
+    raise ValueError(f"{path} has no model_spec (written by an older version); rerun the training "
+                     "command once to record it (it resumes from the last checkpoint).")
+  return ml_collections.ConfigDict(record), spec
+
+
+def build_model(config, model_spec: dict):
+  """``config.model`` with ``config.model_kwargs`` for ``model_spec``'s classes and geometry."""
+  overrides = {k: v for k, v in config.model_kwargs.items() if v is not None}
+  overrides.setdefault("stem", model_spec["stem"])
+  return get_model(config.model, int(model_spec["num_classes"]), **overrides)
+
+
+def checkpoint_manager(workdir: str, max_to_keep: Optional[int] = None,
+                       read_only: bool = False) -> ocp.CheckpointManager:
+  """The orbax manager of ``<workdir>/checkpoints`` (created unless ``read_only``)."""
+  options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=not read_only,
+                                         read_only=read_only)
+  return ocp.CheckpointManager(checkpoint_dir(workdir), options=options,
+                               item_handlers=ocp.StandardCheckpointHandler())
+
+
+class NoIntactCheckpointError(FileNotFoundError):
+  """Every checkpoint step in a directory failed to restore."""
+
+
+def abstract_tree(tree, sharding):
+  """``tree`` with arrays (or orbax array metadata) as ``jax.ShapeDtypeStruct`` on ``sharding``."""
+  def leaf(x):
+    if isinstance(x, (jax.Array, np.ndarray, ocp.metadata.ArrayMetadata)):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return x
+  return jax.tree.map(leaf, tree)
+
+
+def _short_reason(error: BaseException) -> str:
+  """First line of the innermost cause of ``error`` (orbax wraps TensorStore's), its spec cut."""
+  for _ in range(10):
+    if error.__cause__ is None:
+      break
+    error = error.__cause__
+  line = (str(error).strip().splitlines() or [""])[0].split(" [tensorstore_spec")[0]
+  return f"{type(error).__name__}: {line[:600]}"
+
+
+# "<checkpoint dir>/<step>/" of the restores under way or failed (see _late_read_error).
+_RESTORED_STEP_DIRS = set()
+
+
+def _late_read_error(error) -> bool:
+  """True for a late error of the reads that a failed orbax restore abandoned.
+
+  orbax restores on a fresh event loop and closes it at the first failed read; the other
+  reads then end in the closed loop and are reported at any later time, burying the real
+  error ("Event loop is closed", "Future exception was never retrieved", "Exception
+  ignored in: <coroutine ...>").  They name the step's directory, as does the real error.
+  """
+  if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+    return True
+  for _ in range(5):
+    if error is None:
+      return False
+    if any(step_dir in str(error) for step_dir in _RESTORED_STEP_DIRS):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+class _LateReadErrorFilter(std_logging.Filter):
+  def filter(self, record):
+    return not (record.exc_info and _late_read_error(record.exc_info[1]))
+
+
+def _mute_late_read_errors():
+  """Drop the late read errors of failed restores from asyncio's log and unraisable reports."""
+  asyncio_logger = std_logging.getLogger("asyncio")
+  if not any(isinstance(f, _LateReadErrorFilter) for f in asyncio_logger.filters):
+    asyncio_logger.addFilter(_LateReadErrorFilter())
+  previous = sys.unraisablehook
+  if getattr(previous, "mutes_late_read_errors", False):
+    return
+
+  def hook(unraisable):
+    if not _late_read_error(unraisable.exc_value):
+      previous(unraisable)
+
+  hook.mutes_late_read_errors = True
+  sys.unraisablehook = hook
+
+
+def restore_latest(manager: ocp.CheckpointManager, target):
+  """``(step, tree)`` of the newest step of ``manager`` that restores; None if it has no steps.
+
+  ``target`` is the abstract tree to restore onto (``abstract_tree``: shapes, dtypes and
+  the current devices' shardings), or a function of the step returning it.  Steps are
+  tried newest first; one that fails (e.g. corrupted files) is skipped with a warning
+  naming it and why.  Nothing is deleted.  Raises ``NoIntactCheckpointError`` (a
+  ``FileNotFoundError``) naming the directory when every step fails.
+  """
+  _mute_late_read_errors()
+  failures = []
+  for step in sorted(manager.all_steps(), reverse=True):
+    step_dir = os.path.join(manager.directory, str(step), "")
+    _RESTORED_STEP_DIRS.add(step_dir)  # before any read can fail
+    try:
+      tree = target(step) if callable(target) else target
+      restored = manager.restore(step, args=ocp.args.StandardRestore(tree))
+    except Exception as error:  # noqa: BLE001  (whatever the reason, an older step may restore)
+      failures.append((step, _short_reason(error)))
+      logging.warning("Checkpoint step %d in %s cannot be restored (%s); trying an older step.",
+                      step, manager.directory, failures[-1][1])
+      continue
+    _RESTORED_STEP_DIRS.discard(step_dir)
+    return step, restored
+  if failures:
+    steps = ", ".join(str(s) for s, _ in failures)
+    raise NoIntactCheckpointError(
+        f"No intact checkpoint in {manager.directory}: steps {steps} failed to restore (step "
+        f"{failures[0][0]}: {failures[0][1]}); nothing was deleted.") from None
+  return None
+
+
+def set_aside_newer_steps(manager: ocp.CheckpointManager, step: int):
+  """Rename the steps newer than ``step`` (they failed to restore) to ``<step>.corrupt[.n]``.
+
+  Nothing is deleted: the files stay for inspection (remove them by hand), but orbax no
+  longer sees them, so the resumed run can save those steps again and ``max_to_keep``
+  never counts or removes them.
+  """
+  newer = [s for s in manager.all_steps() if s > step]
+  if not newer:
+    return
+  if jax.process_index() == 0:
+    for s in newer:
+      source = os.path.join(manager.directory, str(s))
+      destination, n = source + ".corrupt", 0
+      while os.path.exists(destination):
+        n += 1
+        destination = f"{source}.corrupt.{n}"
+      os.rename(source, destination)
+      logging.warning("Unreadable checkpoint step %d moved to %s (not deleted).", s, destination)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("set_aside_newer_steps")
+  manager.reload()
+
+
+def load_checkpoint(workdir: str, config: Optional[ml_collections.ConfigDict] = None):
+  """``(config, step, variables)`` of the latest intact checkpoint in ``workdir``.
+
+  The config comes from ``workdir/config.json`` unless given.  Variables are restored
+  replicated on all current devices, whatever device count wrote them; corrupted newer
+  steps are skipped with a warning (``restore_latest``).  Raises ``FileNotFoundError``
+  when there is no checkpoint or none restores.
+  """
+  if config is None:
+    config, _ = read_config(workdir)
+  replicated, _ = shardings(create_mesh())
+  with checkpoint_manager(workdir, read_only=True) as manager:
+    restored = restore_latest(
+        manager, lambda step: abstract_tree(manager.item_metadata(step).tree, replicated))
+  if restored is None:
+    raise FileNotFoundError(f"No checkpoint in {checkpoint_dir(workdir)}.")
+  step, tree = restored
+  return config, step, {"params": tree["params"], "batch_stats": tree["batch_stats"]}
+
+
+def load(workdir: str, config: Optional[ml_collections.ConfigDict] = None) -> tuple:
+  """``(config, model, variables)`` of a trained run, without its dataset.
+
+  ``config`` (e.g. with evaluation settings changed) replaces the recorded one in the
+  result; the model is always rebuilt from the recorded config and ``model_spec``.
+  """
+  recorded, spec = read_config(workdir)
+  config, _, variables = load_checkpoint(workdir, config or recorded)
+  return config, build_model(recorded, spec), variables

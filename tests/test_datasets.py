@@ -1,0 +1,46 @@
+"""smoothing_jax.data.datasets: dataset names, sources (TFDS, digits, npz), missing data."""
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from smoothing_jax.data import (DatasetUnavailableError, NORMALIZATION, create_pipeline,
+                                parse_dataset)
+
+
+def test_parse_dataset():
+  assert parse_dataset("cifar100").base == "cifar100"
+  spec = parse_dataset("cifar10_corrupted/gaussian_noise_3")
+  assert (spec.base, spec.corruption) == ("cifar10", ("gaussian_noise", 3))
+  assert parse_dataset("imagenet2012").geometry == "imagenet"
+  assert parse_dataset("npz:/data/c10").source == "npz"
+  for bad in ("cifar1000", "cifar10_corrupted/fog_6", "cifar10_corrupted/rain_1", "npz:"):
+    with pytest.raises(ValueError, match="dataset"):
+      parse_dataset(bad)
+
+
+def test_tfds_cifar10_under_mock_data():
+  with tfds.testing.mock_data(num_examples=24):
+    pipeline = create_pipeline("cifar10", 8, seed=0)
+    batch = next(pipeline.train_iterator())
+  assert batch["image"].shape == (8, 32, 32, 3)
+  assert pipeline.mean == NORMALIZATION["cifar10"][0]
+  assert batch["label"].min() >= 0 and batch["label"].max() < 10
+
+
+def test_missing_tfds_dataset_is_one_clear_error(tmp_path):
+  with pytest.raises(DatasetUnavailableError) as err:
+    create_pipeline("cifar100", 8, seed=0, data_dir=str(tmp_path), download=False)
+  message = str(err.value)
+  assert "'cifar100'" in message and str(tmp_path) in message and "npz:" in message
+
+
+def test_missing_npz_file_is_named(tmp_path):
+  with pytest.raises(DatasetUnavailableError, match="train.npz does not exist"):
+    create_pipeline(f"npz:{tmp_path}", 8, seed=0)
+
+
+def test_digits_source_is_offline_and_split():
+  pipeline = create_pipeline("digits", 32, seed=0)
+  assert (pipeline.num_train, pipeline.num_eval) == (1797 - 360, 360)
+  assert pipeline.train_images.shape[1:] == (32, 32, 3)
+  assert set(np.unique(pipeline.eval_labels)) == set(range(10))

@@ -1,0 +1,99 @@
+"""smoothing_jax.data.pipeline: batches, deterministic order, padding, TensorFlow's devices."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from smoothing_jax.data import create_pipeline, hide_accelerators_from_tensorflow
+
+
+@pytest.fixture(scope="module")
+def npz_dir(tmp_path_factory):
+  root = tmp_path_factory.mktemp("npz")
+  rng = np.random.default_rng(0)
+  for split, n in (("train", 40), ("test", 13)):
+    np.savez(root / f"{split}.npz", images=rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8),
+             labels=rng.integers(0, 10, n))
+  return str(root)
+
+
+def test_npz_source_batches_and_normalisation(npz_dir):
+  pipeline = create_pipeline(f"npz:{npz_dir}", 8, seed=0)
+  assert (pipeline.num_train, pipeline.num_eval, pipeline.steps_per_epoch) == (40, 13, 5)
+  with np.load(f"{npz_dir}/train.npz") as d:
+    pixels = d["images"].reshape(-1, 3) / 255.0
+  np.testing.assert_allclose(pipeline.mean, pixels.mean(0), rtol=1e-6)
+  batch = next(pipeline.train_iterator())
+  assert batch["image"].shape == (8, 32, 32, 3) and batch["image"].dtype == np.float32
+  assert batch["label"].dtype == np.int32
+
+
+def test_eval_batches_pad_and_mask_every_example_once(npz_dir):
+  pipeline = create_pipeline(f"npz:{npz_dir}", 8, seed=0)
+  batches = list(pipeline.eval_batches(5))
+  assert len(batches) == 3 and [b["mask"].sum() for b in batches] == [5, 5, 3]
+  with np.load(f"{npz_dir}/test.npz") as d:
+    images, labels = d["images"], d["labels"]
+  mean, std = np.array(pipeline.mean), np.array(pipeline.std)
+  got = np.concatenate([b["image"][b["mask"] > 0] for b in batches])
+  np.testing.assert_allclose(got, (images / 255.0 - mean) / std, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.concatenate([b["label"][b["mask"] > 0] for b in batches]),
+                                labels)
+  assert np.all(batches[-1]["image"][3:] == 0)
+
+
+def test_order_is_a_function_of_seed_and_epoch(npz_dir):
+  pipeline = create_pipeline(f"npz:{npz_dir}", 8, seed=3)
+  epoch1 = list(tfds.as_numpy(pipeline.train_dataset(1)))
+  again = list(tfds.as_numpy(create_pipeline(f"npz:{npz_dir}", 8, seed=3).train_dataset(1)))
+  resumed = list(tfds.as_numpy(pipeline.train_dataset(1, start_step=2)))
+  for a, b in zip(epoch1, again):
+    np.testing.assert_array_equal(a["image"], b["image"])
+  for a, b in zip(epoch1[2:], resumed):  # resuming mid-epoch sees the same batches
+    np.testing.assert_array_equal(a["image"], b["image"])
+  assert len(resumed) == 3
+  epoch2 = next(iter(tfds.as_numpy(pipeline.train_dataset(2))))
+  assert not np.array_equal(epoch1[0]["label"], epoch2["label"]) or not np.array_equal(
+      epoch1[0]["image"], epoch2["image"])
+  # The endless iterator crosses epochs: global step 5 is epoch 1, step 0.
+  np.testing.assert_array_equal(next(pipeline.train_iterator(start_step=5))["image"],
+                                epoch1[0]["image"])
+
+
+def test_class_weights_need_label_maps(npz_dir):
+  with pytest.raises(ValueError, match="segmentation"):
+    create_pipeline(f"npz:{npz_dir}", 8, seed=0).class_weights(10)
+
+
+def test_create_pipeline_hides_accelerators_from_tensorflow(npz_dir, monkeypatch):
+  calls = []
+  monkeypatch.setattr(tf.config, "set_visible_devices", lambda *args: calls.append(args))
+  create_pipeline(f"npz:{npz_dir}", 8, seed=0)
+  assert calls == [([], "GPU"), ([], "TPU")]
+
+
+def test_hiding_accelerators_twice_or_too_late_is_harmless(monkeypatch):
+  tf.constant(1.0).numpy()  # TensorFlow's devices are initialised from here on
+  hide_accelerators_from_tensorflow()
+  hide_accelerators_from_tensorflow()
+  assert tf.config.get_visible_devices("GPU") == []
+
+  def too_late(devices, device_type):
+    raise RuntimeError("Visible devices cannot be modified after being initialized")
+  monkeypatch.setattr(tf.config, "set_visible_devices", too_late)
+  hide_accelerators_from_tensorflow()
+
+
+def test_importing_the_data_package_leaves_tensorflow_devices_alone():
+  code = ("import tensorflow as tf\n"
+          "calls = []\n"
+          "tf.config.set_visible_devices = lambda *args: calls.append(args)\n"
+          "import smoothing_jax.data, smoothing_jax.data.pipeline\n"
+          "assert calls == [], calls\n")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr[-2000:]
