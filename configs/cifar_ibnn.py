@@ -24,7 +24,7 @@ to train only the posterior).  WRN-28-10: ``configs/cifar_resnet.py:wideresnet_d
 VGG-16: ``configs/cifar_resnet.py:vgg_dnn_16,… --config.model_kwargs.batch_norm=False
 --config.model_kwargs.classifier=mlp512``.
 """
-from smoothing_jax.config_base import base_config, parse_config_arg, shrink_for_cpu
+from smoothing_jax.config_base import base_config, finalize, parse_config_arg, shrink_for_cpu
 
 ARGS = {"model": "vgg_ibnn_16", "dataset": "cifar10",  # positional, with defaults
         "num_components": 4}
@@ -51,14 +51,20 @@ def get_config(arg: str = ""):
   config.model_kwargs.num_components = args.num_components
   config.model_kwargs.noise_init_std = init_std
   config.dataset = dataset
+  config.optimizer = "sgd"           # iBNN models get the two-rate SGD-Nesterov optimiser
+  config.momentum = 0.9
+  config.nesterov = True
   config.batch_size = 128
+  config.base_batch_size = 128
   config.learning_rate = det_lr
   config.weight_decay = weight_decay
-  config.nesterov = True
   config.num_epochs = 300
   config.warmup_epochs = 0
   config.lr_schedule = "flat_linear"
   config.lr_final_ratio = 0.01
+  # Unused by flat_linear (the values this config has recorded).
+  config.lr_milestones = (60, 130, 160)
+  config.lr_decay = 0.2
   config.ibnn.num_train_samples = 2
   config.ibnn.prior_std = prior_std
   config.ibnn.variational_lr = variational_lr
@@ -69,5 +75,4 @@ def get_config(arg: str = ""):
   if args.runlocal:
     shrink_for_cpu(config)
     config.ibnn.eval_samples = 2
-  config.lock()
-  return config
+  return finalize(config)

@@ -13,7 +13,7 @@ SGD (momentum 0.9, no Nesterov), lr 0.1 at batch 128, weight decay 5e-4,
 200 epochs after 1 linear warm-up epoch, lr × 0.2 at epochs 60/130/160 (the
 paper's text; the reference code uses 60/120/160), random crop + flip.
 """
-from smoothing_jax.config_base import base_config, parse_config_arg, shrink_for_cpu
+from smoothing_jax.config_base import base_config, finalize, parse_config_arg, shrink_for_cpu
 
 ARGS = {"model": "resnet_mcdo_smoothing_18", "dataset": "cifar10"}  # positional, with defaults
 
@@ -23,14 +23,19 @@ def get_config(arg: str = ""):
   config = base_config()
   config.model = args.model
   config.dataset = args.dataset
+  config.optimizer = "sgd"
+  config.momentum = 0.9
+  config.nesterov = False
   config.batch_size = 128
+  config.base_batch_size = 128
   config.learning_rate = 0.1
   config.weight_decay = 5e-4
   config.num_epochs = 200
   config.warmup_epochs = 1
+  config.lr_schedule = "multistep"
   config.lr_milestones = (60, 130, 160)
   config.lr_decay = 0.2
+  config.lr_final_ratio = 0.01      # unused by multistep (the value this config has recorded)
   if args.runlocal:
     shrink_for_cpu(config)
-  config.lock()
-  return config
+  return finalize(config)

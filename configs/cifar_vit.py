@@ -18,7 +18,7 @@ set it), AlterNets window 4.
 """
 from ml_collections.config_dict import placeholder
 
-from smoothing_jax.config_base import base_config, parse_config_arg, shrink_for_cpu
+from smoothing_jax.config_base import base_config, finalize, parse_config_arg, shrink_for_cpu
 
 ARGS = {"model": "vit_ti", "dataset": "cifar100"}  # positional, with defaults
 
@@ -36,6 +36,12 @@ def get_config(arg: str = ""):
   config.lr_schedule = "cosine"
   config.warmup_epochs = 5
   config.num_epochs = 300
+  # Unused by AdamW and cosine (the values this config has recorded).
+  config.momentum = 0.9
+  config.nesterov = False
+  config.lr_milestones = (60, 130, 160)
+  config.lr_decay = 0.2
+  config.lr_final_ratio = 0.01
   config.grad_clip_norm = 5.0
   config.label_smoothing = 0.1
   config.mixup_alpha = 1.0
@@ -57,8 +63,7 @@ def get_config(arg: str = ""):
     shrink_for_cpu(config)
     config.model_kwargs.width = None
     config.model_kwargs.update(_RUNLOCAL_SIZES.get(family, {}))
-  config.lock()
-  return config
+  return finalize(config)
 
 
 _ARCH_OPTIONS = {

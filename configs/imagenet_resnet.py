@@ -9,7 +9,7 @@ SGD momentum 0.9, lr 0.1 at batch 256 (scaled linearly with the global batch),
 weight decay 1e-4, 90 epochs after 1 warm-up epoch, lr × 0.1 at epochs 30/60/80,
 random-resized crop 224 + flip; evaluation resize 256 / centre crop 224.
 """
-from smoothing_jax.config_base import base_config, parse_config_arg, shrink_for_cpu
+from smoothing_jax.config_base import base_config, finalize, parse_config_arg, shrink_for_cpu
 
 ARGS = {"model": "resnet_mcdo_smoothing_50", "dataset": "imagenet2012"}  # positional, with defaults
 
@@ -19,14 +19,19 @@ def get_config(arg: str = ""):
   config = base_config()
   config.model = args.model
   config.dataset = args.dataset
+  config.optimizer = "sgd"
+  config.momentum = 0.9
+  config.nesterov = False
   config.batch_size = 256
   config.base_batch_size = 256
   config.learning_rate = 0.1
   config.weight_decay = 1e-4
   config.num_epochs = 90
   config.warmup_epochs = 1
+  config.lr_schedule = "multistep"
   config.lr_milestones = (30, 60, 80)
   config.lr_decay = 0.1
+  config.lr_final_ratio = 0.01      # unused by multistep (the value this config has recorded)
   config.eval_every_epochs = 5
   config.checkpoint_every_steps = 5000
   config.eval_batch_size = 250
@@ -34,5 +39,4 @@ def get_config(arg: str = ""):
     shrink_for_cpu(config)
     config.batch_size = 8
     config.eval_batch_size = 16
-  config.lock()
-  return config
+  return finalize(config)

@@ -39,7 +39,6 @@ import numpy as np
 
 from smoothing_jax import train
 from smoothing_jax.parallel import create_mesh, shard_batch, shardings
-from smoothing_jax.config_base import base_config
 from smoothing_jax.data import create_pipeline
 from smoothing_jax.models import get_model
 
@@ -93,16 +92,17 @@ def main(argv=None):
   parser.add_argument("--pipeline-batches", type=int, default=50)
   args = parser.parse_args(argv)
 
+  recipe, arg = ("cifar_vit", "vit_ti,cifar10") if args.recipe == "vit" else (
+      "cifar_resnet", "resnet_dnn_18,cifar10")  # the CIFAR SGD recipe; values do not affect timing
+  spec = importlib.util.spec_from_file_location(
+      recipe, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
+                           f"{recipe}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(arg)
   if args.recipe == "vit":
-    spec = importlib.util.spec_from_file_location(
-        "cifar_vit",
-        os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "cifar_vit.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config("vit_ti,cifar10")
     models = args.models or ["resnet_dnn_50", "vit_ti", "alternet_50"]
   else:
-    config = base_config()  # the CIFAR SGD recipe's defaults; values do not affect timing
     models = args.models or ["resnet_dnn_18", "resnet_dnn_smoothing_18", "resnet_mcdo_smoothing_18",
                              "resnet_dnn_smoothing_18:same"]
   rng = np.random.default_rng(0)

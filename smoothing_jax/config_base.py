@@ -1,4 +1,5 @@
-"""Infrastructure defaults shared by every experiment config (the recipes live in ``configs/``)."""
+"""Config keys shared by every experiment config: infrastructure defaults, and the recipe keys
+that each recipe in ``configs/`` sets (``check_recipe`` names any it left unset)."""
 import difflib
 import types
 from typing import Any, Mapping, NoReturn, Sequence
@@ -6,13 +7,31 @@ from typing import Any, Mapping, NoReturn, Sequence
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+# Recipe keys: None in ``base_config()``; each recipe sets those its optimiser and schedule read.
+RECIPE_KEYS = ("model", "dataset", "optimizer", "batch_size", "base_batch_size", "learning_rate",
+               "weight_decay", "num_epochs", "warmup_epochs", "lr_schedule")
+# Recipe keys read only with one choice of ``(key, value)``.
+RECIPE_KEYS_OF = {
+    ("optimizer", "sgd"): ("momentum", "nesterov"),
+    ("lr_schedule", "multistep"): ("lr_milestones", "lr_decay"),
+    ("lr_schedule", "flat_linear"): ("lr_final_ratio",),
+}
+
 
 def base_config() -> ml_collections.ConfigDict:
-  """Keys every config has; an experiment's ``get_config()`` fills in its recipe and locks it."""
+  """Every key a config has, with recipe-neutral defaults; not a runnable config by itself.
+
+  Infrastructure keys (model options, dataset handling, seed, devices, logging, evaluation,
+  checkpoints) hold neutral defaults, and every optional feature (class balancing, gradient
+  clipping, label smoothing, Mixup/CutMix, RandAugment) is off; the iBNN block holds the method's
+  defaults, read only by models with node noise.  The recipe keys (``RECIPE_KEYS`` and
+  ``RECIPE_KEYS_OF``: model name, dataset, optimiser and learning-rate schedule) are None here:
+  a recipe's ``get_config()`` sets them and ends with ``finalize`` (``check_recipe``, then lock).
+  """
   config = ml_collections.ConfigDict()
-  # Model: a registry name plus module options; None means the family's default
-  # (stem defaults to the dataset's geometry).
-  config.model = "resnet_mcdo_smoothing_18"
+  # Model: a registry name (set by the recipe) plus module options; None means the family's
+  # default (stem defaults to the dataset's geometry).
+  config.model = placeholder(str)
   config.model_kwargs = ml_collections.ConfigDict({
       "prob": placeholder(str),
       "temperature": placeholder(float),
@@ -28,32 +47,32 @@ def base_config() -> ml_collections.ConfigDict:
   })
   config.num_classes = -1           # -1: from the dataset
   # Data.
-  config.dataset = "cifar10"
+  config.dataset = placeholder(str)  # TFDS name, "npz:<dir>" or "digits" (set by the recipe)
   config.data_dir = placeholder(str)  # TFDS data_dir (None: TFDS default)
   config.download = True            # let TFDS download missing datasets
   config.seed = 0
   config.num_devices = -1           # -1: all devices of all hosts
   config.crop_size = placeholder(
       tuple)  # segmentation: random (h, w) training crop (None: whole image)
-  # Optimisation (recipe values are set by each config).
-  config.batch_size = 128           # global batch
-  config.base_batch_size = 128      # batch of the recipe's learning rate (linear scaling)
-  config.optimizer = "sgd"          # "sgd" (coupled L2, the paper's CNN recipe), "adam" or
-                                    # "adamw" (decoupled)
-  config.learning_rate = 0.1
-  config.momentum = 0.9
-  config.nesterov = False
-  config.weight_decay = 5e-4
-  config.num_epochs = 200
-  config.warmup_epochs = 1
-  config.lr_schedule = "multistep"  # or "cosine" (ViT recipe), "flat_linear" (iBNN)
-  config.lr_milestones = (60, 130, 160)
-  config.lr_decay = 0.2
-  config.lr_final_ratio = 0.01      # flat_linear: final rate / base rate
+  # Optimisation: the recipe sets these.
+  config.batch_size = placeholder(int)       # global batch
+  config.base_batch_size = placeholder(int)  # batch of the recipe's learning rate (linear scaling)
+  config.optimizer = placeholder(str)  # "sgd" (coupled L2, the paper's CNN recipe), "adam" or
+                                       # "adamw" (decoupled)
+  config.learning_rate = placeholder(float)
+  config.momentum = placeholder(float)       # sgd (and the iBNN optimiser)
+  config.nesterov = placeholder(bool)        # sgd
+  config.weight_decay = placeholder(float)
+  config.num_epochs = placeholder(int)
+  config.warmup_epochs = placeholder(int)
+  config.lr_schedule = placeholder(str)  # "multistep", "cosine" (ViT recipe), "flat_linear" (iBNN)
+  config.lr_milestones = placeholder(tuple)  # multistep: epochs of the decays
+  config.lr_decay = placeholder(float)       # multistep: factor at each milestone
+  config.lr_final_ratio = placeholder(float)  # flat_linear: final rate / base rate
   config.num_train_steps = -1       # -1: (warmup_epochs + num_epochs) × steps per epoch
   config.grad_clip_norm = 0.0       # clip the global gradient norm (0: off)
   config.class_balancing = "none"   # or "median_frequency" (segmentation loss weights)
-  # Regularisation of the ViT recipe (all off by default).
+  # Regularisation (the ViT recipe's; all off by default).
   config.label_smoothing = 0.0
   config.mixup_alpha = 0.0          # Mixup Beta(α, α) (on device, in the train step)
   config.cutmix_alpha = 0.0         # CutMix Beta(α, α)
@@ -85,6 +104,32 @@ def base_config() -> ml_collections.ConfigDict:
   # Final evaluation: MC ensemble sizes (deterministic models use N = 1).
   config.ensemble_sizes = (1, 2, 3, 4, 5, 10, 20, 50)
   config.eval_chunk_size = 10       # samples evaluated together (bounds memory)
+  return config
+
+
+def missing_recipe_keys(config: ml_collections.ConfigDict) -> list:
+  """The recipe keys ``config`` reads with its optimiser and schedule but leaves None."""
+  keys = list(RECIPE_KEYS)
+  for (key, value), needed in RECIPE_KEYS_OF.items():
+    if config[key] == value:
+      keys.extend(needed)
+  return [key for key in keys if config[key] is None]
+
+
+def check_recipe(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Returns ``config``; raises ValueError naming every recipe key it left unset (None)."""
+  missing = missing_recipe_keys(config)
+  if missing:
+    raise ValueError(f"The recipe leaves {', '.join(missing)} unset: a config's get_config() "
+                     "sets every recipe key of smoothing_jax.config_base (RECIPE_KEYS, and "
+                     "RECIPE_KEYS_OF for its optimizer and lr_schedule).")
+  return config
+
+
+def finalize(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The end of every ``get_config()``: ``check_recipe``, then lock (the CLI sets existing keys
+  only)."""
+  check_recipe(config).lock()
   return config
 
 

@@ -18,15 +18,32 @@ import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
 from smoothing_jax.models import get_model  # noqa: E402
+from tests.helpers import (MICRO_VIT, TINY_UNET, init_variables, model_options,  # noqa: E402
+                           override)
 
 
 @pytest.fixture(scope="session")
 def tiny_mcdo():
   """A narrow ``resnet_mcdo_smoothing_18`` on 16×16 inputs with initialised variables."""
   model = get_model("resnet_mcdo_smoothing_18", 5, width=4)
-  variables = jax.jit(model.init)({"params": jax.random.key(0), "dropout": jax.random.key(1)},
-                                  jnp.zeros((1, 16, 16, 3)))
-  return model, variables
+  return model, init_variables(model, (1, 16, 16, 3))
+
+
+@pytest.fixture(scope="session")
+def tiny_unet():
+  """A narrow ``unet_mcdo_smoothing`` (5 classes) with variables initialised on 12×12 inputs."""
+  model = get_model("unet_mcdo_smoothing", 5, **TINY_UNET)
+  return model, init_variables(model, (1, 12, 12, 3))
+
+
+@pytest.fixture(scope="session")
+def micro_vit():
+  """``(model, variables, images, labels)``: a 2-block ViT of width 8 (3 classes) on six 8×8
+  images."""
+  model = get_model("vit_ti", 3, **MICRO_VIT)
+  x = jax.random.normal(jax.random.key(5), (6, 8, 8, 3))
+  y = jnp.array([0, 1, 2, 0, 1, 2])
+  return model, init_variables(model, x), x, y
 
 
 @pytest.fixture(scope="session")
@@ -57,12 +74,8 @@ def analysis_workdirs(tmp_path_factory):
 def _train_briefly(config, workdir, **model_kwargs) -> str:
   """Train ``config`` (with ``model_kwargs`` overrides) for 4 steps of batch 16 into ``workdir``."""
   from smoothing_jax import train
-  config.unlock()
-  config.model_kwargs.update(model_kwargs)
-  config.batch_size = 16
-  config.num_train_steps = 4
-  config.checkpoint_every_steps = 4
-  config.lock()
+  override(config, **model_options(**model_kwargs), batch_size=16, num_train_steps=4,
+           checkpoint_every_steps=4)
   train.train_and_evaluate(config, str(workdir))
   return str(workdir)
 

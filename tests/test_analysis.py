@@ -1,4 +1,6 @@
-"""Hessian tools against an explicit Hessian; Fourier Δlog-amplitude against an explicit DFT."""
+"""smoothing_jax.analysis: Hessian tools against an explicit Hessian; Fourier Δlog-amplitude
+against an explicit DFT; spectra, feature maps, landscapes, robustness, frequency noise,
+perturbations; lesions and token maps on a micro ViT."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,7 @@ from jax.flatten_util import ravel_pytree
 from smoothing_jax.analysis import (delta_log_amplitude, eigenvalue_density, hessian_trace, hvp,
                                     min_eigenvalue, top_eigenvalues)
 from smoothing_jax.layers import Blur
+from tests.helpers import abstract_variables, init_variables
 
 
 class SmallNet(nn.Module):
@@ -216,7 +219,7 @@ def test_feature_taps_follow_execution_order_and_smoothing_sizes(tiny_mcdo, imag
 
 def test_feature_variance_model_part_is_zero_without_dropout(images):
   model = get_model("resnet_dnn_smoothing_18", 5, width=4)
-  variables = jax.jit(model.init)(jax.random.key(0), images[:1])
+  variables = init_variables(model, images[:1])
   deterministic = feature_variance(model, variables, images, num_samples=3)
   assert all(v["model"] <= 1e-10 * v["data"] for v in deterministic.values())  # zero up to rounding
   x = np.asarray(feature_maps(model, variables, images)["layer2_0"])
@@ -266,8 +269,7 @@ def test_filter_normalised_directions(problem):
 def test_directions_leave_position_parameters_alone(name, kwargs):
   """HV ``create_bases(model, kws=["pos_embed", "relative_position"])``: zero directions there."""
   model = get_model(name, 3, **kwargs)
-  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(
-      (1, 16, 16, 3))))["params"]
+  shapes = abstract_variables(model, (1, 16, 16, 3))["params"]
   params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), shapes)
   d = random_direction(params, jax.random.key(0))
   flat = {"/".join(str(k.key) for k in path): np.asarray(v)
@@ -421,3 +423,71 @@ def test_missing_cifar10_p_file_names_the_way_out(tmp_path):
     load_cifar10_p(str(tmp_path), "shift")
   np.save(tmp_path / "translate.npy", np.zeros((2, 3, 8, 8, 3), np.uint8))
   assert load_cifar10_p(str(tmp_path), "translate").shape == (2, 3, 8, 8, 3)
+
+
+# ----------------------------------------------------------------------------- on a micro ViT
+
+
+def test_feature_taps_of_vit_are_token_maps_with_kinds(micro_vit):
+  from smoothing_jax.analysis.features import block_kinds, feature_maps, feature_variance
+  model, variables, x, _ = micro_vit
+  maps = feature_maps(model, variables, x)
+  assert list(maps) == ["block0_msa", "block0_mlp", "block1_msa", "block1_mlp"]
+  assert all(m.shape == (6, 2, 2, 8) for m in maps.values())  # CLS dropped, 2×2 patch grid
+  assert block_kinds(model, maps) == {"block0_msa": "msa", "block0_mlp": "mlp", "block1_msa": "msa",
+                                      "block1_mlp": "mlp"}
+  # HV feature-map variance: spatial variance per (example, channel), averaged.
+  _, state = model.apply(variables, x, capture_intermediates=True, mutable=["intermediates"])
+  tokens = np.asarray(state["intermediates"]["block1_msa"]["__call__"][0])[:, 1:]
+  expected = np.var(tokens, axis=1, ddof=1).mean()
+  np.testing.assert_allclose(feature_variance(model, variables, x,
+                                              num_samples=1)["block1_msa"]["data"],
+                             expected,
+                             rtol=1e-5)
+
+
+def test_lesion_accuracy_drops_table_and_plot(micro_vit):
+  import matplotlib
+  matplotlib.use("Agg")
+  from smoothing_jax.analysis.lesion import lesion_accuracy_drops, lesion_table
+  from smoothing_jax.plots import plot_lesion
+  model, variables, x, y = micro_vit
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, v: jnp.zeros_like(v)
+      if [p.key for p in path[:2]] == ["block1_mlp", "fc2"] else v, variables["params"])
+  variables = {"params": params}
+  batches = [{"image": x[:4], "label": y[:4]}, {"image": x[4:], "label": y[4:]}]
+  result = lesion_accuracy_drops(model, variables, batches)
+  logits = model.apply(variables, x)
+  assert result["accuracy"] == pytest.approx(float(np.mean(np.argmax(logits, -1) == y)))
+  rows = {r["name"]: r for r in result["units"]}
+  assert rows["block1_mlp"]["drop"] == 0.0 and rows["block1_mlp"]["kind"] == "mlp"
+  masked = model.apply(variables, x, block_mask=jnp.array([1.0, 0.0, 1.0, 1.0]))
+  assert rows["block0_mlp"]["accuracy"] == pytest.approx(float(np.mean(np.argmax(masked, -1) == y)))
+  assert "| 3 | block1_mlp | mlp |" in lesion_table(result)
+  assert plot_lesion({"ViT": result}).axes[0].get_xlabel().startswith("unit index")
+  with pytest.raises(ValueError, match="no residual units"):
+    lesion_accuracy_drops(get_model("resnet_dnn_18", 3, width=4), {}, [])
+
+
+def test_spectrum_with_negative_eigenvalues_matches_the_explicit_hessian(micro_vit):
+  from jax.flatten_util import ravel_pytree
+  from smoothing_jax.analysis.spectrum import max_eigenvalue_spectrum, training_loss
+  model, variables, x, y = micro_vit
+  result = max_eigenvalue_spectrum(model,
+                                   variables, [{
+                                       "image": x,
+                                       "label": y
+                                   }],
+                                   k=1,
+                                   weight_decay=0.0,
+                                   max_iters=500,
+                                   tol=1e-6,
+                                   negative=True)
+  flat, unravel = ravel_pytree(variables["params"])
+  loss = lambda f: training_loss(model, 0.0, {}, jax.random.key(0), x, y, unravel(f))  # noqa: E731
+  eigenvalues = np.linalg.eigvalsh(np.asarray(jax.hessian(loss)(flat), np.float64))
+  assert eigenvalues[0] < 0  # a ViT at initialisation is not convex
+  top = eigenvalues[np.argmax(np.abs(eigenvalues))]
+  np.testing.assert_allclose(result["max_eigenvalues"][0], top, rtol=2e-2)
+  np.testing.assert_allclose(result["min_eigenvalues"][0], eigenvalues[0], rtol=5e-2, atol=1e-3)

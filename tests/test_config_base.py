@@ -1,4 +1,5 @@
-"""The config-argument parser; every config in ``configs/``: defaults, name=value, rejections."""
+"""The config-argument parser; every config in ``configs/``: defaults, name=value, rejections;
+the recipe-neutral base and the recipe check."""
 import importlib
 import pathlib
 
@@ -6,7 +7,8 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from smoothing_jax.config_base import parse_config_arg
+from smoothing_jax.config_base import (RECIPE_KEYS, RECIPE_KEYS_OF, base_config, check_recipe,
+                                       finalize, missing_recipe_keys, parse_config_arg)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = sorted(path.stem for path in (ROOT / "configs").glob("*.py") if path.stem != "__init__")
@@ -95,3 +97,41 @@ def test_cifar_ibnn_arguments_and_ece_bins():
     cifar_ibnn.get_config("num_components=abc")
   # The iBNN reference evaluates with IB ``ECELoss(n_bins=15)`` (and the paper says 15 bins).
   assert config.ece_bins == 15 and cifar_ibnn.get_config().ece_bins == 15
+
+
+ALL_RECIPE_KEYS = {*RECIPE_KEYS, *(key for keys in RECIPE_KEYS_OF.values() for key in keys)}
+
+
+def test_base_config_holds_no_recipe_values():
+  config = base_config()
+  assert {key: config[key] for key in ALL_RECIPE_KEYS} == dict.fromkeys(ALL_RECIPE_KEYS)
+  assert ALL_RECIPE_KEYS >= {"model", "dataset", "optimizer", "batch_size", "base_batch_size",
+                             "learning_rate", "momentum", "nesterov", "weight_decay", "num_epochs",
+                             "warmup_epochs", "lr_schedule", "lr_milestones", "lr_decay",
+                             "lr_final_ratio"}
+  # Optional features off.
+  assert (config.grad_clip_norm, config.label_smoothing, config.mixup_alpha, config.cutmix_alpha,
+          config.randaugment.num_layers, config.class_balancing) == (0, 0, 0, 0, 0, "none")
+
+
+def test_base_config_alone_fails_the_recipe_check_naming_the_keys():
+  with pytest.raises(ValueError, match="leaves model, dataset, optimizer, .*lr_schedule unset"):
+    check_recipe(base_config())
+  with pytest.raises(ValueError, match="model, dataset"):
+    finalize(base_config())
+  config = base_config()
+  config.update(model="m", dataset="d", optimizer="sgd", batch_size=8, base_batch_size=8,
+                learning_rate=0.1, weight_decay=0.0, num_epochs=1, warmup_epochs=0,
+                lr_schedule="multistep", lr_milestones=(1,))
+  with pytest.raises(ValueError, match="leaves momentum, nesterov, lr_decay unset") as error:
+    finalize(config)
+  assert "lr_milestones" not in str(error.value) and "lr_final_ratio" not in str(error.value)
+  config.update(momentum=0.9, nesterov=False, lr_decay=0.1)
+  assert finalize(config) is config and config.is_locked
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_configs_set_every_recipe_key(name):
+  module = load(name)
+  for config in (module.get_config(), module.get_config("runlocal")):
+    assert config.is_locked and not missing_recipe_keys(config)

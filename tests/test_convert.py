@@ -6,11 +6,12 @@ import pytest
 
 from smoothing_jax.convert import from_torch_state_dict, to_torch_state_dict
 from smoothing_jax.models import get_model
+from tests.helpers import init_variables
 
 
 def test_round_trip_of_a_synthetic_state_dict():
   model = get_model("preresnet_dnn_smoothing_18", 7, width=4)
-  variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))
+  variables = init_variables(model, (1, 16, 16, 3))
   # Perturb everything (incl. batch_stats) so every leaf is distinct.
   variables = jax.tree.map(lambda x: x + jax.random.normal(jax.random.key(1), x.shape), variables)
   state_dict = to_torch_state_dict(variables)
@@ -26,8 +27,7 @@ def test_round_trip_of_a_synthetic_state_dict():
 
 def test_missing_unexpected_and_mismatched_keys_are_named():
   model = get_model("resnet_dnn_18", 10, width=4)
-  state_dict = to_torch_state_dict(
-      jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 16, 16, 3))))
+  state_dict = to_torch_state_dict(init_variables(model, (1, 16, 16, 3)))
   del state_dict["layer1.0.conv1.weight"]
   state_dict["layer9.extra.weight"] = np.zeros(3)
   state_dict["layer2.0.bn1.weight"] = np.zeros(5)

@@ -1,4 +1,5 @@
-"""iBNN: node noise, KL, component assignment, K×S inference, folding, training steps."""
+"""iBNN: noisy nodes, KL, component assignment, K×S inference, folding, training steps (the node
+noise layers: test_layers.py)."""
 import functools
 
 import jax
@@ -9,22 +10,15 @@ import pytest
 
 from smoothing_jax import ibnn
 from smoothing_jax.inference import sample_rngs
-from smoothing_jax.layers.node_noise import NodeNoiseConv, NodeNoiseDense
 from smoothing_jax.models import get_model
 from smoothing_jax.plots import plot_ood_curves
-
-
-def init(model, shape=(2, 32, 32, 3)):
-  return jax.jit(model.init)({
-      "params": jax.random.key(0),
-      **sample_rngs(jax.random.key(1))
-  }, jnp.zeros(shape))
+from tests.helpers import abstract_variables, init_variables, model_options, tiny_run
 
 
 @pytest.fixture(scope="module")
 def tiny_vgg():
   model = get_model("vgg_ibnn_16", 5, num_components=3, width=4)
-  return model, init(model)
+  return model, init_variables(model, (2, 32, 32, 3))
 
 
 @pytest.mark.parametrize("name,nodes", [("wideresnet_ibnn_28_10", 9475), ("vgg_ibnn_16", 5251)])
@@ -33,7 +27,7 @@ def test_noisy_input_nodes_per_component(name, nodes):
   # + (320+640+320 + 3·1280) + head 640.
   # VGG-16 (reference StoVGG16): 13 convs 3715 + three dense layers 3·512 = 5251.
   model = get_model(name, 10, num_components=2)
-  shapes = jax.eval_shape(lambda: init(model, (1, 32, 32, 3)))
+  shapes = abstract_variables(model)
   assert ibnn.num_noise_nodes(shapes["params"]) == nodes
   assert all(layer["z_mean"].shape[0] == 2 for layer in ibnn.noise_layers(shapes["params"]))
 
@@ -59,44 +53,6 @@ def test_component_assignment_is_repeat_interleave_then_round_robin():
   assert rep[:, 0, 0, 0].tolist() == [0, 0, 1, 1, 2, 2]
   assert labels.tolist() == [7, 7, 8, 8, 9, 9]
   assert components.tolist() == [0, 1, 2, 3, 0, 1]
-
-
-def test_conv_noise_differs_across_examples_and_components_and_is_constant_over_space():
-  layer = NodeNoiseConv(num_components=2, features=1, kernel_size=1, use_bias=False,
-                        kernel_init=nn_ones)
-  x = jnp.ones((4, 3, 3, 2))
-  variables = layer.init({
-      "params": jax.random.key(0),
-      "noise": jax.random.key(1)
-  }, x, jnp.zeros(4, int))
-  out = layer.apply(variables, x, jnp.array([0, 0, 1, 1]), rngs={"noise": jax.random.key(2)})[...,
-                                                                                              0]
-  # With a ones kernel the output is Σ_c z_c: constant over H×W, different for every example.
-  np.testing.assert_allclose(out, out[:, :1, :1] * jnp.ones_like(out), rtol=1e-6)
-  assert len(set(np.round(np.asarray(out[:, 0, 0]), 5))) == 4
-  # σ → 0: the draw is the component mean, which differs between components.
-  variables = jax.tree_util.tree_map_with_path(
-      lambda p, v: jnp.full_like(v, -30.0) if p[-1].key == "z_rho" else v, variables)
-  out = layer.apply(variables, x, jnp.array([0, 0, 1, 1]), rngs={"noise": jax.random.key(2)})[:, 0,
-                                                                                              0, 0]
-  z = variables["params"]["z_mean"].sum(1)
-  np.testing.assert_allclose(out, [z[0], z[0], z[1], z[1]], rtol=1e-5)
-
-
-def nn_ones(key, shape, dtype=jnp.float32):
-  return jnp.ones(shape, dtype)
-
-
-def test_dense_bias_noise_is_one_scalar_per_example():
-  layer = NodeNoiseDense(num_components=2, features=3)
-  x = jnp.zeros((4, 5))  # zero input: the output is s·b only
-  variables = layer.init({"params": jax.random.key(0), "noise": jax.random.key(1)}, x)
-  variables = {"params": {**variables["params"], "bias": jnp.array([1.0, 2.0, 3.0])}}
-  out = layer.apply(variables, x, jnp.array([0, 1, 0, 1]), rngs={"noise": jax.random.key(3)})
-  np.testing.assert_allclose(out / jnp.array([1.0, 2.0, 3.0]),
-                             out[:, :1] * jnp.ones((4, 3)),
-                             rtol=1e-5)
-  assert len(set(np.round(np.asarray(out[:, 0]), 5))) == 4
 
 
 def test_ibnn_predict_equals_the_loop_over_components_and_keys(tiny_vgg):
@@ -138,13 +94,14 @@ def test_fold_component_reproduces_the_noisy_model_at_the_component_mean(tiny_vg
 def test_pretrained_deterministic_weights_load_and_mismatches_are_named(tiny_vgg):
   model, variables = tiny_vgg
   det = get_model("vgg_dnn_16", 5, width=4, batch_norm=False, classifier="mlp512")
-  det_params = init(det)["params"]
+  det_params = init_variables(det, (2, 32, 32, 3))["params"]
   loaded = ibnn.load_deterministic(variables["params"], det_params)
   np.testing.assert_array_equal(loaded["layer0_0"]["conv"]["kernel"],
                                 det_params["layer0_0"]["conv"]["kernel"])
   np.testing.assert_array_equal(loaded["layer0_0"]["conv"]["z_mean"],
                                 variables["params"]["layer0_0"]["conv"]["z_mean"])
-  wrong = init(get_model("vgg_dnn_16", 5, width=8, batch_norm=False, classifier="mlp512"))["params"]
+  wrong = init_variables(get_model("vgg_dnn_16", 5, width=8, batch_norm=False, classifier="mlp512"),
+                         (2, 32, 32, 3))["params"]
   with pytest.raises(ValueError, match="does not match the iBNN architecture"):
     ibnn.load_deterministic(variables["params"], wrong)
 
@@ -198,7 +155,7 @@ def test_bad_settings_are_rejected():
   with pytest.raises(ValueError, match="num_components"):
     get_model("vgg_ibnn_16", 10, num_components=0)
   with pytest.raises(ValueError, match="no iBNN variant"):
-    init(get_model("resnet_dnn_18", 10, num_components=2, width=4))
+    init_variables(get_model("resnet_dnn_18", 10, num_components=2, width=4), (2, 32, 32, 3))
   with pytest.raises(ValueError, match="iBNN model"):
     ibnn.ibnn_predict(get_model("vgg_dnn_16", 10), {},
                       jnp.zeros((1, 32, 32, 3)),
@@ -237,32 +194,15 @@ def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(tmp_path):
   from smoothing_jax import evaluate, train
   from smoothing_jax import workdir as workdir_lib
 
-  def shrink(config, **overrides):
-    config.unlock()
-    config.model_kwargs.width = 4
-    config.batch_size = 8
-    config.eval_batch_size = 8
-    config.checkpoint_every_steps = 2
-    config.log_every_steps = 2
-    for key, value in overrides.items():
-      setattr(config, key, value) if "." not in key else setattr(getattr(config, key.split(".")[0]),
-                                                                 key.split(".")[1], value)
-    config.lock()
-    return config
-
-  det = cifar_resnet.get_config("vgg_dnn_16,cifar10,runlocal")
-  det = shrink(det,
-               num_train_steps=2,
-               **{
-                   "model_kwargs.batch_norm": False,
-                   "model_kwargs.classifier": "mlp512"
-               })
-  config = shrink(cifar_ibnn.get_config("vgg_ibnn_16,cifar10,3,runlocal"),
-                  num_train_steps=4,
-                  **{
-                      "ibnn.pretrained_workdir": str(tmp_path / "det"),
-                      "ibnn.freeze_deterministic": True
-                  })
+  det = tiny_run(cifar_resnet.get_config("vgg_dnn_16,cifar10,runlocal"),
+                 num_train_steps=2,
+                 **model_options(batch_norm=False, classifier="mlp512"))
+  config = tiny_run(cifar_ibnn.get_config("vgg_ibnn_16,cifar10,3,runlocal"),
+                    num_train_steps=4,
+                    **{
+                        "ibnn.pretrained_workdir": str(tmp_path / "det"),
+                        "ibnn.freeze_deterministic": True
+                    })
   with tfds.testing.mock_data(num_examples=16):
     train.train_and_evaluate(det, str(tmp_path / "det"))
     state = train.train_and_evaluate(config, str(tmp_path / "ibnn"))
@@ -284,8 +224,8 @@ def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(tmp_path):
   assert [r["ensemble_size"] for r in rows] == [1, 2, 5, 6]  # K·S = 3·2 predictions, nested
   assert all(r["count"] == 16 for r in rows)
 
-  wrong = shrink(cifar_ibnn.get_config("vgg_ibnn_16,cifar10,3,runlocal"), num_train_steps=2,
-                 **{"ibnn.pretrained_workdir": str(tmp_path / "det"), "model_kwargs.width": 8})
+  wrong = tiny_run(cifar_ibnn.get_config("vgg_ibnn_16,cifar10,3,runlocal"), num_train_steps=2,
+                   **{"ibnn.pretrained_workdir": str(tmp_path / "det"), "model_kwargs.width": 8})
   with tfds.testing.mock_data(num_examples=16), pytest.raises(ValueError, match="does not match"):
     train.train_and_evaluate(wrong, str(tmp_path / "wrong"))
 

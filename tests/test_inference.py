@@ -7,6 +7,7 @@ import pytest
 
 from smoothing_jax.inference import ensemble_predict, mc_predict, stack_variables
 from smoothing_jax.models import get_model
+from tests.helpers import init_variables
 
 
 def loop_predict(model, variables, images, keys):
@@ -37,7 +38,7 @@ def test_chunked_sampling_matches_one_vmap(tiny_mcdo, images):
 
 def test_deterministic_model_through_the_same_api(images):
   model = get_model("resnet_dnn_18", 5, width=4)
-  variables = jax.jit(model.init)(jax.random.key(0), images[:1])
+  variables = init_variables(model, images[:1])
   pred = mc_predict(model, variables, images, num_samples=1, rng=jax.random.key(0))
   np.testing.assert_allclose(pred.mean_probs[None], pred.sample_probs)
   np.testing.assert_allclose(pred.mean_probs,
@@ -48,8 +49,7 @@ def test_deterministic_model_through_the_same_api(images):
 
 def test_ensemble_predict_equals_loop_over_members(images):
   model = get_model("resnet_dnn_smoothing_18", 5, width=4)
-  init = jax.jit(model.init)
-  members = [init(jax.random.key(seed), images[:1]) for seed in range(3)]
+  members = [init_variables(model, images[:1], seed) for seed in range(3)]
   pred = ensemble_predict(model, stack_variables(members), images)
   expected = np.stack([np.asarray(jax.nn.softmax(model.apply(v, images))) for v in members])
   np.testing.assert_allclose(pred.sample_probs, expected, rtol=1e-4, atol=1e-6)

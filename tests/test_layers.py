@@ -1,4 +1,5 @@
-"""Smoothing layers and MC dropout against independent numpy computations."""
+"""Layers against independent computations: smoothing, MC dropout, multi-head self-attention
+(global, windowed, neighbourhood masks) and iBNN node noise."""
 import math
 
 import chex
@@ -8,6 +9,9 @@ import numpy as np
 import pytest
 
 from smoothing_jax.layers import Blur, MCDropout, Prob, Smooth
+from smoothing_jax.layers.attention import (MultiHeadAttention, WindowAttention, neighbourhood_mask,
+                                            relative_position_index, window_partition)
+from smoothing_jax.layers.node_noise import NodeNoiseConv, NodeNoiseDense
 
 RNG = np.random.default_rng(0)
 
@@ -176,3 +180,110 @@ def test_mc_dropout_needs_a_dropout_rng():
 def test_mc_dropout_rate_zero_is_identity():
   x = jnp.arange(6.0).reshape(2, 3)
   chex.assert_trees_all_equal(MCDropout(0.0).apply({}, x), x)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def test_attention_matches_numpy():
+  x = np.random.default_rng(0).normal(size=(2, 5, 6)).astype(np.float32)
+  layer = MultiHeadAttention(num_heads=2, head_dim=3, out_features=4)
+  params = layer.init(jax.random.key(0), x)["params"]
+  wqkv, wo, bo = (np.asarray(a) for a in (params["qkv"]["kernel"], params["out"]["kernel"],
+                                          params["out"]["bias"]))
+  heads = []
+  for h in range(2):
+    q, k, v = (x @ wqkv[:, s, h] for s in range(3))           # [B, N, d]
+    logits = q @ k.transpose(0, 2, 1) / np.sqrt(3)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    heads.append((weights / weights.sum(-1, keepdims=True)) @ v)
+  expected = np.einsum("bnhd,hdo->bno", np.stack(heads, 2), wo) + bo
+  np.testing.assert_allclose(layer.apply({"params": params}, x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_window_equal_to_the_map_is_global_msa():
+  x = jax.random.normal(jax.random.key(0), (2, 4, 4, 6))
+  window = WindowAttention(window_size=4, num_heads=2, head_dim=3)
+  params = window.init(jax.random.key(1), x)["params"]
+  params = {**params, "relative_position": jnp.zeros_like(params["relative_position"])}
+  global_msa = MultiHeadAttention(num_heads=2, head_dim=3)
+  expected = global_msa.apply({
+      "params": params["attention"]
+  }, x.reshape(2, 16, 6)).reshape(2, 4, 4, 6)
+  chex.assert_trees_all_close(window.apply({"params": params}, x), expected, rtol=1e-5, atol=1e-5)
+  # ... and a convolutional neighbourhood of 2·4 − 1 covers the map.
+  assert np.all(neighbourhood_mask(4, 4, 7) == 0)
+  chex.assert_trees_all_close(global_msa.apply({"params": params["attention"]}, x.reshape(2, 16, 6),
+                                               jnp.asarray(neighbourhood_mask(4, 4, 7))),
+                              expected.reshape(2, 16, 6), rtol=1e-6)
+
+
+def test_smaller_windows_attend_within_themselves_with_the_relative_bias():
+  x = jax.random.normal(jax.random.key(0), (1, 4, 4, 3))
+  window = WindowAttention(window_size=2, num_heads=1, head_dim=3)
+  params = window.init(jax.random.key(1), x)["params"]
+  table = np.asarray(params["relative_position"])
+  out = np.asarray(window.apply({"params": params}, x))
+  inner = MultiHeadAttention(num_heads=1, head_dim=3)
+  # Explicit bias: key j relative to query i within a 2×2 window, row-major.
+  pos = [(r, c) for r in range(2) for c in range(2)]
+  bias = np.array([[table[pj[0] - pi[0] + 1, pj[1] - pi[1] + 1] for pj in pos] for pi in pos],
+                  np.float32)
+  np.testing.assert_array_equal(relative_position_index(2)[0, 3], [2, 2])
+  for r in (0, 2):
+    for c in (0, 2):
+      patch = np.asarray(x)[:, r:r + 2, c:c + 2].reshape(1, 4, 3)
+      expected = inner.apply({"params": params["attention"]}, patch, jnp.asarray(bias))
+      np.testing.assert_allclose(out[:, r:r + 2, c:c + 2].reshape(1, 4, 3),
+                                 expected,
+                                 rtol=1e-5,
+                                 atol=1e-6)
+  assert window_partition(x, 2).shape == (4, 4, 3)
+
+
+def test_neighbourhood_mask_is_a_kxk_window():
+  mask = neighbourhood_mask(5, 5, 3).reshape(5, 5, 5, 5)
+  allowed = np.isfinite(mask[2, 2])
+  np.testing.assert_array_equal(allowed, np.pad(np.ones((3, 3), bool), 1))
+  assert np.isfinite(mask[0, 0]).sum() == 4  # corner: 2×2 of the 3×3 neighbourhood
+
+
+# ----------------------------------------------------------------------------- iBNN node noise
+
+
+def test_conv_noise_differs_across_examples_and_components_and_is_constant_over_space():
+  layer = NodeNoiseConv(num_components=2, features=1, kernel_size=1, use_bias=False,
+                        kernel_init=nn_ones)
+  x = jnp.ones((4, 3, 3, 2))
+  variables = layer.init({
+      "params": jax.random.key(0),
+      "noise": jax.random.key(1)
+  }, x, jnp.zeros(4, int))
+  out = layer.apply(variables, x, jnp.array([0, 0, 1, 1]), rngs={"noise": jax.random.key(2)})[...,
+                                                                                              0]
+  # With a ones kernel the output is Σ_c z_c: constant over H×W, different for every example.
+  np.testing.assert_allclose(out, out[:, :1, :1] * jnp.ones_like(out), rtol=1e-6)
+  assert len(set(np.round(np.asarray(out[:, 0, 0]), 5))) == 4
+  # σ → 0: the draw is the component mean, which differs between components.
+  variables = jax.tree_util.tree_map_with_path(
+      lambda p, v: jnp.full_like(v, -30.0) if p[-1].key == "z_rho" else v, variables)
+  out = layer.apply(variables, x, jnp.array([0, 0, 1, 1]), rngs={"noise": jax.random.key(2)})[:, 0,
+                                                                                              0, 0]
+  z = variables["params"]["z_mean"].sum(1)
+  np.testing.assert_allclose(out, [z[0], z[0], z[1], z[1]], rtol=1e-5)
+
+
+def nn_ones(key, shape, dtype=jnp.float32):
+  return jnp.ones(shape, dtype)
+
+
+def test_dense_bias_noise_is_one_scalar_per_example():
+  layer = NodeNoiseDense(num_components=2, features=3)
+  x = jnp.zeros((4, 5))  # zero input: the output is s·b only
+  variables = layer.init({"params": jax.random.key(0), "noise": jax.random.key(1)}, x)
+  variables = {"params": {**variables["params"], "bias": jnp.array([1.0, 2.0, 3.0])}}
+  out = layer.apply(variables, x, jnp.array([0, 1, 0, 1]), rngs={"noise": jax.random.key(3)})
+  np.testing.assert_allclose(out / jnp.array([1.0, 2.0, 3.0]),
+                             out[:, :1] * jnp.ones((4, 3)),
+                             rtol=1e-5)
+  assert len(set(np.round(np.asarray(out[:, 0]), 5))) == 4

@@ -1,11 +1,14 @@
-"""Metrics against a hand-worked example, numpy, and exact accumulation over batches."""
+"""Metrics against hand-worked examples (per image and per pixel with void, IoU, temporal
+consistency), numpy, and exact accumulation over batches."""
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from smoothing_jax.metrics import UncertaintyMetrics, entropy, evaluate, uncertainty_decomposition
+from smoothing_jax.metrics import (TemporalConsistency, UncertaintyMetrics, class_iou, entropy,
+                                   evaluate, label_mask, uncertainty_decomposition)
 from smoothing_jax.plots import plot_reliability_diagram
 
 # Five predictions over three classes (worked by hand below).
@@ -98,6 +101,52 @@ def test_bad_labels_are_rejected():
     evaluate(PROBS, LABELS[:3])
   with pytest.raises(TypeError, match="integer class indices"):
     evaluate(PROBS, LABELS.astype(np.float32))
+
+
+def test_pixel_metrics_with_void_match_hand_worked_example():
+  # One 2×3 image, 3 classes; label 3 (and -1) = void.
+  probs = np.array([[[0.95, 0.03, 0.02], [0.6, 0.3, 0.1], [0.1, 0.8, 0.1]],
+                    [[0.2, 0.2, 0.6], [0.5, 0.25, 0.25], [0.05, 0.05, 0.9]]], np.float32)[None]
+  labels = np.array([[[0, 1, 1], [2, 3, -1]]])
+  mask = label_mask(labels, 3)
+  np.testing.assert_array_equal(mask, [[[1, 1, 1], [1, 0, 0]]])
+  m = UncertaintyMetrics.from_model_output(probs, labels, mask).compute()
+  # Counted pixels: (0.95→0 ✓), (0.6→0, y=1 ✗), (0.8→1 ✓), (0.6→2 ✓).
+  assert m["count"] == 4
+  np.testing.assert_allclose(m["nll"],
+                             -(np.log(0.95) + np.log(0.3) + np.log(0.8) + np.log(0.6)) / 4,
+                             rtol=1e-6)
+  np.testing.assert_allclose(m["acc"], 3 / 4)
+  # ECE: bins (0.9,1]: conf .95 acc 1; (0.5,0.6]: confs .6,.6 acc 0,1; (0.7,0.8]: conf .8 acc 1.
+  np.testing.assert_allclose(m["ece"], (0.05 + 2 * abs(0.6 - 0.5) + 0.2) / 4, rtol=1e-5)
+  # Certain (> 0.9): only the first pixel, correct.
+  np.testing.assert_allclose([m["acc90"], m["freq90"], m["unc90"]], [1.0, 1 / 4, 1.0])
+  # Confusion (rows true): class0 TP1; class1: TP1 FN1 (predicted 0); class2: TP1.
+  # IoU0 = 1/(1+1) (FP from the class-1 pixel), IoU1 = 1/2, IoU2 = 1/1.
+  np.testing.assert_allclose(m["iou"], (0.5 + 0.5 + 1.0) / 3)
+  # IoU-90 on the certain pixel only: class 0 = 1; classes 1, 2 have no certain support.
+  np.testing.assert_allclose(m["iou90"], 1.0)
+  stats = UncertaintyMetrics.from_model_output(probs, labels, mask)
+  # Void labels never count, even without an explicit mask.
+  assert UncertaintyMetrics.from_model_output(probs, labels).compute() == m
+  np.testing.assert_allclose(class_iou(stats.confusion), [0.5, 0.5, 1.0])
+  np.testing.assert_allclose(class_iou(stats.certain_confusion), [1.0, np.nan, np.nan])
+
+
+def test_temporal_consistency_hand_worked():
+  # argmax of frames: [[0, 1], [1, 1]] then [[0, 0], [1, 2]]; pixel (1,1) void.
+  a = jax.nn.one_hot(jnp.array([[0, 1], [1, 1]]), 3)
+  b = jax.nn.one_hot(jnp.array([[0, 0], [1, 2]]), 3)
+  mask = label_mask(jnp.array([[0, 2], [1, 9]]), 3)
+  assert TemporalConsistency.from_model_output(
+      b, a, mask).compute()["consistency"] == pytest.approx(2 / 3)
+  # A per-example mask [B] covers every pixel of its example (here B = W = 2).
+  per_example = TemporalConsistency.from_model_output(jnp.stack([b, b]), jnp.stack([a, b]),
+                                                      jnp.array([1.0, 0.0]))
+  assert per_example.compute()["consistency"] == pytest.approx(2 / 4)
+  seq = jnp.stack([a, b, b])[None]  # [N=1, T=3, 2, 2, C]
+  assert TemporalConsistency.from_sequence(seq).compute()["consistency"] == pytest.approx(
+      (2 + 4) / 8)
 
 
 def test_entropy_and_decomposition_hand_examples():

@@ -1,4 +1,5 @@
-"""Model zoo: reference parameter counts, geometry, variants, registry and input errors."""
+"""Model zoo: reference parameter counts, geometry, variants, registry and input errors; the
+U-Net's layout, odd sizes, dropout and smoothing positions."""
 import chex
 import jax
 import jax.numpy as jnp
@@ -6,17 +7,7 @@ import numpy as np
 import pytest
 
 from smoothing_jax.models import get_model, list_models
-
-RNGS = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
-
-
-def abstract_variables(model, size=32, batch=1):
-  return jax.eval_shape(lambda: model.init(RNGS, jnp.zeros((batch, size, size, 3))))
-
-
-def num_params(name, num_classes, **overrides):
-  variables = abstract_variables(get_model(name, num_classes, **overrides))
-  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(variables["params"]))
+from tests.helpers import TINY_UNET, abstract_variables, init_variables, num_params, rngs
 
 
 def wrn_param_count(depth, k, num_classes):
@@ -45,19 +36,19 @@ def wrn_param_count(depth, k, num_classes):
     ("wideresnet_dnn_28_10", 10, 36_489_290),
 ])
 def test_reference_parameter_counts(name, num_classes, expected):
-  assert num_params(name, num_classes) == expected
+  assert num_params(get_model(name, num_classes)) == expected
 
 
 def test_wrn_count_matches_closed_form():
   assert wrn_param_count(28, 10, 10) == 36_489_290
-  assert num_params("wideresnet_dnn_28_10", 100) == wrn_param_count(28, 10, 100)
+  assert num_params(get_model("wideresnet_dnn_28_10", 100)) == wrn_param_count(28, 10, 100)
 
 
 @pytest.mark.parametrize("family", ["resnet_{}_18", "preresnet_{}_18", "vgg_{}_11", "alexnet_{}",
                                     "wideresnet_{}_28_10"])
 def test_dropout_and_smoothing_add_no_parameters(family):
   counts = {
-      v: num_params(family.format(v), 10)
+      v: num_params(get_model(family.format(v), 10))
       for v in ("dnn", "mcdo", "dnn_smoothing", "mcdo_smoothing")
   }
   assert len(set(counts.values())) == 1, counts
@@ -71,10 +62,10 @@ def test_dropout_and_smoothing_add_no_parameters(family):
                                             (152, None, 58_341_028)])
 def test_preact_bottleneck_counts_equal_the_reference_classes(depth, dnn, mcdo):
   if dnn is not None:
-    assert num_params(f"preresnet_dnn_{depth}", 100) == num_params(
-        f"preresnet_dnn_smoothing_{depth}", 100) == dnn
-  assert num_params(f"preresnet_mcdo_{depth}", 100) == mcdo
-  assert num_params(f"preresnet_mcdo_smoothing_{depth}", 100) == mcdo
+    assert num_params(get_model(f"preresnet_dnn_{depth}", 100)) == num_params(
+        get_model(f"preresnet_dnn_smoothing_{depth}", 100)) == dnn
+  assert num_params(get_model(f"preresnet_mcdo_{depth}", 100)) == mcdo
+  assert num_params(get_model(f"preresnet_mcdo_smoothing_{depth}", 100)) == mcdo
 
 
 def test_registry_has_the_reference_grid():
@@ -113,14 +104,14 @@ def test_unknown_option_is_named():
 def test_smoothing_grows_each_stage_map_by_one_pixel(stem, size, expected):
   model = get_model("resnet_dnn_smoothing_18", 10, stem=stem, width=8)
   _, state = jax.eval_shape(lambda: model.init_with_output(
-      RNGS, jnp.zeros((1, size, size, 3)), capture_intermediates=True))
+      rngs(), jnp.zeros((1, size, size, 3)), capture_intermediates=True))
   sizes = [state["intermediates"][f"smooth{i}_0"]["__call__"][0].shape[1] for i in range(1, 5)]
   assert sizes == expected
 
 
 def test_preactivation_resnet_smooths_stages_one_to_three():
   model = get_model("preresnet_dnn_smoothing_18", 10, width=8)
-  _, state = jax.eval_shape(lambda: model.init_with_output(RNGS, jnp.zeros((1, 32, 32, 3)),
+  _, state = jax.eval_shape(lambda: model.init_with_output(rngs(), jnp.zeros((1, 32, 32, 3)),
                                                            capture_intermediates=True))
   assert sorted(k for k in state["intermediates"] if k.startswith("smooth")) == [
       "smooth1_0", "smooth2_0", "smooth3_0"
@@ -140,7 +131,7 @@ def test_preactivation_resnet_smooths_stages_one_to_three():
 ])
 def test_output_shapes(name, overrides, size):
   model = get_model(name, 7, **overrides)
-  out = jax.eval_shape(lambda: model.init_with_output(RNGS, jnp.zeros((2, size, size, 3)))[0])
+  out = jax.eval_shape(lambda: model.init_with_output(rngs(), jnp.zeros((2, size, size, 3)))[0])
   assert out.shape == (2, 7)
 
 
@@ -155,7 +146,7 @@ def narrow_models():
   out = {}
   for name in ("resnet_dnn_18", "resnet_mcdo_18"):
     model = get_model(name, 5, width=4)
-    variables = jax.jit(model.init)(RNGS, jnp.zeros((1, 16, 16, 3)))
+    variables = init_variables(model, (1, 16, 16, 3))
     apply = jax.jit(lambda v, x, k, m=model: m.apply(v, x, rngs={"dropout": k}))
     out[name] = (model, variables, apply)
   return out
@@ -205,3 +196,79 @@ def test_bad_options_are_rejected(overrides, message):
   model = get_model("resnet_dnn_smoothing_18", 10, width=4, **overrides)
   with pytest.raises(ValueError, match=message):
     abstract_variables(model)
+
+
+# ----------------------------------------------------------------------------- U-Net
+
+
+@pytest.mark.parametrize("name",
+                         ["unet_dnn", "unet_mcdo", "unet_mcdo_smoothing", "unet_dnn_smoothing"])
+@pytest.mark.parametrize("size", [(13, 17), (9, 7)])
+def test_unet_output_shape_equals_input_shape_for_odd_sizes(name, size):
+  model = get_model(name, 11, **TINY_UNET)
+  x = jnp.zeros((2,) + size + (3,))
+  out = jax.eval_shape(lambda: model.init_with_output(rngs(), x)[0])
+  assert out.shape == (2,) + size + (11,)
+
+
+def _unet_parameter_count(width=64, encoder=(2, 2, 3, 3, 3), decoder=(3, 3, 3, 2), classes=11):
+  """Trainable parameters of the reference layout, counted by hand (conv 3×3 with bias,
+  BN γ/β)."""
+  conv = lambda cin, cout, k=3: k * k * cin * cout + cout  # noqa: E731
+  total, cin = 0, 3
+  for level, n in enumerate(encoder):
+    cout = width * 2 ** level
+    for _ in range(n):
+      total += conv(cin, cout) + 2 * cout
+      cin = cout
+  for level, n in zip(reversed(range(len(decoder))), decoder):
+    cout = width * 2 ** level
+    total += conv(cin, cout) + 2 * cout  # 3×3 transposed conv + BN
+    for _ in range(n):
+      total += conv(cout, cout) + 2 * cout
+    cin = cout
+  return total + conv(cin, classes, 1)
+
+
+def test_unet_layout_is_the_reference_one():
+  model = get_model("unet_mcdo", 11)
+  count = num_params(model, (1, 64, 64, 3))
+  assert count == _unet_parameter_count() == 46_885_195
+  assert model.stages_with_dropout() == (3, 4, 5, 6, 7, 8) and model.dropout_rate == 0.5
+  assert get_model("unet_dnn", 11).dropout_rate == 0.0
+
+
+def test_unet_dropout_follows_stages_3_to_8():
+  from smoothing_jax.layers import MCDropout
+  model = get_model("unet_mcdo", 5, width=2, encoder_convs=(1,) * 5, decoder_convs=(1,) * 4)
+  x = jnp.ones((1, 16, 16, 3))
+  variables = init_variables(model, x)
+  _, inter = model.apply(variables,
+                         x,
+                         rngs={"dropout": jax.random.key(2)},
+                         mutable=["intermediates"],
+                         capture_intermediates=lambda m, _: isinstance(m, MCDropout))
+  calls = [
+      inter["intermediates"][f"MCDropout_{i}"]["__call__"][0].shape
+      for i in range(len(inter["intermediates"]))
+  ]
+  # Stages 3, 4 (encoder levels at 4×4, 2×2), 5 (bottleneck 1×1), 6, 7, 8 (decoder at
+  # 2×2, 4×4, 8×8).
+  assert calls == [(1, 4, 4, 8), (1, 2, 2, 16), (1, 1, 1, 32), (1, 2, 2, 16), (1, 4, 4, 8),
+                   (1, 8, 8, 4)]
+
+
+def test_unet_dropout_and_smoothing_positions(tiny_unet):
+  model, variables = tiny_unet
+  x = jax.random.normal(jax.random.key(3), (1, 12, 12, 3))
+  a = model.apply(variables, x, rngs={"dropout": jax.random.key(1)})
+  b = model.apply(variables, x, rngs={"dropout": jax.random.key(2)})
+  assert not np.allclose(a, b)  # MC dropout stays on at evaluation
+  det = get_model("unet_dnn_smoothing", 5, **TINY_UNET)
+  np.testing.assert_array_equal(det.apply(variables, x), det.apply(variables, x))
+  _, inter = det.apply(variables, x, capture_intermediates=lambda m, _: "smooth" in (m.name or ""),
+                       mutable=["intermediates"])
+  assert sorted(
+      k for k in inter["intermediates"] if k.startswith("smooth")) == ["smooth1", "smooth2"]
+  with pytest.raises(ValueError, match="dropout_stages"):
+    init_variables(get_model("unet_mcdo", 5, **TINY_UNET, dropout_stages=(9,)), x)

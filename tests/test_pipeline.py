@@ -1,4 +1,5 @@
-"""smoothing_jax.data.pipeline: batches, deterministic order, padding, TensorFlow's devices."""
+"""smoothing_jax.data.pipeline: batches, deterministic order, padding, TensorFlow's devices,
+RandAugment resumed exactly, segmentation crops and flips."""
 import os
 import subprocess
 import sys
@@ -97,3 +98,60 @@ def test_importing_the_data_package_leaves_tensorflow_devices_alone():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
   assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_pipeline_with_randaugment_resumes_exactly(tmp_path):
+  rng = np.random.default_rng(0)
+  for split, n in (("train", 32), ("test", 8)):
+    np.savez(tmp_path / f"{split}.npz", images=rng.integers(0, 256, (n, 16, 16, 3), dtype=np.uint8),
+             labels=rng.integers(0, 10, n))
+  make = lambda ra_args: create_pipeline(f"npz:{tmp_path}", 8, seed=1, randaugment=ra_args
+                                        )  # noqa: E731
+  epoch = list(tfds.as_numpy(make((2, 9.0, 1.0)).train_dataset(0)))
+  resumed = list(tfds.as_numpy(make((2, 9.0, 1.0)).train_dataset(0, start_step=2)))
+  for a, b in zip(epoch[2:], resumed):
+    np.testing.assert_array_equal(a["image"], b["image"])
+  plain = list(tfds.as_numpy(make(None).train_dataset(0)))
+  assert not np.allclose(plain[0]["image"], epoch[0]["image"])
+  np.testing.assert_array_equal(plain[0]["label"], epoch[0]["label"])
+
+
+def test_segmentation_crop_and_flip_keep_labels_on_their_pixels(tmp_path):
+  # Red channel = 40 · label, so image and label map must move together.
+  rng = np.random.default_rng(0)
+  labels = rng.integers(0, 6, (6, 20, 24))  # 5 classes + void (5)
+  images = np.stack(
+      [40 * labels,
+       rng.integers(0, 255, labels.shape),
+       rng.integers(0, 255, labels.shape)], -1)
+  for split in ("train", "test"):
+    np.savez(tmp_path / f"{split}.npz", images=images.astype(np.uint8), labels=labels)
+  pipeline = create_pipeline(f"npz:{tmp_path}", 2, 0, crop_size=(8, 12))
+  assert pipeline.is_segmentation
+  flips = set()
+  for step, batch in zip(range(6), pipeline.train_iterator()):
+    red = batch["image"][..., 0] * pipeline.std[0] + pipeline.mean[0]
+    np.testing.assert_allclose(red * 255, 40 * batch["label"], atol=1e-3)
+    for crop in batch["label"]:  # a window of one training map, maybe mirrored
+      found = {
+          f for lab in labels for y in range(13) for x in range(13) for f in (0, 1)
+          if np.array_equal(lab[y:y + 8, x:x + 12][:, ::-1] if f else lab[y:y + 8, x:x + 12], crop)
+      }
+      assert found
+      flips |= found
+  assert flips == {0, 1}
+  with pytest.raises(ValueError, match="segmentation"):
+    create_pipeline(f"npz:{tmp_path}", 2, 0, randaugment=(2, 9.0, 0.0))
+  # Void is a label value, so the number of classes must be given for npz label maps.
+  from configs import camvid_unet
+  from smoothing_jax.train import create_model
+  config = camvid_unet.get_config(f"unet_dnn,npz:{tmp_path},runlocal")
+  with pytest.raises(ValueError, match="num_classes"):
+    create_model(config, pipeline)
+  config.num_classes = 5
+  assert create_model(config, pipeline).num_classes == 5
+  from configs import cifar_resnet
+  classifier = cifar_resnet.get_config(f"resnet_dnn_18,npz:{tmp_path},runlocal")
+  classifier.num_classes = 5
+  with pytest.raises(ValueError, match="does not fit dataset"):
+    create_model(classifier, pipeline)

@@ -1,40 +1,24 @@
-"""Training system: schedule, end-to-end runs under mock TFDS data, multi-device equality,
-exact resume."""
+"""Training system: schedules, optimisers, losses, train_step, end-to-end runs under mock TFDS
+data, evaluation of a trained run, multi-device equality, exact resume."""
 import functools
-import hashlib
 import json
-import logging
 import os
-import shutil
 import signal
-import subprocess
-import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import tensorflow_datasets as tfds
 
 from configs import cifar_resnet
 from smoothing_jax import evaluate, train
 from smoothing_jax import workdir as workdir_lib
+from smoothing_jax.data.mixup import Mixing
 from smoothing_jax.models import get_model
-
-
-def tiny_config(**overrides):
-  config = cifar_resnet.get_config("resnet_mcdo_smoothing_18,cifar10,runlocal")
-  config.unlock()
-  config.model_kwargs.width = 4
-  config.batch_size = 8
-  config.eval_batch_size = 8
-  config.num_train_steps = 4
-  config.checkpoint_every_steps = 2
-  config.log_every_steps = 2
-  config.ensemble_sizes = (1, 3)
-  for key, value in overrides.items():
-    setattr(config, key, value)
-  config.lock()
-  return config
+from smoothing_jax.train import cross_entropy
+from tests.helpers import model_options, override, tiny_config
 
 
 def test_learning_rate_schedule_matches_the_recipe():
@@ -58,6 +42,110 @@ def test_configs_are_locked():
   config = cifar_resnet.get_config()
   with pytest.raises(AttributeError):
     config.learning_rte = 0.2
+
+
+def test_vit_recipe_config_and_schedule():
+  from configs import cifar_vit
+  config = cifar_vit.get_config("vit_ti,cifar100")
+  assert (config.optimizer, config.learning_rate, config.batch_size,
+          config.weight_decay) == ("adamw", 1.25e-4, 96, 0.05)
+  assert (config.label_smoothing, config.mixup_alpha, config.cutmix_alpha,
+          config.grad_clip_norm) == (0.1, 1.0, 0.8, 5.0)
+  assert (config.randaugment.num_layers, config.randaugment.magnitude) == (2, 9.0)
+  assert config.model_kwargs.stochastic_depth == 0.1
+  schedule = train.create_learning_rate_schedule(config, steps_per_epoch=10)
+  lr = 1.25e-4
+  np.testing.assert_allclose([schedule(0), schedule(25), schedule(50)], [0.0, lr / 2, lr],
+                             rtol=1e-6)
+  # Cosine over 300 epochs after the 5 warm-up epochs: half way it is lr/2, at the end 0.
+  np.testing.assert_allclose(schedule(50 + 1500), lr / 2, rtol=1e-4)
+  np.testing.assert_allclose(schedule(50 + 3000), 0.0, atol=1e-12)
+
+
+def test_vit_config_sets_hv_dropout_and_lets_the_command_line_change_it():
+  from absl import flags
+  from ml_collections import config_flags
+
+  from configs import cifar_vit
+  kwargs = cifar_vit.get_config("vit_ti,cifar100").model_kwargs
+  assert (kwargs.dropout_rate_train, kwargs.embedding_dropout_rate) == (0.0, 0.0)  # HV
+  argv = ["prog", f"--config={cifar_vit.__file__}:vit_ti,cifar100",
+          "--config.model_kwargs.dropout_rate_train=0.1",
+          "--config.model_kwargs.embedding_dropout_rate=0.2"]
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)  # locked, as in main
+  values(argv)
+  given = {k: v for k, v in values.config.model_kwargs.items() if v is not None}  # as create_model
+  model = get_model("vit_ti", 10, **given)
+  assert (model.dropout_rate_train, model.embedding_dropout_rate) == (0.1, 0.2)
+  # AlterNet has no such options: the keys are absent, so its model still builds.
+  kwargs = cifar_vit.get_config("alternet_50,cifar100").model_kwargs
+  assert "dropout_rate_train" not in kwargs and "embedding_dropout_rate" not in kwargs
+  get_model("alternet_50", 10, **{k: v for k, v in kwargs.items() if v is not None})
+
+
+def test_adamw_with_clipping_matches_a_hand_computed_step():
+  from configs import cifar_vit
+  config = cifar_vit.get_config("vit_ti,cifar100")
+  tx = train.create_optimizer(config, optax.constant_schedule(0.1))
+  params = {"w": jnp.array([1.0, -2.0])}
+  grads = {"w": jnp.array([30.0, 40.0])}            # norm 50 → clipped to norm 5: (3, 4)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  # First Adam step: m̂ = g, v̂ = g², so the step is lr·g/(|g| + ε) = ±lr, plus decoupled
+  # decay lr·wd·w.
+  expected = -0.1 * (np.sign([3.0, 4.0]) * (np.array([3.0, 4.0]) / (np.array([3.0, 4.0]) + 1e-8))
+                     + 0.05 * np.array([1.0, -2.0]))
+  np.testing.assert_allclose(updates["w"], expected, rtol=1e-5)
+  # SGD (momentum, coupled decay) shows the clipping: the step is −lr·(g·5/50 + wd·w).
+  config.optimizer, config.momentum, config.weight_decay = "sgd", 0.9, 0.01
+  tx = train.create_optimizer(config, optax.constant_schedule(0.1))
+  updates, _ = tx.update(grads, tx.init(params), params)
+  np.testing.assert_allclose(updates["w"],
+                             -0.1 * (np.array([3.0, 4.0]) + 0.01 * np.array([1.0, -2.0])),
+                             rtol=1e-6)
+
+
+def test_weighted_pixel_cross_entropy_masks_void():
+  logits = jnp.log(jnp.array([[[0.7, 0.2, 0.1], [0.1, 0.6, 0.3], [0.3, 0.3, 0.4]]]))
+  labels = jnp.array([[0, 1, 3]])
+  w = jnp.array([2.0, 0.5, 1.0])
+  expected = (2.0 * -np.log(0.7) + 0.5 * -np.log(0.6)) / 2.5
+  np.testing.assert_allclose(cross_entropy(logits, labels, w), expected, rtol=1e-6)
+  np.testing.assert_allclose(cross_entropy(logits, labels), (-np.log(0.7) - np.log(0.6)) / 2,
+                             rtol=1e-6)
+
+
+def test_train_step_with_mixing_uses_soft_targets():
+  model = get_model("vit_ti",
+                    4,
+                    hidden_dim=8,
+                    depth=1,
+                    num_heads=1,
+                    head_dim=8,
+                    mlp_dim=8,
+                    patch_size=4)
+  images = jax.random.normal(jax.random.key(0), (4, 8, 8, 3))
+  labels = jnp.array([0, 1, 2, 3])
+  variables = model.init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, images)
+  state = train.TrainState.create(apply_fn=model.apply, params=variables["params"], batch_stats={},
+                                  tx=optax.sgd(0.0))
+  smoothing_only = Mixing(4, label_smoothing=0.2)
+  _, metrics = train.train_step(optax.constant_schedule(0.0),
+                                train.supervised_loss(model, smoothing_only), state, {
+                                    "image": images,
+                                    "label": labels
+                                }, jax.random.key(3))
+  rng = jax.random.fold_in(jax.random.key(3), 0)
+  logits = model.apply(variables,
+                       images,
+                       train=True,
+                       rngs={
+                           "dropout": rng,
+                           "noise": jax.random.fold_in(rng, 1)
+                       })
+  log_p = jax.nn.log_softmax(logits)
+  expected = -jnp.mean(jnp.sum((0.8 * jax.nn.one_hot(labels, 4) + 0.05) * log_p, -1))
+  np.testing.assert_allclose(metrics["loss"], expected, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -246,19 +334,13 @@ def test_vit_recipe_resume_is_bit_identical(tmp_path):
   """RandAugment (tf.data), Mixup/CutMix (in the step), stochastic depth and AdamW all resume
   exactly."""
   from configs import cifar_vit
-  config = cifar_vit.get_config("vit_ti,cifar10,runlocal")
-  config.unlock()
-  config.model_kwargs.update(hidden_dim=8,
-                             depth=1,
-                             num_heads=1,
-                             head_dim=8,
-                             mlp_dim=8,
-                             patch_size=8)
-  config.batch_size = 8
-  config.num_train_steps = 4
-  config.checkpoint_every_steps = 2
-  config.ensemble_sizes = (1,)
-  config.lock()
+  config = override(cifar_vit.get_config("vit_ti,cifar10,runlocal"),
+                    **model_options(hidden_dim=8, depth=1, num_heads=1, head_dim=8, mlp_dim=8,
+                                    patch_size=8),
+                    batch_size=8,
+                    num_train_steps=4,
+                    checkpoint_every_steps=2,
+                    ensemble_sizes=(1,))
   with tfds.testing.mock_data(num_examples=16):
     full = train.train_and_evaluate(config, str(tmp_path / "full"))
     train.train_and_evaluate(config, str(tmp_path / "cut"), stop_after_steps=2)
@@ -268,207 +350,3 @@ def test_vit_recipe_resume_is_bit_identical(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.opt_state),
                jax.device_get(full.opt_state))
   assert int(resumed.step) == 4
-
-
-# Checkpoints across device counts and corrupted checkpoints.  The cheapest model to compile
-# (one ResNet stage of width 4 on 16×16 images) keeps these tests to seconds on CPU.
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def npz_config(data_dir, **overrides):
-  """``resnet_dnn_18`` cut to one stage of width 4 on the 16×16 ``npz:`` set of ``_write_npz``."""
-  config = cifar_resnet.get_config(f"resnet_dnn_18,npz:{data_dir},runlocal")
-  config.unlock()
-  config.model_kwargs.width = 4
-  config.model_kwargs.stage_sizes = (1,)
-  config.batch_size = 8
-  config.eval_batch_size = 16
-  config.num_train_steps = 4
-  config.checkpoint_every_steps = 2
-  config.ensemble_sizes = (1,)
-  for key, value in overrides.items():
-    setattr(config, key, value)
-  config.lock()
-  return config
-
-
-def _write_npz(root):
-  rng = np.random.default_rng(0)
-  for split, n in (("train", 32), ("test", 16)):
-    images = rng.integers(0, 256, (n, 16, 16, 3), dtype=np.uint8)
-    np.savez(os.path.join(root, f"{split}.npz"), images=images, labels=rng.integers(0, 4, n))
-  return str(root)
-
-
-@pytest.fixture(scope="module")
-def npz_run(tmp_path_factory):
-  """``(data_dir, workdir, final variables)`` of 4 steps on 8 devices (checkpoints 2 and 4)."""
-  data = _write_npz(tmp_path_factory.mktemp("npz_data"))
-  workdir = str(tmp_path_factory.mktemp("npz_run"))
-  state = train.train_and_evaluate(npz_config(data), workdir)
-  return data, workdir, jax.device_get({"params": state.params, "batch_stats": state.batch_stats})
-
-
-def _flat(variables) -> dict:
-  from flax.traverse_util import flatten_dict
-  return {k: np.asarray(v) for k, v in flatten_dict(jax.device_get(variables), sep="/").items()}
-
-
-def _worker(data_dir, jobs):
-  """Body of ``python -m tests.test_train DATA JOBS`` in a process with its own device count.
-
-  ``jobs``: ``["train", workdir, stop_after_steps]`` (resumes if ``workdir`` has checkpoints)
-  or ``["evaluate", workdir, output_dir]`` (``--mode=evaluate`` of ``workdir``, then the
-  ``load_checkpoint`` variables saved to ``output_dir/variables.npz``).
-  """
-  from absl import logging as absl_logging
-  absl_logging.set_verbosity(absl_logging.INFO)  # "Resumed from step ..." on stderr
-  for kind, workdir, arg in jobs:
-    if kind == "train":
-      train.train_and_evaluate(npz_config(data_dir), workdir, stop_after_steps=arg)
-    else:
-      evaluate.evaluate_ensemble_sizes([workdir], arg)
-      _, step, variables = workdir_lib.load_checkpoint(workdir)
-      np.savez(os.path.join(arg, "variables.npz"), step=step, **_flat(variables))
-
-
-def _start_worker(num_devices: int, data_dir: str, jobs: list) -> subprocess.Popen:
-  flags = f"--xla_force_host_platform_device_count={num_devices} --xla_backend_optimization_level=0"
-  return subprocess.Popen([sys.executable, "-m", "tests.test_train", data_dir, json.dumps(jobs)],
-                          cwd=ROOT, env=dict(os.environ, XLA_FLAGS=flags, CUDA_VISIBLE_DEVICES=""),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _finish(worker: subprocess.Popen) -> str:
-  _, stderr = worker.communicate(timeout=600)
-  assert worker.returncode == 0, stderr[-5000:]
-  return stderr
-
-
-def _copy_steps(source: str, destination, steps) -> str:
-  """A copy of workdir ``source`` keeping only the checkpoint ``steps``."""
-  shutil.copytree(source, destination)
-  checkpoints = os.path.join(destination, "checkpoints")
-  for name in os.listdir(checkpoints):
-    if int(name) not in steps:
-      shutil.rmtree(os.path.join(checkpoints, name))
-  return str(destination)
-
-
-# Steps 1-2 or 3-4 on another device count sum BatchNorm statistics and gradients over the
-# batch in another order: float32 round-off, not bit equality (observed: at most 2.4e-7, about
-# 2 ulp of the largest parameters ~1.4; relative 2e-5 only on entries ~1e-4 with a 5e-10 error).
-_ACROSS_DEVICE_COUNTS = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6)
-
-
-def test_checkpoints_move_between_device_counts(npz_run, tmp_path, caplog):
-  """8 → 1: evaluate (load_checkpoint); 1 → 8 and 8 → 2: resume; the resumed runs end with the
-  uninterrupted 8-device run's variables (to float32 round-off)."""
-  data, full, final = npz_run
-  cut8 = _copy_steps(full, tmp_path / "cut8", {2})  # = an 8-device run stopped after step 2
-  cut1, results = str(tmp_path / "cut1"), str(tmp_path / "results")
-  one = _start_worker(1, data, [["evaluate", full, results], ["train", cut1, 2]])
-  two = _start_worker(2, data, [["train", cut8, None]])
-  _finish(one)
-  with caplog.at_level(logging.INFO):
-    resumed = train.train_and_evaluate(npz_config(data), cut1)  # 1 → 8
-  assert "Resumed from step 2" in caplog.text
-  assert int(resumed.step) == 4
-  jax.tree.map(_ACROSS_DEVICE_COUNTS, jax.device_get(resumed.params), final["params"])
-  jax.tree.map(_ACROSS_DEVICE_COUNTS, jax.device_get(resumed.batch_stats), final["batch_stats"])
-
-  rows = json.load(open(os.path.join(results, "ensemble_sizes.json")))  # 8 → 1
-  assert rows[0]["count"] == 16 and np.isfinite(rows[0]["nll"])
-  on_one = dict(np.load(os.path.join(results, "variables.npz")))
-  assert int(on_one.pop("step")) == 4
-  _, _, here = workdir_lib.load_checkpoint(full)
-  assert on_one.keys() == _flat(here).keys()
-  for key, value in _flat(here).items():
-    np.testing.assert_array_equal(on_one[key], value, err_msg=key)
-
-  assert "Resumed from step 2" in _finish(two)  # 8 → 2
-  _, step, variables = workdir_lib.load_checkpoint(cut8)  # written by 2 devices, read on 8
-  assert step == 4
-  jax.tree.map(_ACROSS_DEVICE_COUNTS, jax.device_get(variables), final)
-
-
-def _corrupt(workdir, step: int):
-  """Flip every byte of the OCDBT data files (``d/*``) of checkpoint ``step``.
-
-  orbax 0.12.8 writes ``<step>/default/ocdbt.process_0/d/*`` and merges them into
-  ``<step>/default/d/*``; small arrays such as this test model's are stored inline in the
-  merged file, larger ones in the per-process files, so all are flipped.
-  """
-  for directory, _, names in os.walk(os.path.join(workdir, "checkpoints", str(step))):
-    for name in names if os.path.basename(directory) == "d" else ():
-      with open(os.path.join(directory, name), "r+b") as f:
-        data = f.read()
-        f.seek(0)
-        f.write(bytes(b ^ 0xFF for b in data))
-
-
-def _files(directory) -> dict:
-  """``{relative path: sha256}`` of every file under ``directory``."""
-  digests = {}
-  for d, _, names in os.walk(directory):
-    for name in names:
-      path = os.path.join(d, name)
-      with open(path, "rb") as f:
-        digests[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
-  return digests
-
-
-@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # no loop noise
-def test_corrupted_latest_checkpoint_falls_back_to_the_newest_intact_one(npz_run, tmp_path, caplog):
-  data, full, final = npz_run
-  workdir = shutil.copytree(full, tmp_path / "run")
-  _corrupt(workdir, 4)
-  checkpoints = workdir / "checkpoints"
-  before = _files(checkpoints)
-  with caplog.at_level(logging.WARNING):
-    _, step, _ = workdir_lib.load_checkpoint(str(workdir))
-  assert step == 2
-  assert f"Checkpoint step 4 in {checkpoints} cannot be restored (ValueError: " in caplog.text
-  assert _files(checkpoints) == before  # load_checkpoint changes nothing
-
-  caplog.clear()
-  with caplog.at_level(logging.WARNING):
-    resumed = train.train_and_evaluate(npz_config(data), str(workdir))
-  assert "Checkpoint step 4" in caplog.text and "4.corrupt" in caplog.text
-  assert "never retrieved" not in caplog.text  # no noise of the reads the failed restore abandoned
-  assert int(resumed.step) == 4  # steps 3-4 again, on the same devices: bit-identical
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params), final["params"])
-  # Nothing deleted: the unreadable step is kept as 4.corrupt, byte for byte, beside the new 4.
-  after = _files(checkpoints)
-  assert sorted(os.listdir(checkpoints)) == ["2", "4", "4.corrupt"]
-  for name, digest in before.items():
-    kept = "4.corrupt" + name[1:] if name.startswith("4" + os.sep) else name
-    assert after[kept] == digest, name
-  _, step, variables = workdir_lib.load_checkpoint(str(workdir))
-  assert step == 4
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(variables["params"]), final["params"])
-
-
-@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # no loop noise
-def test_no_intact_checkpoint_is_a_one_line_error_and_deletes_nothing(npz_run, tmp_path, caplog):
-  data, full, _ = npz_run
-  workdir = shutil.copytree(full, tmp_path / "run")
-  for step in (2, 4):
-    _corrupt(workdir, step)
-  checkpoints = workdir / "checkpoints"
-  before = _files(checkpoints)
-  with pytest.raises(FileNotFoundError) as error:
-    workdir_lib.load_checkpoint(str(workdir))
-  assert isinstance(error.value, workdir_lib.NoIntactCheckpointError)
-  message = str(error.value)
-  assert message.startswith(f"No intact checkpoint in {checkpoints}: steps 4, 2 failed to restore")
-  assert "\n" not in message
-  with pytest.raises(workdir_lib.NoIntactCheckpointError, match="No intact checkpoint in"):
-    train.train_and_evaluate(npz_config(data), str(workdir))
-  assert _files(checkpoints) == before
-  assert "never retrieved" not in caplog.text
-
-
-if __name__ == "__main__":
-  _worker(sys.argv[1], json.loads(sys.argv[2]))

@@ -1,4 +1,5 @@
-"""ViT, AlterNet and the MSA layers (HV): shapes, parameter counts, attention semantics, lesions."""
+"""ViT and AlterNet (HV): shapes, parameter counts, attention in the models, stochastic depth,
+lesions, parity with the reference, dropout."""
 import chex
 import flax.linen as nn
 import jax
@@ -6,10 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from smoothing_jax.layers.attention import (MultiHeadAttention, WindowAttention, neighbourhood_mask,
-                                            relative_position_index, window_partition)
 from smoothing_jax.models import get_model
 from smoothing_jax.models.common import drop_path
+from tests.helpers import abstract_variables, init_variables, num_params, rngs
 
 TINY_VIT = dict(hidden_dim=16, depth=2, num_heads=2, head_dim=8, mlp_dim=32, patch_size=4)
 TINY_ALTERNET = dict(width=8,
@@ -17,19 +17,6 @@ TINY_ALTERNET = dict(width=8,
                      msa_blocks=(0, 1, 1, 1),
                      num_heads=(1, 2, 2, 2),
                      head_dim=8)
-
-
-def num_params(model, image_size=32):
-  variables = jax.eval_shape(
-      lambda: model.init({
-          "params": jax.random.key(0),
-          "dropout": jax.random.key(1)
-      }, jnp.zeros((2, image_size, image_size, 3))))
-  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(variables["params"]))
-
-
-def init(model, x, seed=0):
-  return model.init({"params": jax.random.key(seed), "dropout": jax.random.key(1)}, x)
 
 
 @pytest.fixture(scope="module")
@@ -62,19 +49,15 @@ def test_parameter_counts_equal_the_torch_reference():
 
 def test_shapes_of_the_registered_sizes():
   for name in ("vit_ti", "alternet_50"):
-    out = jax.eval_shape(lambda x, m=get_model(name, 100): m.init_with_output(
-        {
-            "params": jax.random.key(0),
-            "dropout": jax.random.key(1)
-        }, x)[0],
+    out = jax.eval_shape(lambda x, m=get_model(name, 100): m.init_with_output(rngs(), x)[0],
                          jnp.zeros((2, 32, 32, 3)))
     assert out.shape == (2, 100)
   # ImageNet geometry: patch 16 / window 7 from the stem, like the CNNs.
   vit = get_model("vit_s", 1000, stem="imagenet")
-  variables = jax.eval_shape(lambda: init(vit, jnp.zeros((1, 224, 224, 3))))
+  variables = abstract_variables(vit, (1, 224, 224, 3))
   assert variables["params"]["pos_embedding"].shape == (1, 14 * 14 + 1, 384)
   alternet = get_model("alternet_50", 1000, stem="imagenet")
-  variables = jax.eval_shape(lambda: init(alternet, jnp.zeros((1, 224, 224, 3))))
+  variables = abstract_variables(alternet, (1, 224, 224, 3))
   assert variables["params"]["layer4_3"]["attention"]["relative_position"].shape == (13, 13)
 
 
@@ -90,13 +73,13 @@ def test_alternet_build_up_rule_and_backbone():
 
 def test_bad_configurations_are_named(images):
   with pytest.raises(ValueError, match="window_size 3 does not divide the 16×16"):
-    init(get_model("alternet_50", 10, **TINY_ALTERNET, window_size=3), jnp.zeros((1, 32, 32, 3)))
+    init_variables(get_model("alternet_50", 10, **TINY_ALTERNET, window_size=3), (1, 32, 32, 3))
   with pytest.raises(ValueError, match="at most 1 MSA"):
     get_model("alternet_50", 10, stage_sizes=(2, 2, 2, 2), msa_blocks=(0, 2, 1, 1)).units()
   with pytest.raises(ValueError, match="not divisible by the patch size 4"):
-    init(get_model("vit_ti", 10, **TINY_VIT), jnp.zeros((1, 18, 18, 3)))
+    init_variables(get_model("vit_ti", 10, **TINY_VIT), (1, 18, 18, 3))
   with pytest.raises(ValueError, match="needs classifier='gap'"):
-    init(get_model("vit_ti", 10, **TINY_VIT, window_size=2), images)
+    init_variables(get_model("vit_ti", 10, **TINY_VIT, window_size=2), images)
   with pytest.raises(ValueError, match="Unknown option"):
     get_model("vit_ti", 10, smoothing=True)
 
@@ -105,7 +88,7 @@ def test_bad_configurations_are_named(images):
 
 def test_attention_rows_are_probabilities(images):
   model = get_model("vit_ti", 10, **TINY_VIT)
-  variables = init(model, images)
+  variables = init_variables(model, images)
   _, state = model.apply(variables, images, mutable=["intermediates"])
   attention = state["intermediates"]["block1_msa"]["attention"]["attention"][0]
   assert attention.shape == (4, 2, 17, 17)  # [B, heads, CLS + 4×4 patches, ...]
@@ -113,75 +96,12 @@ def test_attention_rows_are_probabilities(images):
   np.testing.assert_allclose(attention.sum(-1), 1.0, rtol=1e-5)
 
 
-def test_attention_matches_numpy():
-  x = np.random.default_rng(0).normal(size=(2, 5, 6)).astype(np.float32)
-  layer = MultiHeadAttention(num_heads=2, head_dim=3, out_features=4)
-  params = layer.init(jax.random.key(0), x)["params"]
-  wqkv, wo, bo = (np.asarray(a) for a in (params["qkv"]["kernel"], params["out"]["kernel"],
-                                          params["out"]["bias"]))
-  heads = []
-  for h in range(2):
-    q, k, v = (x @ wqkv[:, s, h] for s in range(3))           # [B, N, d]
-    logits = q @ k.transpose(0, 2, 1) / np.sqrt(3)
-    weights = np.exp(logits - logits.max(-1, keepdims=True))
-    heads.append((weights / weights.sum(-1, keepdims=True)) @ v)
-  expected = np.einsum("bnhd,hdo->bno", np.stack(heads, 2), wo) + bo
-  np.testing.assert_allclose(layer.apply({"params": params}, x), expected, rtol=1e-5, atol=1e-5)
-
-
-def test_window_equal_to_the_map_is_global_msa():
-  x = jax.random.normal(jax.random.key(0), (2, 4, 4, 6))
-  window = WindowAttention(window_size=4, num_heads=2, head_dim=3)
-  params = window.init(jax.random.key(1), x)["params"]
-  params = {**params, "relative_position": jnp.zeros_like(params["relative_position"])}
-  global_msa = MultiHeadAttention(num_heads=2, head_dim=3)
-  expected = global_msa.apply({
-      "params": params["attention"]
-  }, x.reshape(2, 16, 6)).reshape(2, 4, 4, 6)
-  chex.assert_trees_all_close(window.apply({"params": params}, x), expected, rtol=1e-5, atol=1e-5)
-  # ... and a convolutional neighbourhood of 2·4 − 1 covers the map.
-  assert np.all(neighbourhood_mask(4, 4, 7) == 0)
-  chex.assert_trees_all_close(global_msa.apply({"params": params["attention"]}, x.reshape(2, 16, 6),
-                                               jnp.asarray(neighbourhood_mask(4, 4, 7))),
-                              expected.reshape(2, 16, 6), rtol=1e-6)
-
-
-def test_smaller_windows_attend_within_themselves_with_the_relative_bias():
-  x = jax.random.normal(jax.random.key(0), (1, 4, 4, 3))
-  window = WindowAttention(window_size=2, num_heads=1, head_dim=3)
-  params = window.init(jax.random.key(1), x)["params"]
-  table = np.asarray(params["relative_position"])
-  out = np.asarray(window.apply({"params": params}, x))
-  inner = MultiHeadAttention(num_heads=1, head_dim=3)
-  # Explicit bias: key j relative to query i within a 2×2 window, row-major.
-  pos = [(r, c) for r in range(2) for c in range(2)]
-  bias = np.array([[table[pj[0] - pi[0] + 1, pj[1] - pi[1] + 1] for pj in pos] for pi in pos],
-                  np.float32)
-  np.testing.assert_array_equal(relative_position_index(2)[0, 3], [2, 2])
-  for r in (0, 2):
-    for c in (0, 2):
-      patch = np.asarray(x)[:, r:r + 2, c:c + 2].reshape(1, 4, 3)
-      expected = inner.apply({"params": params["attention"]}, patch, jnp.asarray(bias))
-      np.testing.assert_allclose(out[:, r:r + 2, c:c + 2].reshape(1, 4, 3),
-                                 expected,
-                                 rtol=1e-5,
-                                 atol=1e-6)
-  assert window_partition(x, 2).shape == (4, 4, 3)
-
-
-def test_neighbourhood_mask_is_a_kxk_window():
-  mask = neighbourhood_mask(5, 5, 3).reshape(5, 5, 5, 5)
-  allowed = np.isfinite(mask[2, 2])
-  np.testing.assert_array_equal(allowed, np.pad(np.ones((3, 3), bool), 1))
-  assert np.isfinite(mask[0, 0]).sum() == 4  # corner: 2×2 of the 3×3 neighbourhood
-
-
 def test_local_vit_runs_and_window_changes_the_output(images):
   base = dict(TINY_VIT, patch_size=2, classifier="gap")  # 8×8 tokens
   outputs = []
   for local in ({}, {"window_size": 8}, {"window_size": 4}, {"kernel_size": 3}):
     model = get_model("vit_ti", 10, **base, **local)
-    variables = init(model, images)
+    variables = init_variables(model, images)
     outputs.append(model.apply(variables, images))
   chex.assert_tree_all_finite(outputs)
   assert not np.allclose(outputs[2], outputs[3])
@@ -210,7 +130,7 @@ def test_drop_path_drops_whole_examples():
 def test_lesion_of_a_zero_unit_changes_nothing(name, kwargs, zero_unit, images):
   model = get_model(name, 10, **kwargs)
   x = jax.image.resize(images, (4, 32, 32, 3), "bilinear") if name == "alternet_50" else images
-  variables = jax.tree.map(jnp.asarray, init(model, x))
+  variables = jax.tree.map(jnp.asarray, init_variables(model, x))
   names = [n for n, _ in model.units()]
   index = names.index(zero_unit[0])
   # Zero the unit's last projection: its residual branch is then exactly zero.
@@ -281,7 +201,7 @@ def test_alternet_logits_equal_the_torch_reference():
   with torch.no_grad():
     expected = t(torch.from_numpy(x)).numpy()
   model = get_model("alternet_50", 10, **TINY_ALTERNET)
-  abstract = jax.eval_shape(lambda: init(model, jnp.zeros((1, 32, 32, 3))))
+  abstract = abstract_variables(model)
   renames = {
       ".bn1.": ".norm1.",
       ".bn2.": ".norm2.",
@@ -312,18 +232,7 @@ def test_alternet_logits_equal_the_torch_reference():
   np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
 
 
-# ----------------------------------------------------------------------- analyses on ViT / AlterNet
-
-MICRO_VIT = dict(hidden_dim=8, depth=2, num_heads=1, head_dim=8, mlp_dim=8, patch_size=4)
-
-
-@pytest.fixture(scope="module")
-def micro_vit():
-  model = get_model("vit_ti", 3, **MICRO_VIT)
-  x = jax.random.normal(jax.random.key(5), (6, 8, 8, 3))
-  y = jnp.array([0, 1, 2, 0, 1, 2])
-  return model, init(model, x), x, y
-
+# ------------------------------------------------------------------------------------- dropout
 
 def test_vit_has_no_dropout_by_default_as_in_the_reference(micro_vit):
   """HV ``models/vit.py`` (newest commit): ``ViT(..., dropout=0.0, emb_dropout=0.0, sd=0.0)``, so a
@@ -337,68 +246,3 @@ def test_vit_has_no_dropout_by_default_as_in_the_reference(micro_vit):
   np.testing.assert_array_equal(train_logits(model, 0), train_logits(model, 1))
   dropped = model.clone(dropout_rate_train=0.1, embedding_dropout_rate=0.1)
   assert not np.allclose(train_logits(dropped, 0), train_logits(dropped, 1))
-
-
-def test_feature_taps_of_vit_are_token_maps_with_kinds(micro_vit):
-  from smoothing_jax.analysis.features import block_kinds, feature_maps, feature_variance
-  model, variables, x, _ = micro_vit
-  maps = feature_maps(model, variables, x)
-  assert list(maps) == ["block0_msa", "block0_mlp", "block1_msa", "block1_mlp"]
-  assert all(m.shape == (6, 2, 2, 8) for m in maps.values())  # CLS dropped, 2×2 patch grid
-  assert block_kinds(model, maps) == {"block0_msa": "msa", "block0_mlp": "mlp", "block1_msa": "msa",
-                                      "block1_mlp": "mlp"}
-  # HV feature-map variance: spatial variance per (example, channel), averaged.
-  _, state = model.apply(variables, x, capture_intermediates=True, mutable=["intermediates"])
-  tokens = np.asarray(state["intermediates"]["block1_msa"]["__call__"][0])[:, 1:]
-  expected = np.var(tokens, axis=1, ddof=1).mean()
-  np.testing.assert_allclose(feature_variance(model, variables, x,
-                                              num_samples=1)["block1_msa"]["data"],
-                             expected,
-                             rtol=1e-5)
-
-
-def test_lesion_accuracy_drops_table_and_plot(micro_vit):
-  import matplotlib
-  matplotlib.use("Agg")
-  from smoothing_jax.analysis.lesion import lesion_accuracy_drops, lesion_table
-  from smoothing_jax.plots import plot_lesion
-  model, variables, x, y = micro_vit
-  params = jax.tree_util.tree_map_with_path(
-      lambda path, v: jnp.zeros_like(v)
-      if [p.key for p in path[:2]] == ["block1_mlp", "fc2"] else v, variables["params"])
-  variables = {"params": params}
-  batches = [{"image": x[:4], "label": y[:4]}, {"image": x[4:], "label": y[4:]}]
-  result = lesion_accuracy_drops(model, variables, batches)
-  logits = model.apply(variables, x)
-  assert result["accuracy"] == pytest.approx(float(np.mean(np.argmax(logits, -1) == y)))
-  rows = {r["name"]: r for r in result["units"]}
-  assert rows["block1_mlp"]["drop"] == 0.0 and rows["block1_mlp"]["kind"] == "mlp"
-  masked = model.apply(variables, x, block_mask=jnp.array([1.0, 0.0, 1.0, 1.0]))
-  assert rows["block0_mlp"]["accuracy"] == pytest.approx(float(np.mean(np.argmax(masked, -1) == y)))
-  assert "| 3 | block1_mlp | mlp |" in lesion_table(result)
-  assert plot_lesion({"ViT": result}).axes[0].get_xlabel().startswith("unit index")
-  with pytest.raises(ValueError, match="no residual units"):
-    lesion_accuracy_drops(get_model("resnet_dnn_18", 3, width=4), {}, [])
-
-
-def test_spectrum_with_negative_eigenvalues_matches_the_explicit_hessian(micro_vit):
-  from jax.flatten_util import ravel_pytree
-  from smoothing_jax.analysis.spectrum import max_eigenvalue_spectrum, training_loss
-  model, variables, x, y = micro_vit
-  result = max_eigenvalue_spectrum(model,
-                                   variables, [{
-                                       "image": x,
-                                       "label": y
-                                   }],
-                                   k=1,
-                                   weight_decay=0.0,
-                                   max_iters=500,
-                                   tol=1e-6,
-                                   negative=True)
-  flat, unravel = ravel_pytree(variables["params"])
-  loss = lambda f: training_loss(model, 0.0, {}, jax.random.key(0), x, y, unravel(f))  # noqa: E731
-  eigenvalues = np.linalg.eigvalsh(np.asarray(jax.hessian(loss)(flat), np.float64))
-  assert eigenvalues[0] < 0  # a ViT at initialisation is not convex
-  top = eigenvalues[np.argmax(np.abs(eigenvalues))]
-  np.testing.assert_allclose(result["max_eigenvalues"][0], top, rtol=2e-2)
-  np.testing.assert_allclose(result["min_eigenvalues"][0], eigenvalues[0], rtol=5e-2, atol=1e-3)

@@ -1,0 +1,80 @@
+"""What many test files need: model initialisation, parameter counts and tiny configs.
+
+``from tests.helpers import ...`` (``tests`` is a package).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from smoothing_jax.inference import sample_rngs
+
+# Narrow models that compile in seconds on CPU.
+TINY_UNET = dict(width=4, encoder_convs=(1, 1, 1), decoder_convs=(1, 1))
+MICRO_VIT = dict(hidden_dim=8, depth=2, num_heads=1, head_dim=8, mlp_dim=8, patch_size=4)
+
+# A training run cut to seconds on CPU (``tiny_run``).
+TINY_RUN = {
+    "model_kwargs.width": 4,
+    "batch_size": 8,
+    "eval_batch_size": 8,
+    "checkpoint_every_steps": 2,
+    "log_every_steps": 2,
+}
+
+
+def rngs(seed: int = 0) -> dict:
+  """The initialisation keys of the tests: ``params`` from ``seed``; ``dropout`` (and iBNN
+  ``noise``, :func:`smoothing_jax.inference.sample_rngs`) from 1."""
+  return {"params": jax.random.key(seed), **sample_rngs(jax.random.key(1))}
+
+
+def _input(x):
+  return jnp.zeros(x) if isinstance(x, tuple) else x
+
+
+def init_variables(model, x, seed: int = 0):
+  """``jax.jit(model.init)(rngs(seed), x)``; ``x`` is an input batch or its shape (zeros)."""
+  return jax.jit(model.init)(rngs(seed), _input(x))
+
+
+def abstract_variables(model, x=(1, 32, 32, 3)):
+  """Shapes and dtypes of ``model``'s variables on ``x`` (a batch or its shape), nothing
+  computed."""
+  return jax.eval_shape(lambda: model.init(rngs(), _input(x)))
+
+
+def num_params(model, x=(1, 32, 32, 3)) -> int:
+  """Number of trainable parameters of ``model`` on inputs like ``x``."""
+  params = abstract_variables(model, x)["params"]
+  return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+
+
+def override(config, **values):
+  """``config`` with ``values`` set (``"model_kwargs.width"`` sets a nested field), then locked."""
+  config.unlock()
+  for key, value in values.items():
+    *path, name = key.split(".")
+    setattr(functools.reduce(getattr, path, config), name, value)
+  config.lock()
+  return config
+
+
+def model_options(**options) -> dict:
+  """``options`` as :func:`override` keys of ``config.model_kwargs`` (``"model_kwargs.<name>"``)."""
+  return {f"model_kwargs.{name}": value for name, value in options.items()}
+
+
+def tiny_run(config, **overrides):
+  """``config`` cut to seconds on CPU (:data:`TINY_RUN`: width 4, batches of 8, checkpoint and
+  log every 2 steps), then ``overrides`` (as in :func:`override`)."""
+  return override(config, **{**TINY_RUN, **overrides})
+
+
+def tiny_config(**overrides):
+  """A narrow ``resnet_mcdo_smoothing_18`` on CIFAR-10 (mock data in tests): 4 steps of
+  :func:`tiny_run`, ensemble sizes 1 and 3; then ``overrides``."""
+  from configs import cifar_resnet
+  config = cifar_resnet.get_config("resnet_mcdo_smoothing_18,cifar10,runlocal")
+  return tiny_run(config, **{"num_train_steps": 4, "ensemble_sizes": (1, 3), **overrides})

@@ -1,0 +1,90 @@
+"""smoothing_jax.parallel: the mesh and its shardings, sharded batches, the evaluation batch size
+and evaluate_batches (exact merging over batches, one key per batch)."""
+import types
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from smoothing_jax.metrics import UncertaintyMetrics, evaluate
+from smoothing_jax.parallel import (create_mesh, eval_batch_size, evaluate_batches, shard_batch,
+                                    shardings)
+
+
+def test_mesh_shardings_and_sharded_batches():
+  assert jax.device_count() == 8
+  mesh = create_mesh()
+  assert mesh.axis_names == ("data",) and mesh.size == 8
+  assert list(create_mesh(2).devices) == jax.devices()[:2]
+  replicated, data = shardings(mesh)
+  assert (replicated.spec, data.spec) == (P(), P("data"))
+  batch = shard_batch({"image": np.arange(16.0).reshape(8, 2), "label": np.arange(8)}, data)
+  assert batch["image"].sharding == data and len(batch["image"].addressable_shards) == 8
+  np.testing.assert_array_equal(batch["image"], np.arange(16.0).reshape(8, 2))
+  np.testing.assert_array_equal(batch["label"], np.arange(8))
+
+
+@pytest.mark.parametrize("requested, devices, expected", [(8, 8, 8), (5, 8, 8), (17, 8, 24),
+                                                          (5, 1, 5), (5, 2, 6)])
+def test_eval_batch_size_is_rounded_up_to_a_multiple_of_the_mesh(requested, devices, expected):
+  config = types.SimpleNamespace(eval_batch_size=requested)
+  assert eval_batch_size(config, create_mesh(devices)) == expected
+
+
+def _padded_batches(probs, labels, size):
+  """``probs`` / ``labels`` in batches of ``size``, the last padded (uniform, label 0, mask 0)."""
+  batches = []
+  for start in range(0, len(labels), size):
+    p, y = probs[start:start + size], labels[start:start + size]
+    pad = size - len(y)
+    batches.append({
+        "probs": np.concatenate([p, np.full((pad, p.shape[1]), 1 / p.shape[1], np.float32)]),
+        "label": np.concatenate([y, np.zeros(pad, y.dtype)]),
+        "mask": np.concatenate([np.ones(len(y), np.float32), np.zeros(pad, np.float32)]),
+    })
+  return batches
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_evaluate_batches_merges_metrics_keeps_the_first_batch_of_the_rest_and_folds_the_key(
+    sharded):
+  rng = np.random.default_rng(0)
+  probs = rng.dirichlet(np.ones(4), 20).astype(np.float32)
+  labels = rng.integers(0, 4, 20)
+  batches = _padded_batches(probs, labels, 8)  # 8 + 8 + (4 + 4 padding)
+  variables, key = {"w": np.ones(3)}, jax.random.key(3)
+  _, data = shardings(create_mesh())
+  seen = []
+
+  def step(v, batch, rng):
+    assert v is variables
+    seen.append((batch, rng))
+    metrics = UncertaintyMetrics.from_model_output(batch["probs"], batch["label"], batch["mask"])
+    return {"metrics": {"all": metrics}, "labels": batch["label"], "rng": rng}
+
+  out = evaluate_batches(step, variables, iter(batches), data if sharded else None, key)
+  # Mergeable leaves: merged over every batch, padding masked, exactly the whole set's metrics.
+  merged = out["metrics"]["all"].compute()
+  assert merged["count"] == 20
+  for name, value in evaluate(probs, labels).items():
+    assert merged[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+  # Other leaves: the first batch's value.
+  np.testing.assert_array_equal(out["labels"], batches[0]["label"])
+  # One key per batch: fold_in(rng, i).
+  assert len(seen) == 3
+  for i, (_, rng) in enumerate(seen):
+    np.testing.assert_array_equal(jax.random.key_data(rng),
+                                  jax.random.key_data(jax.random.fold_in(key, i)))
+  np.testing.assert_array_equal(jax.random.key_data(out["rng"]),
+                                jax.random.key_data(jax.random.fold_in(key, 0)))
+  for (batch, _), given in zip(seen, batches):
+    if sharded:  # global arrays on the batch sharding
+      assert all(batch[k].sharding == data for k in given)
+      np.testing.assert_array_equal(batch["probs"], given["probs"])
+    else:  # passed as they are
+      assert batch is given
+
+
+def test_evaluate_batches_of_no_batches_is_none():
+  assert evaluate_batches(lambda *args: 1 / 0, {}, [], None, jax.random.key(0)) is None

@@ -1,0 +1,279 @@
+"""smoothing_jax.workdir: config.json with the model_spec, load(workdir) without the dataset,
+checkpoints across device counts, corrupted checkpoints.
+
+The cheapest model to compile (one ResNet stage of width 4 on 16×16 images) keeps these tests to
+seconds on CPU.
+"""
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import cifar_resnet
+from smoothing_jax import evaluate, train
+from smoothing_jax import workdir as workdir_lib
+from smoothing_jax.models import get_model
+from tests.helpers import override
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def npz_config(data_dir, **overrides):
+  """``resnet_dnn_18`` cut to one stage of width 4 on the 16×16 ``npz:`` set of ``_write_npz``."""
+  return override(cifar_resnet.get_config(f"resnet_dnn_18,npz:{data_dir},runlocal"), **{
+      "model_kwargs.width": 4,
+      "model_kwargs.stage_sizes": (1,),
+      "batch_size": 8,
+      "eval_batch_size": 16,
+      "num_train_steps": 4,
+      "checkpoint_every_steps": 2,
+      "ensemble_sizes": (1,),
+      **overrides
+  })
+
+
+def _write_npz(root):
+  rng = np.random.default_rng(0)
+  for split, n in (("train", 32), ("test", 16)):
+    images = rng.integers(0, 256, (n, 16, 16, 3), dtype=np.uint8)
+    np.savez(os.path.join(root, f"{split}.npz"), images=images, labels=rng.integers(0, 4, n))
+  return str(root)
+
+
+# ----------------------------------------------------------------------------- config.json, load
+
+
+def test_config_and_model_spec_round_trip(tmp_path):
+  config = npz_config(str(tmp_path / "data"))  # the config names the data; nothing reads it
+  spec = {"num_classes": 4, "stem": "cifar", "image_shape": [16, 16, 3]}
+  workdir_lib.write_config(str(tmp_path), config, spec)
+  assert os.listdir(tmp_path) == [workdir_lib.CONFIG_FILE]  # written atomically: no .tmp left
+  read, read_spec = workdir_lib.read_config(str(tmp_path))
+  assert read_spec == spec
+  assert json.loads(read.to_json_best_effort()) == json.loads(config.to_json_best_effort())
+  assert "model_spec" not in read
+  model = workdir_lib.build_model(read, read_spec)
+  assert (model.num_classes, model.stem, model.width, tuple(model.stage_sizes)) == (4, "cifar", 4,
+                                                                                      (1,))
+
+
+def test_missing_run_and_missing_model_spec_are_clear_errors(tmp_path):
+  missing = str(tmp_path / "never_trained")
+  message = re.escape(f"No run in {missing}: {os.path.join(missing, 'config.json')} does not "
+                      "exist (train into it first).")
+  with pytest.raises(FileNotFoundError, match=message):
+    workdir_lib.read_config(missing)
+  with pytest.raises(FileNotFoundError, match=message):
+    workdir_lib.load(missing)
+  os.makedirs(missing)
+  with open(os.path.join(missing, "config.json"), "w") as f:
+    json.dump({"model": "resnet_dnn_18"}, f)  # as written before model_spec was recorded
+  with pytest.raises(ValueError, match="has no model_spec .*rerun the training command once"):
+    workdir_lib.read_config(missing)
+
+
+def test_load_rebuilds_the_model_without_the_dataset(tmp_path):
+  (tmp_path / "data").mkdir()
+  data = _write_npz(tmp_path / "data")
+  workdir = str(tmp_path / "run")
+  state = train.train_and_evaluate(npz_config(data, num_train_steps=2), workdir)
+  shutil.rmtree(data)  # the dataset is gone: the model is rebuilt from config.json alone
+  config, model, variables = workdir_lib.load(workdir)
+  assert config.dataset == f"npz:{data}" and not os.path.exists(data)
+  assert workdir_lib.read_config(workdir)[1] == {"num_classes": 4, "stem": "cifar",
+                                                 "image_shape": [16, 16, 3]}
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(variables),
+               jax.device_get({"params": state.params, "batch_stats": state.batch_stats}))
+  images = jax.random.normal(jax.random.key(0), (2, 16, 16, 3))
+  expected = get_model("resnet_dnn_18", 4, width=4, stage_sizes=(1,)).apply(variables, images)
+  np.testing.assert_array_equal(model.apply(variables, images), expected)
+  # A given config (evaluation settings changed) is returned; the model is the recorded one.
+  given, rebuilt, _ = workdir_lib.load(workdir, npz_config(data, eval_batch_size=32))
+  assert given.eval_batch_size == 32 and rebuilt.num_classes == 4
+  assert jnp.shape(rebuilt.apply(variables, images)) == (2, 4)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture(scope="module")
+def npz_run(tmp_path_factory):
+  """``(data_dir, workdir, final variables)`` of 4 steps on 8 devices (checkpoints 2 and 4)."""
+  data = _write_npz(tmp_path_factory.mktemp("npz_data"))
+  workdir = str(tmp_path_factory.mktemp("npz_run"))
+  state = train.train_and_evaluate(npz_config(data), workdir)
+  return data, workdir, jax.device_get({"params": state.params, "batch_stats": state.batch_stats})
+
+
+def _flat(variables) -> dict:
+  from flax.traverse_util import flatten_dict
+  return {k: np.asarray(v) for k, v in flatten_dict(jax.device_get(variables), sep="/").items()}
+
+
+def _worker(data_dir, jobs):
+  """Body of ``python -m tests.test_workdir DATA JOBS`` in a process with its own device count.
+
+  ``jobs``: ``["train", workdir, stop_after_steps]`` (resumes if ``workdir`` has checkpoints)
+  or ``["evaluate", workdir, output_dir]`` (``--mode=evaluate`` of ``workdir``, then the
+  ``load_checkpoint`` variables saved to ``output_dir/variables.npz``).
+  """
+  from absl import logging as absl_logging
+  absl_logging.set_verbosity(absl_logging.INFO)  # "Resumed from step ..." on stderr
+  for kind, workdir, arg in jobs:
+    if kind == "train":
+      train.train_and_evaluate(npz_config(data_dir), workdir, stop_after_steps=arg)
+    else:
+      evaluate.evaluate_ensemble_sizes([workdir], arg)
+      _, step, variables = workdir_lib.load_checkpoint(workdir)
+      np.savez(os.path.join(arg, "variables.npz"), step=step, **_flat(variables))
+
+
+def _start_worker(num_devices: int, data_dir: str, jobs: list) -> subprocess.Popen:
+  flags = f"--xla_force_host_platform_device_count={num_devices} --xla_backend_optimization_level=0"
+  return subprocess.Popen([sys.executable, "-m", "tests.test_workdir", data_dir, json.dumps(jobs)],
+                          cwd=ROOT, env=dict(os.environ, XLA_FLAGS=flags, CUDA_VISIBLE_DEVICES=""),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(worker: subprocess.Popen) -> str:
+  _, stderr = worker.communicate(timeout=600)
+  assert worker.returncode == 0, stderr[-5000:]
+  return stderr
+
+
+def _copy_steps(source: str, destination, steps) -> str:
+  """A copy of workdir ``source`` keeping only the checkpoint ``steps``."""
+  shutil.copytree(source, destination)
+  checkpoints = os.path.join(destination, "checkpoints")
+  for name in os.listdir(checkpoints):
+    if int(name) not in steps:
+      shutil.rmtree(os.path.join(checkpoints, name))
+  return str(destination)
+
+
+# Steps 1-2 or 3-4 on another device count sum BatchNorm statistics and gradients over the
+# batch in another order: float32 round-off, not bit equality (observed: at most 2.4e-7, about
+# 2 ulp of the largest parameters ~1.4; relative 2e-5 only on entries ~1e-4 with a 5e-10 error).
+_ACROSS_DEVICE_COUNTS = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoints_move_between_device_counts(npz_run, tmp_path, caplog):
+  """8 → 1: evaluate (load_checkpoint); 1 → 8 and 8 → 2: resume; the resumed runs end with the
+  uninterrupted 8-device run's variables (to float32 round-off)."""
+  data, full, final = npz_run
+  cut8 = _copy_steps(full, tmp_path / "cut8", {2})  # = an 8-device run stopped after step 2
+  cut1, results = str(tmp_path / "cut1"), str(tmp_path / "results")
+  one = _start_worker(1, data, [["evaluate", full, results], ["train", cut1, 2]])
+  two = _start_worker(2, data, [["train", cut8, None]])
+  _finish(one)
+  with caplog.at_level(logging.INFO):
+    resumed = train.train_and_evaluate(npz_config(data), cut1)  # 1 → 8
+  assert "Resumed from step 2" in caplog.text
+  assert int(resumed.step) == 4
+  jax.tree.map(_ACROSS_DEVICE_COUNTS, jax.device_get(resumed.params), final["params"])
+  jax.tree.map(_ACROSS_DEVICE_COUNTS, jax.device_get(resumed.batch_stats), final["batch_stats"])
+
+  rows = json.load(open(os.path.join(results, "ensemble_sizes.json")))  # 8 → 1
+  assert rows[0]["count"] == 16 and np.isfinite(rows[0]["nll"])
+  on_one = dict(np.load(os.path.join(results, "variables.npz")))
+  assert int(on_one.pop("step")) == 4
+  _, _, here = workdir_lib.load_checkpoint(full)
+  assert on_one.keys() == _flat(here).keys()
+  for key, value in _flat(here).items():
+    np.testing.assert_array_equal(on_one[key], value, err_msg=key)
+
+  assert "Resumed from step 2" in _finish(two)  # 8 → 2
+  _, step, variables = workdir_lib.load_checkpoint(cut8)  # written by 2 devices, read on 8
+  assert step == 4
+  jax.tree.map(_ACROSS_DEVICE_COUNTS, jax.device_get(variables), final)
+
+
+def _corrupt(workdir, step: int):
+  """Flip every byte of the OCDBT data files (``d/*``) of checkpoint ``step``.
+
+  orbax 0.12.8 writes ``<step>/default/ocdbt.process_0/d/*`` and merges them into
+  ``<step>/default/d/*``; small arrays such as this test model's are stored inline in the
+  merged file, larger ones in the per-process files, so all are flipped.
+  """
+  for directory, _, names in os.walk(os.path.join(workdir, "checkpoints", str(step))):
+    for name in names if os.path.basename(directory) == "d" else ():
+      with open(os.path.join(directory, name), "r+b") as f:
+        data = f.read()
+        f.seek(0)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def _files(directory) -> dict:
+  """``{relative path: sha256}`` of every file under ``directory``."""
+  digests = {}
+  for d, _, names in os.walk(directory):
+    for name in names:
+      path = os.path.join(d, name)
+      with open(path, "rb") as f:
+        digests[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
+  return digests
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # no loop noise
+def test_corrupted_latest_checkpoint_falls_back_to_the_newest_intact_one(npz_run, tmp_path, caplog):
+  data, full, final = npz_run
+  workdir = shutil.copytree(full, tmp_path / "run")
+  _corrupt(workdir, 4)
+  checkpoints = workdir / "checkpoints"
+  before = _files(checkpoints)
+  with caplog.at_level(logging.WARNING):
+    _, step, _ = workdir_lib.load_checkpoint(str(workdir))
+  assert step == 2
+  assert f"Checkpoint step 4 in {checkpoints} cannot be restored (ValueError: " in caplog.text
+  assert _files(checkpoints) == before  # load_checkpoint changes nothing
+
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    resumed = train.train_and_evaluate(npz_config(data), str(workdir))
+  assert "Checkpoint step 4" in caplog.text and "4.corrupt" in caplog.text
+  assert "never retrieved" not in caplog.text  # no noise of the reads the failed restore abandoned
+  assert int(resumed.step) == 4  # steps 3-4 again, on the same devices: bit-identical
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params), final["params"])
+  # Nothing deleted: the unreadable step is kept as 4.corrupt, byte for byte, beside the new 4.
+  after = _files(checkpoints)
+  assert sorted(os.listdir(checkpoints)) == ["2", "4", "4.corrupt"]
+  for name, digest in before.items():
+    kept = "4.corrupt" + name[1:] if name.startswith("4" + os.sep) else name
+    assert after[kept] == digest, name
+  _, step, variables = workdir_lib.load_checkpoint(str(workdir))
+  assert step == 4
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(variables["params"]), final["params"])
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # no loop noise
+def test_no_intact_checkpoint_is_a_one_line_error_and_deletes_nothing(npz_run, tmp_path, caplog):
+  data, full, _ = npz_run
+  workdir = shutil.copytree(full, tmp_path / "run")
+  for step in (2, 4):
+    _corrupt(workdir, step)
+  checkpoints = workdir / "checkpoints"
+  before = _files(checkpoints)
+  with pytest.raises(FileNotFoundError) as error:
+    workdir_lib.load_checkpoint(str(workdir))
+  assert isinstance(error.value, workdir_lib.NoIntactCheckpointError)
+  message = str(error.value)
+  assert message.startswith(f"No intact checkpoint in {checkpoints}: steps 4, 2 failed to restore")
+  assert "\n" not in message
+  with pytest.raises(workdir_lib.NoIntactCheckpointError, match="No intact checkpoint in"):
+    train.train_and_evaluate(npz_config(data), str(workdir))
+  assert _files(checkpoints) == before
+  assert "never retrieved" not in caplog.text
+
+
+if __name__ == "__main__":
+  _worker(sys.argv[1], json.loads(sys.argv[2]))
