@@ -19,7 +19,6 @@ CamVid comes from the ``camvid`` TFDS builder (``python -m smoothing_jax.data.ca
 Evaluate temporal smoothing with ``--mode=streams``.  The global batch of 3 needs
 1 or 3 devices (``--config.num_devices=1``), or a batch size the devices divide.
 """
-from ml_collections.config_dict import placeholder
 
 from smoothing_jax.config_base import base_config, finalize, parse_config_arg, shrink_for_cpu
 
@@ -53,10 +52,6 @@ def get_config(arg: str = ""):
   config.eval_chunk_size = 5
   config.checkpoint_every_steps = 500
   config.ensemble_sizes = (1, 2, 5, 10, 50)
-  # U-Net layout settable from the command line (None: the registry's).
-  config.model_kwargs.encoder_convs = placeholder(tuple)
-  config.model_kwargs.decoder_convs = placeholder(tuple)
-  config.model_kwargs.dropout_stages = placeholder(tuple)
   if args.runlocal:
     shrink_for_cpu(config)
     config.batch_size = 2

@@ -16,7 +16,6 @@ depth 0.1, random crop (pad 4) + flip.  ViTs use patch size 2 on 32×32 images a
 dropout (HV; ``--config.model_kwargs.dropout_rate_train`` and ``.embedding_dropout_rate``
 set it), AlterNets window 4.
 """
-from ml_collections.config_dict import placeholder
 
 from smoothing_jax.config_base import base_config, finalize, parse_config_arg, shrink_for_cpu
 
@@ -52,10 +51,7 @@ def get_config(arg: str = ""):
   config.randaugment.magnitude_std = 1.0
   config.model_kwargs.stochastic_depth = 0.1
   config.eval_every_epochs = 10
-  # Architecture options settable from the command line (None: the registry's).
   family = args.model.split("_")[0]
-  for key, kind in _ARCH_OPTIONS.get(family, {}).items():
-    config.model_kwargs[key] = placeholder(kind)
   if family == "vit":  # HV's ViT has no dropout (AlterNet takes no such options)
     config.model_kwargs.dropout_rate_train = 0.0
     config.model_kwargs.embedding_dropout_rate = 0.0
@@ -66,25 +62,6 @@ def get_config(arg: str = ""):
   return finalize(config)
 
 
-_ARCH_OPTIONS = {
-    "vit": {
-        "hidden_dim": int,
-        "depth": int,
-        "num_heads": int,
-        "head_dim": int,
-        "mlp_dim": int,
-        "patch_size": int,
-        "window_size": int,
-        "kernel_size": int
-    },
-    "alternet": {
-        "stage_sizes": tuple,
-        "msa_blocks": tuple,
-        "num_heads": tuple,
-        "head_dim": int,
-        "window_size": int
-    },
-}
 # Narrow models for CPU smoke runs.
 _RUNLOCAL_SIZES = {
     "vit": {

@@ -112,7 +112,7 @@ def main(argv=None):
   for entry in models:
     name, _, variant = entry.partition(":")
     overrides = {} if args.width is None else {"width": args.width}
-    if config.model_kwargs.stochastic_depth:
+    if config.model_kwargs.get("stochastic_depth"):
       overrides["stochastic_depth"] = config.model_kwargs.stochastic_depth
     if variant == "same":
       overrides["blur_same"] = True

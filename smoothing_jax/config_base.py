@@ -7,6 +7,8 @@ from typing import Any, Mapping, NoReturn, Sequence
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from smoothing_jax.models import model_options
+
 # Recipe keys: None in ``base_config()``; each recipe sets those its optimiser and schedule read.
 RECIPE_KEYS = ("model", "dataset", "optimizer", "batch_size", "base_batch_size", "learning_rate",
                "weight_decay", "num_epochs", "warmup_epochs", "lr_schedule")
@@ -32,19 +34,8 @@ def base_config() -> ml_collections.ConfigDict:
   # Model: a registry name (set by the recipe) plus module options; None means the family's
   # default (stem defaults to the dataset's geometry).
   config.model = placeholder(str)
-  config.model_kwargs = ml_collections.ConfigDict({
-      "prob": placeholder(str),
-      "temperature": placeholder(float),
-      "blur_size": placeholder(int),
-      "blur_same": placeholder(bool),
-      "pad_mode": placeholder(str),
-      "classifier": placeholder(str),
-      "width": placeholder(int),
-      "stochastic_depth": placeholder(float),
-      "num_components": placeholder(int),
-      "noise_init_std": placeholder(float),
-      "batch_norm": placeholder(bool)
-  })
+  # Module options: ``finalize`` declares every option of ``config.model`` (None: the registry's).
+  config.model_kwargs = ml_collections.ConfigDict()
   config.num_classes = -1           # -1: from the dataset
   # Data.
   config.dataset = placeholder(str)  # TFDS name, "npz:<dir>" or "digits" (set by the recipe)
@@ -52,8 +43,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.download = True            # let TFDS download missing datasets
   config.seed = 0
   config.num_devices = -1           # -1: all devices of all hosts
-  config.crop_size = placeholder(
-      tuple)  # segmentation: random (h, w) training crop (None: whole image)
+  # Segmentation: random (h, w) training crop (None: whole image).
+  config.crop_size = placeholder(tuple)
   # Optimisation: the recipe sets these.
   config.batch_size = placeholder(int)       # global batch
   config.base_batch_size = placeholder(int)  # batch of the recipe's learning rate (linear scaling)
@@ -126,10 +117,24 @@ def check_recipe(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
   return config
 
 
+def declare_model_options(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Add every module option of ``config.model`` (``models.model_options``) missing from
+  ``config.model_kwargs`` as None, so ``--config.model_kwargs.<option>=…`` can set any of them;
+  an unknown model name adds nothing (training reports it)."""
+  try:
+    options = model_options(config.model)
+  except ValueError:
+    return config
+  for key, kind in options.items():
+    if key not in config.model_kwargs:
+      config.model_kwargs[key] = placeholder(kind)
+  return config
+
+
 def finalize(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The end of every ``get_config()``: ``check_recipe``, then lock (the CLI sets existing keys
-  only)."""
-  check_recipe(config).lock()
+  """The end of every ``get_config()``: ``check_recipe``, declare the model's options, then lock
+  (the CLI sets existing keys only)."""
+  declare_model_options(check_recipe(config)).lock()
   return config
 
 

@@ -135,3 +135,26 @@ def test_configs_set_every_recipe_key(name):
   module = load(name)
   for config in (module.get_config(), module.get_config("runlocal")):
     assert config.is_locked and not missing_recipe_keys(config)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_option_of_the_model_is_declared(name):
+  """``finalize`` declares each module option of ``config.model`` (the registry's fields)."""
+  from smoothing_jax.models import model_options
+  config = load(name).get_config("")
+  assert set(model_options(config.model)) <= set(config.model_kwargs)
+
+
+def test_model_options_are_set_from_the_command_line_and_checked():
+  config_file = f"--config={ROOT}/configs/cifar_resnet.py:wideresnet_dnn_28_10,cifar10"
+  argv = ["prog", config_file, "--config.model_kwargs.widen_factor=2",
+          "--config.model_kwargs.stage_sizes=(1,1)"]
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)
+  with pytest.raises(Exception, match="stage_sizes"):  # not an option of WideResNet
+    values(argv)
+  argv = argv[:3]
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)
+  values(argv)
+  assert values.config.model_kwargs.widen_factor == 2 and values.config.model_kwargs.depth is None

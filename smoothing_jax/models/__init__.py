@@ -11,9 +11,12 @@ segmentation U-Nets ``unet_{dnn,mcdo,dnn_smoothing,mcdo_smoothing}`` (per-pixel 
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
 import functools
+import types
+import typing
 
 import flax.linen as nn
 
@@ -123,6 +126,36 @@ def is_ibnn(model: nn.Module) -> bool:
   return getattr(model, "num_components", 0) > 0
 
 
+def _registered(name: str) -> tuple:
+  """``(module class, registry options)`` of ``name``; ValueError with the closest names."""
+  registry = _registry()
+  if name not in registry:
+    close = difflib.get_close_matches(name, registry, n=5, cutoff=0.6)
+    hint = f" Did you mean one of {close}?" if close else " See smoothing_jax.models.list_models()."
+    raise ValueError(f"Unknown model name {name!r}.{hint}")
+  return registry[name]
+
+
+def _option_type(hint):
+  """The config type of a module field's annotation: bool/int/float/str, tuple for sequences,
+  None for anything else (e.g. ``dtype``)."""
+  if typing.get_origin(hint) in (typing.Union, types.UnionType):
+    hint = next(a for a in typing.get_args(hint) if a is not type(None))
+  if (typing.get_origin(hint) or hint) in (tuple, list, collections.abc.Sequence):
+    return tuple
+  return hint if hint in (bool, int, float, str) else None
+
+
+def model_options(name: str) -> dict:
+  """``{option: type}`` of the module options a config may set for model ``name`` (its fields
+  but ``num_classes`` and ``dtype``; sequences as tuples)."""
+  cls, _ = _registered(name)
+  hints = typing.get_type_hints(cls)
+  options = {f.name: _option_type(hints.get(f.name)) for f in dataclasses.fields(cls)
+             if f.name not in ("parent", "name", "num_classes", "dtype")}
+  return {k: v for k, v in options.items() if v is not None}
+
+
 def get_model(name: str, num_classes: int, **overrides) -> nn.Module:
   """Build a registered model.
 
@@ -136,12 +169,7 @@ def get_model(name: str, num_classes: int, **overrides) -> nn.Module:
   Raises:
     ValueError: unknown name (with the closest registered names) or unknown override.
   """
-  registry = _registry()
-  if name not in registry:
-    close = difflib.get_close_matches(name, registry, n=5, cutoff=0.6)
-    hint = f" Did you mean one of {close}?" if close else " See smoothing_jax.models.list_models()."
-    raise ValueError(f"Unknown model name {name!r}.{hint}")
-  cls, kwargs = registry[name]
+  cls, kwargs = _registered(name)
   fields = {f.name for f in dataclasses.fields(cls)} - {"parent", "name"}
   unknown = sorted(set(overrides) - fields)
   if unknown:
