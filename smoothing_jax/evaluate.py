@@ -81,7 +81,7 @@ def evaluate_ensemble_sizes(workdirs: Sequence[str], output_dir: str, config=Non
   """
   os.makedirs(output_dir, exist_ok=True)
   config, model, first, pipeline, replicated, data_sharding = _evaluation_setup(workdirs[0], config)
-  members = [first] + [workdir_lib.load(w, config)[2] for w in workdirs[1:]]
+  members = [first] + [workdir_lib.load_checkpoint(w, config)[2] for w in workdirs[1:]]
   rng = jax.random.key(seed)
 
   if is_ibnn(model):  # iBNN: S draws of each of the K components
@@ -118,13 +118,14 @@ def evaluate_ensemble_sizes(workdirs: Sequence[str], output_dir: str, config=Non
                             data_sharding, rng)
   rows = [{"ensemble_size": n, **{k: m[k] for k in ("count",) + METRIC_COLUMNS}}
           for n, m in zip(sizes, (t.compute() for t in totals))]
-  _write_table(rows, os.path.join(output_dir, "ensemble_sizes"))
-  kind = "deep ensemble" if len(members) > 1 else config.model
-  plot_ensemble_sizes(rows, f"{kind} on {config.dataset}").savefig(
-      os.path.join(output_dir, "ensemble_sizes.png"))
-  plot_reliability_diagram(totals[-1],
-                           f"{kind}, N={sizes[-1]}: ECE {100 * rows[-1]['ece']:.2f}%").savefig(
-                               os.path.join(output_dir, "reliability.png"))
+  if jax.process_index() == 0:  # results are replicated; one process writes them
+    _write_table(rows, os.path.join(output_dir, "ensemble_sizes"))
+    kind = "deep ensemble" if len(members) > 1 else config.model
+    plot_ensemble_sizes(rows, f"{kind} on {config.dataset}").savefig(
+        os.path.join(output_dir, "ensemble_sizes.png"))
+    plot_reliability_diagram(totals[-1],
+                             f"{kind}, N={sizes[-1]}: ECE {100 * rows[-1]['ece']:.2f}%").savefig(
+                                 os.path.join(output_dir, "reliability.png"))
   return rows
 
 

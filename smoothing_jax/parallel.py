@@ -46,7 +46,7 @@ def evaluate_batches(step_fn: Callable, variables, batches: Iterable[dict], shar
 
   The outputs' mergeable leaves (clu/metrics statistics with ``merge``) are merged over
   all batches; any other leaf keeps the first batch's value (e.g. example predictions).
-  Returns the merged output pytree, or None when there are no batches.
+  Returns the merged output pytree; ValueError when there are no batches.
   """
   total = None
   for i, batch in enumerate(batches):
@@ -54,4 +54,6 @@ def evaluate_batches(step_fn: Callable, variables, batches: Iterable[dict], shar
     out = step_fn(variables, batch, jax.random.fold_in(rng, i))
     total = out if total is None else jax.tree.map(
         lambda a, b: a.merge(b) if _mergeable(a) else a, total, out, is_leaf=_mergeable)
+  if total is None:
+    raise ValueError("No evaluation batches: the evaluation set is empty.")
   return total

@@ -44,13 +44,18 @@ def write_config(workdir: str, config: ml_collections.ConfigDict, model_spec: di
   os.replace(path + ".tmp", path)
 
 
-def read_config(workdir: str) -> tuple:
-  """``(config, model_spec)`` recorded in ``<workdir>/config.json``."""
+def _read_record(workdir: str) -> dict:
   path = os.path.join(workdir, CONFIG_FILE)
   if not os.path.exists(path):
     raise FileNotFoundError(f"No run in {workdir}: {path} does not exist (train into it first).")
   with open(path) as f:
-    record = json.load(f)
+    return json.load(f)
+
+
+def read_config(workdir: str) -> tuple:
+  """``(config, model_spec)`` recorded in ``<workdir>/config.json``."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  record = _read_record(workdir)
   spec = record.pop("model_spec", None)
   if spec is None:
     raise ValueError(f"{path} has no model_spec (written by an older version); rerun the training "
@@ -207,8 +212,10 @@ def load_checkpoint(workdir: str, config: Optional[ml_collections.ConfigDict] = 
   steps are skipped with a warning (``restore_latest``).  Raises ``FileNotFoundError``
   when there is no checkpoint or none restores.
   """
-  if config is None:
-    config, _ = read_config(workdir)
+  if config is None:  # the variables need no model_spec
+    record = _read_record(workdir)
+    record.pop("model_spec", None)
+    config = ml_collections.ConfigDict(record)
   replicated, _ = shardings(create_mesh())
   with checkpoint_manager(workdir, read_only=True) as manager:
     restored = restore_latest(
@@ -226,5 +233,5 @@ def load(workdir: str, config: Optional[ml_collections.ConfigDict] = None) -> tu
   result; the model is always rebuilt from the recorded config and ``model_spec``.
   """
   recorded, spec = read_config(workdir)
-  config, _, variables = load_checkpoint(workdir, config or recorded)
+  config, _, variables = load_checkpoint(workdir, recorded if config is None else config)
   return config, build_model(recorded, spec), variables

@@ -86,5 +86,6 @@ def test_evaluate_batches_merges_metrics_keeps_the_first_batch_of_the_rest_and_f
       assert batch is given
 
 
-def test_evaluate_batches_of_no_batches_is_none():
-  assert evaluate_batches(lambda *args: 1 / 0, {}, [], None, jax.random.key(0)) is None
+def test_evaluate_batches_of_no_batches_is_an_error():
+  with pytest.raises(ValueError, match="No evaluation batches"):
+    evaluate_batches(lambda *args: 1 / 0, {}, [], None, jax.random.key(0))
