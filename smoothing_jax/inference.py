@@ -41,9 +41,14 @@ def log_probs(model: nn.Module, variables, images, rng=None, **apply_kwargs):
   return jax.nn.log_softmax(logits.astype(jnp.float32))
 
 
+def log_mean_probs(sample_log_probs):
+  """log of the mean per-sample probability ``[N, ...] → [...]``: logsumexp − log N."""
+  return jax.nn.logsumexp(sample_log_probs, axis=0) - jnp.log(sample_log_probs.shape[0])
+
+
 def mean_probs(sample_log_probs):
   """Mean of per-sample probabilities ``[N, ...] → [...]``, as exp(logsumexp − log N)."""
-  return jnp.exp(jax.nn.logsumexp(sample_log_probs, axis=0) - jnp.log(sample_log_probs.shape[0]))
+  return jnp.exp(log_mean_probs(sample_log_probs))
 
 
 def _map_in_chunks(fn, xs, chunk_size: Optional[int]):
