@@ -30,6 +30,7 @@ from figure_cli import (chosen_figures, figure_parser, load_workdirs,  # noqa: E
 from smoothing_jax.analysis import trained  # noqa: E402
 from smoothing_jax.analysis.features import block_kinds  # noqa: E402
 from smoothing_jax.analysis.lesion import lesion_table  # noqa: E402
+from smoothing_jax.analysis.spectrum import spectrum_caption  # noqa: E402
 from smoothing_jax.plots import (plot_by_depth, plot_delta_log_amplitude, plot_lesion,  # noqa: E402
                                  plot_spectra)
 
@@ -59,7 +60,8 @@ def run_figure(name: str, models: dict, sizes: dict, out: str) -> dict:
       summary[label] = {
           "mean_positive_max_eigenvalue": r["mean_positive_max_eigenvalue"],
           "negative_fraction": r["negative_fraction"],
-          "mean_min_eigenvalue": r["mean_min_eigenvalue"]
+          "mean_min_eigenvalue": r["mean_min_eigenvalue"],
+          "solver": spectrum_caption({label: r})
       }
     elif name == "fourier":
       r = trained.fourier_study(m, num_images=sizes["fourier_images"])
@@ -104,7 +106,7 @@ def _plot(name: str, results: dict, models: dict, out: str):
     return None
   if name == "spectra":
     return plot_spectra({label: np.concatenate([r["eigenvalues"].ravel(), r["min_eigenvalues"]])
-                         for label, r in results.items()})
+                         for label, r in results.items()}, caption=spectrum_caption(results))
   if name == "lesion":
     return plot_lesion(results, "lesion study")
   if name == "fourier":

@@ -26,6 +26,7 @@ from figure_cli import (chosen_figures, figure_parser, load_workdirs,  # noqa: E
                         sizes_with_overrides, write_json, write_report)
 
 from smoothing_jax.analysis import trained  # noqa: E402
+from smoothing_jax.analysis.spectrum import spectrum_caption  # noqa: E402
 from smoothing_jax.plots import (plot_accuracy_vs_frequency, plot_attack_accuracy,  # noqa: E402
                                  plot_by_depth, plot_delta_log_amplitude, plot_relative_confidence,
                                  plot_spectra)
@@ -115,7 +116,8 @@ def run_figure(name: str, models: dict, sizes: dict, out: str) -> dict:
 def _plot(name: str, results: dict):
   import matplotlib.pyplot as plt
   if name == "spectra":
-    return plot_spectra({label: r["max_eigenvalues"] for label, r in results.items()})
+    return plot_spectra({label: r["max_eigenvalues"] for label, r in results.items()},
+                        caption=spectrum_caption(results))
   if name == "fourier":
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.2), squeeze=False)
     for ax, (label, curves) in zip(axes[0], results.items()):

@@ -156,14 +156,16 @@ def plot_ood_curves(curves: dict, title: str = ""):
 
 # ----------------------------------------------------------------------------- analyses
 
-def plot_spectra(spectra: dict, bins: int = 40):
-  """Overlaid histograms of pooled eigenvalues, ``{label: eigenvalues array}``; returns the
-  Figure."""
+def plot_spectra(spectra: dict, bins: int = 40, caption: Optional[str] = None):
+  """Overlaid histograms of pooled eigenvalues, ``{label: eigenvalues array}``; ``caption``
+  (e.g. ``analysis.spectrum.spectrum_caption``) names the solver; returns the Figure."""
   fig, ax = _axes()
   values = np.concatenate([np.ravel(v) for v in spectra.values()])
   edges = np.linspace(values.min(), values.max(), bins + 1)
   for label, v in spectra.items():
     ax.hist(np.ravel(v), bins=edges, alpha=0.5, density=True, label=label)
+  if caption:
+    ax.set_title(caption, fontsize=8)
   return _finish(fig, ax, "Hessian eigenvalue (top-k per mini-batch)", "density")
 
 

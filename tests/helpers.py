@@ -4,6 +4,7 @@
 """
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,3 +79,35 @@ def tiny_config(**overrides):
   from configs import cifar_resnet
   config = cifar_resnet.get_config("resnet_mcdo_smoothing_18,cifar10,runlocal")
   return tiny_run(config, **{"num_train_steps": 4, "ensemble_sizes": (1, 3), **overrides})
+
+
+class SmallNet(nn.Module):
+  """Dense(8) → BatchNorm (inference mode) → tanh → Dense(3): 115 parameters (99 without
+  BatchNorm), small enough for an explicit Hessian."""
+  batch_norm: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(8)(x)
+    if self.batch_norm:
+      x = nn.BatchNorm(use_running_average=True)(x)
+    return nn.Dense(3)(jnp.tanh(x))
+
+
+def small_net_problem():
+  """``(loss_fn, params)``: cross-entropy of :class:`SmallNet` on a fixed batch of 32, with
+  perturbed parameters and BatchNorm statistics (a non-convex point)."""
+  model = SmallNet()
+  x = jax.random.normal(jax.random.key(0), (32, 8))
+  y = jnp.arange(32) % 3
+  variables = model.init(jax.random.key(1), x)
+  stats = jax.tree.map(lambda s: s + 0.3 * jnp.abs(jax.random.normal(jax.random.key(2), s.shape)),
+                       variables["batch_stats"])
+  params = jax.tree.map(lambda p: p + 0.5 * jax.random.normal(jax.random.key(3), p.shape),
+                        variables["params"])
+
+  def loss_fn(p):
+    logits = model.apply({"params": p, "batch_stats": stats}, x)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+  return loss_fn, params

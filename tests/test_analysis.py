@@ -1,133 +1,14 @@
-"""smoothing_jax.analysis: Hessian tools against an explicit Hessian; Fourier Δlog-amplitude
-against an explicit DFT; spectra, feature maps, landscapes, robustness, frequency noise,
-perturbations; lesions and token maps on a micro ViT."""
-import flax.linen as nn
+"""smoothing_jax.analysis: Fourier Δlog-amplitude against an explicit DFT; spectra, feature
+maps, landscapes, robustness, frequency noise, perturbations; lesions and token maps on a micro
+ViT.  The Hessian solvers themselves: tests/test_hessian.py."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.flatten_util import ravel_pytree
 
-from smoothing_jax.analysis import (delta_log_amplitude, eigenvalue_density, hessian_trace, hvp,
-                                    min_eigenvalue, top_eigenvalues)
+from smoothing_jax.analysis import delta_log_amplitude, top_eigenvalues
 from smoothing_jax.layers import Blur
-from tests.helpers import abstract_variables, init_variables
-
-
-class SmallNet(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    x = nn.Dense(8)(x)
-    x = nn.BatchNorm(use_running_average=True)(x)
-    return nn.Dense(3)(jnp.tanh(x))
-
-
-@pytest.fixture(scope="module")
-def problem():
-  """Cross-entropy of a 115-parameter net with BatchNorm (inference mode) on a fixed batch."""
-  model = SmallNet()
-  x = jax.random.normal(jax.random.key(0), (32, 8))
-  y = jnp.arange(32) % 3
-  variables = model.init(jax.random.key(1), x)
-  stats = jax.tree.map(lambda s: s + 0.3 * jnp.abs(jax.random.normal(jax.random.key(2), s.shape)),
-                       variables["batch_stats"])
-  params = jax.tree.map(lambda p: p + 0.5 * jax.random.normal(jax.random.key(3), p.shape),
-                        variables["params"])
-
-  def loss_fn(p):
-    logits = model.apply({"params": p, "batch_stats": stats}, x)
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
-
-  flat, unravel = ravel_pytree(params)
-  hessian = np.asarray(jax.hessian(lambda f: loss_fn(unravel(f)))(flat), np.float64)
-  assert flat.shape[0] >= 100
-  return loss_fn, params, unravel, (hessian + hessian.T) / 2
-
-
-def test_hvp_equals_explicit_hessian_product(problem):
-  loss_fn, params, unravel, hessian = problem
-  v = jax.random.normal(jax.random.key(4), (hessian.shape[0],))
-  got = ravel_pytree(hvp(loss_fn, params, unravel(v)))[0]
-  np.testing.assert_allclose(got, hessian @ np.asarray(v), rtol=1e-4, atol=1e-5)
-
-
-def test_hvp_and_power_iteration_on_an_eight_device_mesh(problem):
-  """The batch sharded over a ``data`` mesh axis (parameters replicated) gives the same operator."""
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  from jax.tree_util import Partial
-  _, params, unravel, hessian = problem
-  mesh = Mesh(np.asarray(jax.devices()[:8]), ("data",))
-  model = SmallNet()
-  x = jax.random.normal(jax.random.key(0), (32, 8))
-  y = jnp.arange(32) % 3
-  stats = jax.tree.map(lambda s: s + 0.3 * jnp.abs(jax.random.normal(jax.random.key(2), s.shape)),
-                       model.init(jax.random.key(1), x)["batch_stats"])
-
-  def batch_loss(images, labels, p):
-    logits = model.apply({"params": p, "batch_stats": stats}, images)
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
-  sharded = jax.device_put((x, y), NamedSharding(mesh, P("data")))
-  assert len(sharded[0].sharding.device_set) == 8
-  loss_fn = Partial(batch_loss, *sharded)
-  replicated = jax.device_put(params, NamedSharding(mesh, P()))
-  v = jax.random.normal(jax.random.key(4), (hessian.shape[0],))
-  got = ravel_pytree(hvp(loss_fn, replicated, unravel(v)))[0]
-  np.testing.assert_allclose(got, hessian @ np.asarray(v), rtol=1e-4, atol=1e-5)
-  top = float(
-      top_eigenvalues(loss_fn, replicated, k=1, max_iters=200, tol=1e-6,
-                      rng=jax.random.key(5))[0][0])
-  np.testing.assert_allclose(top, np.linalg.eigvalsh(hessian)[-1], rtol=1e-3)
-
-
-def test_top3_eigenvalues_match_eigh(problem):
-  loss_fn, params, _, hessian = problem
-  true_values, true_vectors = np.linalg.eigh(hessian)
-  order = np.argsort(-np.abs(true_values))
-  eigenvalues, eigenvectors = top_eigenvalues(loss_fn, params, k=3, max_iters=1000, tol=1e-6,
-                                              rng=jax.random.key(5))
-  np.testing.assert_allclose(eigenvalues, true_values[order[:3]], rtol=1e-3)
-  for vector, index in zip(eigenvectors, order[:3]):
-    assert abs(np.dot(ravel_pytree(vector)[0], true_vectors[:, index])) > 0.99
-
-
-def test_top_eigenvalue_with_pyhessian_defaults_reports_iterations(problem):
-  loss_fn, params, _, hessian = problem
-  result = top_eigenvalues(loss_fn, params)
-  assert 1 <= int(result.iterations[0]) <= 100
-  top = np.max(np.abs(np.linalg.eigvalsh(hessian)))
-  assert abs(float(result.eigenvalues[0])) == pytest.approx(top, rel=2e-2)
-
-
-def test_min_eigenvalue_matches_eigh(problem):
-  loss_fn, params, _, hessian = problem
-  true_values = np.linalg.eigvalsh(hessian)
-  assert true_values[0] < 0  # a non-convex point: the shifted power iteration is needed
-  value, _ = min_eigenvalue(loss_fn, params, max_iters=2000, tol=1e-7, rng=jax.random.key(6))
-  assert float(value) == pytest.approx(true_values[0],
-                                       abs=1e-2 * (true_values[-1] - true_values[0]))
-
-
-def test_hutchinson_trace_within_its_standard_error(problem):
-  loss_fn, params, _, hessian = problem
-  estimate, samples = hessian_trace(loss_fn, params, num_samples=2000, rng=jax.random.key(7))
-  off_diagonal = hessian - np.diag(np.diag(hessian))
-  std_error = np.sqrt(2 * np.sum(off_diagonal**2) /
-                      2000)  # Var(vᵀHv) = 2 Σ_{i≠j} H_ij² for Rademacher v
-  assert samples.shape == (2000,)
-  assert abs(float(estimate) - np.trace(hessian)) < 4 * std_error
-
-
-def test_slq_density_integrates_to_one_and_covers_the_spectrum(problem):
-  loss_fn, params, _, hessian = problem
-  true_values = np.linalg.eigvalsh(hessian)
-  density = eigenvalue_density(loss_fn, params, num_iters=100, num_runs=2, rng=jax.random.key(8))
-  np.testing.assert_allclose(density.weights.sum(axis=1), 1.0, rtol=1e-5)
-  span = true_values[-1] - true_values[0]
-  assert density.nodes.max() == pytest.approx(true_values[-1], abs=1e-2 * span)
-  assert density.nodes.min() == pytest.approx(true_values[0], abs=1e-2 * span)
-  grid, values = density.on_grid(sigma_squared=1e-4)
-  assert np.sum(values) * (grid[1] - grid[0]) == pytest.approx(1.0, rel=1e-6)
-  assert grid[0] <= true_values[0] and grid[-1] >= true_values[-1]
+from tests.helpers import abstract_variables, init_variables, small_net_problem
 
 
 def numpy_delta_log_amplitude(maps):
@@ -173,7 +54,7 @@ def test_non_square_maps_are_rejected():
 from smoothing_jax.analysis.features import (feature_maps, feature_variance,  # noqa: E402
                                              fourier_by_depth)
 from smoothing_jax.analysis.spectrum import (max_eigenvalue_spectrum,  # noqa: E402
-                                             spectrum_summary, training_loss)
+                                             spectrum_caption, spectrum_summary, training_loss)
 from smoothing_jax.models import get_model  # noqa: E402
 
 
@@ -183,28 +64,30 @@ def test_spectrum_summary_hand_worked():
   assert summary["negative_fraction"] == pytest.approx(2 / 6)
 
 
-def test_max_eigenvalue_spectrum_per_batch(tiny_mcdo, images):
+def test_max_eigenvalue_spectrum_per_batch_compiles_its_solver_once(tiny_mcdo, images):
+  from smoothing_jax.analysis import hessian
   model, variables = tiny_mcdo
-  batches = [{
-      "image": images,
-      "label": jnp.array([0, 1, 2])
-  }, {
-      "image": -images,
-      "label": jnp.array([3, 4, 0])
-  }]
-  result = max_eigenvalue_spectrum(model,
-                                   variables,
-                                   batches,
-                                   k=2,
-                                   max_iters=20,
+  batches = [{"image": s * images, "label": jnp.array(labels)}
+             for s, labels in ((1, [0, 1, 2]), (-1, [3, 4, 0]), (0.5, [1, 1, 2]))]
+  compiled = hessian._lanczos_step._cache_size(), hessian._linearize._cache_size()
+  result = max_eigenvalue_spectrum(model, variables, batches, k=2, max_iters=20,
                                    rng=jax.random.key(1))
-  assert result["eigenvalues"].shape == (2, 2)
+  # One compilation each for three batches: new batches of the same shape reuse them.
+  assert (hessian._lanczos_step._cache_size(), hessian._linearize._cache_size()) == (
+      compiled[0] + 1, compiled[1] + 1)
+  assert result["eigenvalues"].shape == (3, 2) and result["method"] == "lanczos"
+  assert result["relative_residuals"].shape == (3, 2) and result["hvps"].shape == (3,)
   # Batch 0 by hand: the same loss (same dropout key derivation) through top_eigenvalues.
-  dropout_key, power_key = jax.random.split(jax.random.fold_in(jax.random.key(1), 0))
-  loss = lambda p: training_loss(model, 5e-4, variables["batch_stats"], dropout_key, images,
-                                 batches[0]["label"], p)
-  expected = top_eigenvalues(loss, variables["params"], 2, 20, 1e-3, power_key)[0]
-  np.testing.assert_allclose(result["eigenvalues"][0], expected, rtol=1e-4)
+  dropout_key, solver_key = jax.random.split(jax.random.fold_in(jax.random.key(1), 0))
+  loss = lambda p: training_loss(model, 5e-4, variables["batch_stats"], dropout_key,  # noqa: E731
+                                 batches[0]["image"], batches[0]["label"], p)
+  expected = top_eigenvalues(loss, variables["params"], 2, 20, 1e-3, solver_key)
+  np.testing.assert_allclose(result["eigenvalues"][0], expected.eigenvalues, rtol=1e-4)
+  np.testing.assert_allclose(result["relative_residuals"][0], expected.relative_residuals,
+                             rtol=1e-2, atol=1e-6)
+  caption = spectrum_caption({"a": result})
+  assert caption.startswith("Lanczos; relative residuals")
+  assert f"{np.max(result['relative_residuals']):.1e}" in caption
 
 
 def test_feature_taps_follow_execution_order_and_smoothing_sizes(tiny_mcdo, images):
@@ -239,8 +122,13 @@ from smoothing_jax.analysis.robustness import ensemble_nll, fgsm, pgd  # noqa: E
 from smoothing_jax.plots import plot_surface  # noqa: E402
 
 
-def test_filter_normalised_directions(problem):
-  _, params, _, _ = problem
+@pytest.fixture(scope="module")
+def small_net():
+  return small_net_problem()
+
+
+def test_filter_normalised_directions(small_net):
+  _, params = small_net
   d = random_direction(params, jax.random.key(0), "filter")
   kernel, direction = np.asarray(params["Dense_0"]["kernel"]), np.asarray(d["Dense_0"]["kernel"])
   np.testing.assert_allclose(np.linalg.norm(direction, axis=0),
@@ -279,8 +167,8 @@ def test_directions_leave_position_parameters_alone(name, kwargs):
   assert any(np.any(v != 0) for k, v in flat.items() if k.endswith("kernel") and v.ndim > 1)
 
 
-def test_loss_surface_centre_is_the_plain_loss(problem, tmp_path):
-  loss_fn, params, _, _ = problem
+def test_loss_surface_centre_is_the_plain_loss(small_net, tmp_path):
+  loss_fn, params = small_net
   d1 = random_direction(params, jax.random.key(1))
   d2 = random_direction(params, jax.random.key(2))
   surface = loss_surface(loss_fn, params, d1, d2, np.linspace(-1, 1, 5), np.linspace(-1, 1, 3),

@@ -124,9 +124,11 @@ def hessian_spectrum_study(trained: TrainedModel,
                            max_iters: int = 100,
                            tol: float = 1e-3,
                            seed: int = 0,
-                           negative: bool = False) -> dict:
+                           negative: bool = False,
+                           method: str = "lanczos") -> dict:
   """Top-``k`` Hessian eigenvalues of NLL + L2 on each of ``num_batches`` training batches
-  (``negative``: also the most negative eigenvalue of each batch)."""
+  (``negative``: also the most negative eigenvalue of each batch), with their residuals and
+  the solver (``analysis.spectrum.max_eigenvalue_spectrum``)."""
   return max_eigenvalue_spectrum(trained.model,
                                  trained.variables,
                                  train_batches(trained, num_batches, batch_size),
@@ -135,7 +137,8 @@ def hessian_spectrum_study(trained: TrainedModel,
                                  max_iters=max_iters,
                                  tol=tol,
                                  rng=jax.random.key(seed),
-                                 negative=negative)
+                                 negative=negative,
+                                 method=method)
 
 
 def fourier_study(trained: TrainedModel, *, num_images: int = 256, seed: int = 0) -> dict:
