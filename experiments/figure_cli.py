@@ -12,7 +12,9 @@ import json
 import os
 
 import numpy as np
+from etils import epath
 
+from smoothing_jax import workdir as workdir_lib
 from smoothing_jax.analysis import trained
 
 
@@ -66,14 +68,28 @@ def load_workdirs(specs) -> dict:
   return {label: trained.load_trained(path) for label, path in pairs}
 
 
-def write_json(path: str, data, indent=None):
-  with open(path, "w") as f:
-    json.dump(jsonable(data), f, indent=indent)
+def write_json(path, data, indent=None):
+  """``data`` (numpy included) as JSON at ``path``, local or ``gs://`` (written atomically)."""
+  workdir_lib.write_json(path, jsonable(data), indent=indent)
+
+
+def save_figure(fig, path, dpi: int = 120):
+  """``fig`` as a PNG at ``path``, local or ``gs://``; then closed."""
+  import matplotlib.pyplot as plt
+  workdir_lib.save_figure(fig, path, dpi=dpi)
+  plt.close(fig)
+
+
+def output_dir(out) -> epath.Path:
+  """The ``--out`` folder (local or ``gs://``), created."""
+  path = epath.Path(out)
+  path.mkdir(parents=True, exist_ok=True)
+  return path
 
 
 def write_report(out: str, summaries: dict, orderings: dict, models: dict) -> None:
   """``out/summary.json`` (summaries, orderings, checkpoint steps), also printed."""
   checkpoints = {label: {"workdir": m.workdir, "step": m.step} for label, m in models.items()}
   report = jsonable({"summary": summaries, "orderings": orderings, "checkpoints": checkpoints})
-  write_json(os.path.join(out, "summary.json"), report, indent=1)
+  write_json(epath.Path(out) / "summary.json", report, indent=1)
   print(json.dumps(report, indent=1))

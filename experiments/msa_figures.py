@@ -16,7 +16,6 @@ max eigenvalues.  Sizes are CPU-scale by default; ``--size k=v`` overrides one.
 """
 from __future__ import annotations
 
-import os
 
 import matplotlib
 
@@ -24,13 +23,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from figure_cli import (chosen_figures, figure_parser, load_workdirs,  # noqa: E402
-                        sizes_with_overrides, write_json, write_report)
+from figure_cli import (chosen_figures, figure_parser, load_workdirs, output_dir,  # noqa: E402
+                        save_figure, sizes_with_overrides, write_json, write_report)
 
 from smoothing_jax.analysis import trained  # noqa: E402
 from smoothing_jax.analysis.features import block_kinds  # noqa: E402
 from smoothing_jax.analysis.lesion import lesion_table  # noqa: E402
 from smoothing_jax.analysis.spectrum import spectrum_caption  # noqa: E402
+from smoothing_jax.workdir import write_atomically  # noqa: E402
 from smoothing_jax.plots import (plot_by_depth, plot_delta_log_amplitude, plot_lesion,  # noqa: E402
                                  plot_spectra)
 
@@ -89,15 +89,13 @@ def run_figure(name: str, models: dict, sizes: dict, out: str) -> dict:
           }
       }
     results[label] = r
-  write_json(os.path.join(out, f"{name}.json"), results)
+  write_json(out / f"{name}.json", results)
   fig = _plot(name, results, models, out)
   if fig is not None:
-    fig.savefig(os.path.join(out, f"{name}.png"), dpi=150)
-    plt.close(fig)
+    save_figure(fig, out / f"{name}.png", dpi=150)
   if name == "lesion":
-    with open(os.path.join(out, "lesion.md"), "w") as f:
-      f.write("\n\n".join(f"## {label}\n\n{lesion_table(r)}" for label, r in results.items()) +
-              "\n")
+    write_atomically(out / "lesion.md", "\n\n".join(
+        f"## {label}\n\n{lesion_table(r)}" for label, r in results.items()) + "\n")
   return summary
 
 
@@ -119,8 +117,7 @@ def _plot(name: str, results: dict, models: dict, out: str):
     kinds = {label: block_kinds(models[label].model, by_block) for label, by_block in high.items()}
     depth_fig = plot_by_depth(high, "Δ log amplitude at π",
                               "high-frequency amplitude (MSA shaded)", kinds)
-    depth_fig.savefig(os.path.join(out, "fourier_by_depth.png"), dpi=150)
-    plt.close(depth_fig)
+    save_figure(depth_fig, out / "fourier_by_depth.png", dpi=150)
     fig.tight_layout()
     return fig
   spatial = {label: {b: v["data"] for b, v in r.items()} for label, r in results.items()}
@@ -158,8 +155,8 @@ def main(argv=None):
   figures = chosen_figures(parser, args, FIGURES)
   sizes = sizes_with_overrides(parser, args, CPU_SIZES)
   models = load_workdirs(args.workdir)
-  os.makedirs(args.out, exist_ok=True)
-  summaries = {name: run_figure(name, models, sizes, args.out) for name in figures}
+  out = output_dir(args.out)
+  summaries = {name: run_figure(name, models, sizes, out) for name in figures}
   write_report(args.out, summaries, orderings(summaries, list(models)), models)
 
 

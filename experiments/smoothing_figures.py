@@ -14,7 +14,6 @@ Sizes default to a CPU-scale run; ``--full`` uses the paper's sizes.
 """
 from __future__ import annotations
 
-import os
 import re
 
 import matplotlib
@@ -22,8 +21,8 @@ import matplotlib
 matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 
-from figure_cli import (chosen_figures, figure_parser, load_workdirs,  # noqa: E402
-                        sizes_with_overrides, write_json, write_report)
+from figure_cli import (chosen_figures, figure_parser, load_workdirs, output_dir,  # noqa: E402
+                        save_figure, sizes_with_overrides, write_json, write_report)
 
 from smoothing_jax.analysis import trained  # noqa: E402
 from smoothing_jax.analysis.spectrum import spectrum_caption  # noqa: E402
@@ -108,8 +107,8 @@ def summarize(name: str, r: dict):
 def run_figure(name: str, models: dict, sizes: dict, out: str) -> dict:
   """Compute one figure for every model, save PNG + JSON, return the per-model summary numbers."""
   results = {label: compute(name, model, sizes) for label, model in models.items()}
-  write_json(os.path.join(out, f"{name}.json"), results, indent=1)
-  _plot(name, results).savefig(os.path.join(out, f"{name}.png"), dpi=120)
+  write_json(out / f"{name}.json", results, indent=1)
+  save_figure(_plot(name, results), out / f"{name}.png")
   return {label: summarize(name, r) for label, r in results.items()}
 
 
@@ -183,8 +182,8 @@ def main(argv=None):
   figures = chosen_figures(parser, args, FIGURES)
   sizes = sizes_with_overrides(parser, args, PAPER_SIZES if args.full else CPU_SIZES)
   models = load_workdirs(args.workdir)
-  os.makedirs(args.out, exist_ok=True)
-  summaries = {name: run_figure(name, models, sizes, args.out) for name in figures}
+  out = output_dir(args.out)
+  summaries = {name: run_figure(name, models, sizes, out) for name in figures}
   write_report(args.out, summaries, orderings(summaries), models)
 
 

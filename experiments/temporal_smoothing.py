@@ -14,16 +14,16 @@ consistency of the last two (the paper's Table E.4 layout; CamVid itself is
 """
 from __future__ import annotations
 
-import os
 
 import matplotlib
 
 matplotlib.use("Agg")
-from figure_cli import (figure_parser, load_workdirs, sizes_with_overrides,  # noqa: E402
-                        write_json, write_report)
+from figure_cli import (figure_parser, load_workdirs, output_dir, save_figure,  # noqa: E402
+                        sizes_with_overrides, write_json, write_report)
 
 from smoothing_jax.analysis import trained  # noqa: E402
 from smoothing_jax.plots import plot_stream_table  # noqa: E402
+from smoothing_jax.workdir import write_atomically  # noqa: E402
 
 SIZES = {"num_images": 1000, "length": 6, "max_shift": 3, "num_samples": 10}
 COLUMNS = (("nll", "NLL", 1, ".4f"), ("acc", "Acc (%)", 100, ".2f"), ("ece", "ECE (%)", 100, ".2f"),
@@ -44,15 +44,12 @@ def main(argv=None):
   parser = figure_parser(__doc__, ("temporal",), SIZES)
   args = parser.parse_args(argv)
   sizes = sizes_with_overrides(parser, args, SIZES)
-  os.makedirs(args.out, exist_ok=True)
+  out = output_dir(args.out)
   models = load_workdirs(args.workdir)
   results = {label: trained.temporal_smoothing_study(m, **sizes) for label, m in models.items()}
-  write_json(os.path.join(args.out, "temporal.json"), results, indent=1)
-  with open(os.path.join(args.out, "temporal.md"), "w") as f:
-    f.write(markdown_table(results))
-  plot_stream_table(results,
-                    "translated test-image streams").savefig(os.path.join(args.out, "temporal.png"),
-                                                             dpi=120)
+  write_json(out / "temporal.json", results, indent=1)
+  write_atomically(out / "temporal.md", markdown_table(results))
+  save_figure(plot_stream_table(results, "translated test-image streams"), out / "temporal.png")
   summary = {}
   for label, rows in results.items():
     by_method = {r["method"]: r for r in rows}

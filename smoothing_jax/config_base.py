@@ -43,6 +43,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.download = True            # let TFDS download missing datasets
   config.seed = 0
   config.num_devices = -1           # -1: all devices of all hosts
+  config.half_precision = False     # compute in bfloat16 (parameters and statistics stay float32)
+  config.prefetch_batches = 2       # global batches assembled on the devices ahead of the step
   # Segmentation: random (h, w) training crop (None: whole image).
   config.crop_size = placeholder(tuple)
   # Optimisation: the recipe sets these.
@@ -62,6 +64,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.lr_final_ratio = placeholder(float)  # flat_linear: final rate / base rate
   config.num_train_steps = -1       # -1: (warmup_epochs + num_epochs) × steps per epoch
   config.grad_clip_norm = 0.0       # clip the global gradient norm (0: off)
+  config.grad_accum_steps = 1       # micro-batches per optimiser step (train.train_step)
   config.class_balancing = "none"   # or "median_frequency" (segmentation loss weights)
   # Regularisation (the ViT recipe's; all off by default).
   config.label_smoothing = 0.0

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import csv
 import functools
-import json
+import io
 import os
 from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 
 from smoothing_jax.data import CORRUPTIONS, corruption_dataset, create_pipeline
 from smoothing_jax.ibnn import ibnn_predict
@@ -55,17 +56,17 @@ def _nested_metrics(sample_probs, labels, mask, sizes, num_bins):
       for n in sizes)
 
 
-def _write_table(rows: list, path_stem: str):
-  """``rows`` as ``<path_stem>.json`` and ``.csv``, each written to a temporary file and renamed
-  into place, so a reader (or a crash) never sees half a table."""
-  with open(path_stem + ".json.tmp", "w") as f:
-    json.dump(rows, f, indent=2)
-  os.replace(path_stem + ".json.tmp", path_stem + ".json")
-  with open(path_stem + ".csv.tmp", "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-  os.replace(path_stem + ".csv.tmp", path_stem + ".csv")
+def _write_table(rows: list, output_dir, name: str):
+  """``rows`` as ``<output_dir>/<name>.json`` and ``.csv``, each written to a temporary file and
+  renamed into place (``workdir.write_atomically``), so a reader (or a crash) never sees half a
+  table.  ``output_dir`` may be local or ``gs://``."""
+  output_dir = epath.Path(output_dir)
+  workdir_lib.write_json(output_dir / f"{name}.json", rows)
+  text = io.StringIO(newline="")
+  writer = csv.DictWriter(text, fieldnames=list(rows[0]))
+  writer.writeheader()
+  writer.writerows(rows)
+  workdir_lib.write_atomically(output_dir / f"{name}.csv", text.getvalue())
 
 
 def evaluate_ensemble_sizes(workdirs: Sequence[str], output_dir: str, config=None,
@@ -79,7 +80,7 @@ def evaluate_ensemble_sizes(workdirs: Sequence[str], output_dir: str, config=Non
   Returns one dict per ensemble size; writes ``ensemble_sizes.{json,csv,png}`` and
   ``reliability.png`` (the largest ensemble) into ``output_dir``.
   """
-  os.makedirs(output_dir, exist_ok=True)
+  output_dir = workdir_lib.workdir_path(output_dir)
   config, model, first, pipeline, replicated, data_sharding = _evaluation_setup(workdirs[0], config)
   members = [first] + [workdir_lib.load_checkpoint(w, config)[2] for w in workdirs[1:]]
   rng = jax.random.key(seed)
@@ -119,13 +120,14 @@ def evaluate_ensemble_sizes(workdirs: Sequence[str], output_dir: str, config=Non
   rows = [{"ensemble_size": n, **{k: m[k] for k in ("count",) + METRIC_COLUMNS}}
           for n, m in zip(sizes, (t.compute() for t in totals))]
   if jax.process_index() == 0:  # results are replicated; one process writes them
-    _write_table(rows, os.path.join(output_dir, "ensemble_sizes"))
+    _write_table(rows, output_dir, "ensemble_sizes")
     kind = "deep ensemble" if len(members) > 1 else config.model
-    plot_ensemble_sizes(rows, f"{kind} on {config.dataset}").savefig(
-        os.path.join(output_dir, "ensemble_sizes.png"))
-    plot_reliability_diagram(totals[-1],
-                             f"{kind}, N={sizes[-1]}: ECE {100 * rows[-1]['ece']:.2f}%").savefig(
-                                 os.path.join(output_dir, "reliability.png"))
+    workdir_lib.save_figure(plot_ensemble_sizes(rows, f"{kind} on {config.dataset}"),
+                            output_dir / "ensemble_sizes.png")
+    workdir_lib.save_figure(
+        plot_reliability_diagram(totals[-1],
+                                 f"{kind}, N={sizes[-1]}: ECE {100 * rows[-1]['ece']:.2f}%"),
+        output_dir / "reliability.png")
   return rows
 
 
@@ -150,8 +152,7 @@ def read_corruption_table(path: str) -> dict:
   * with a header naming ``type, severity, NLL, Acc, ECE`` (our ``corruptions.csv``); accuracies
     and ECEs given in percent (any accuracy above 1) are converted to fractions.
   """
-  with open(path, newline="") as f:
-    rows = [r for r in csv.reader(f) if r]
+  rows = [r for r in csv.reader(io.StringIO(epath.Path(path).read_text(), newline="")) if r]
   if rows and rows[0][0].strip().isdigit():
     bad = [
         i + 1 for i, r in enumerate(rows) if len(r) not in (16, 17) or not r[0].strip().isdigit()
@@ -218,7 +219,7 @@ def evaluate_corruptions(workdir: str,
   baseline of CIFAR-100-C / ImageNet-C (:func:`default_baseline`); the aggregates go to
   ``corruption_aggregates.json``.
   """
-  os.makedirs(output_dir, exist_ok=True)
+  output_dir = workdir_lib.workdir_path(output_dir)
   config, model, variables, pipeline, replicated, data_sharding = _evaluation_setup(workdir, config)
   baseline_csv = baseline_csv or default_baseline(pipeline.spec.base)
   baseline = read_corruption_table(baseline_csv) if baseline_csv else None  # bad files fail first
@@ -253,11 +254,10 @@ def evaluate_corruptions(workdir: str,
           "count": m["count"]
       })
       if jax.process_index() == 0:
-        _write_table(rows, os.path.join(output_dir, "corruptions"))
+        _write_table(rows, output_dir, "corruptions")
   aggregates = corruption_aggregates(table, baseline, corruptions)
   if jax.process_index() == 0:
-    with open(os.path.join(output_dir, "corruption_aggregates.json"), "w") as f:
-      json.dump(aggregates, f, indent=2)
+    workdir_lib.write_json(output_dir / "corruption_aggregates.json", aggregates)
   return aggregates
 
 
@@ -275,7 +275,7 @@ def evaluate_streams(workdir: str, output_dir: str, config=None, *, num_samples:
   ``streams_class_iou.json`` and ``stream_examples.png``.
   """
   from smoothing_jax.data import camvid
-  os.makedirs(output_dir, exist_ok=True)
+  output_dir = workdir_lib.workdir_path(output_dir)
   config, model, variables, pipeline, replicated, data_sharding = _evaluation_setup(workdir, config)
   frames_uint8, labels, _ = camvid.load_clips(split, config.data_dir)
   if frames_uint8.shape[1] < num_frames + 1:
@@ -317,20 +317,16 @@ def evaluate_streams(workdir: str, output_dir: str, config=None, *, num_samples:
   columns = ("method", "passes_per_frame", "count") + STREAM_COLUMNS
   rows = [{k: row[k] for k in columns} for row in temporal.statistics_rows(totals, num_samples)]
   if jax.process_index() == 0:  # results are replicated; one process writes them
-    _write_table(rows, os.path.join(output_dir, "streams"))
-    with open(os.path.join(output_dir, "streams_class_iou.json"), "w") as f:
-      json.dump(
-          {
-              r["method"]:
-                  dict(zip(camvid.CLASSES,
-                           class_iou(totals[r["method"]][0].confusion).tolist())) for r in rows
-          },
-          f,
-          indent=2)
-    plot_stream_table(rows, f"{config.model} on CamVid {split} clips").savefig(
-        os.path.join(output_dir, "streams.png"))
-    plot_stream_examples(frames_uint8[0], labels[0], {
-        r["method"]: examples[r["method"]] for r in rows
-    }, camvid.palette(), f"{config.model}: first {split} clip").savefig(
-        os.path.join(output_dir, "stream_examples.png"))
+    _write_table(rows, output_dir, "streams")
+    workdir_lib.write_json(output_dir / "streams_class_iou.json", {
+        r["method"]: dict(zip(camvid.CLASSES, class_iou(totals[r["method"]][0].confusion).tolist()))
+        for r in rows
+    })
+    workdir_lib.save_figure(plot_stream_table(rows, f"{config.model} on CamVid {split} clips"),
+                            output_dir / "streams.png")
+    workdir_lib.save_figure(
+        plot_stream_examples(frames_uint8[0], labels[0],
+                             {r["method"]: examples[r["method"]] for r in rows}, camvid.palette(),
+                             f"{config.model}: first {split} clip"),
+        output_dir / "stream_examples.png")
   return rows

@@ -65,8 +65,10 @@ def _map_in_chunks(fn, xs, chunk_size: Optional[int]):
 
 @functools.partial(jax.jit, static_argnames=("model", "num_samples", "chunk_size"))
 def _mc_log_probs(model, variables, images, rng, num_samples, chunk_size):
-  return _map_in_chunks(lambda key: log_probs(model, variables, images, key),
-                        jax.random.split(rng, num_samples), chunk_size)
+  keys = jax.random.split(rng, num_samples)
+  if num_samples == 1:  # one plain pass: a vmap over one key only adds work
+    return log_probs(model, variables, images, keys[0])[None]
+  return _map_in_chunks(lambda key: log_probs(model, variables, images, key), keys, chunk_size)
 
 
 def check_rng(rng):

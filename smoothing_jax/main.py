@@ -19,6 +19,7 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from smoothing_jax import evaluate, train  # noqa: E402
+from smoothing_jax import workdir as workdir_lib  # noqa: E402
 from smoothing_jax.data import (DatasetUnavailableError,  # noqa: E402
                                 hide_accelerators_from_tensorflow)
 
@@ -34,7 +35,15 @@ flags.DEFINE_string("baseline_csv", None, "corruptions: baseline table (referenc
                     "default: the shipped AlexNet results on CIFAR-100-C / ImageNet-C.")
 flags.DEFINE_integer("num_samples", 1, "corruptions: MC dropout samples per prediction.")
 flags.DEFINE_bool("multihost", False,
-                  "Call jax.distributed.initialize() (multi-host TPU/GPU jobs).")
+                  "Call jax.distributed.initialize() (multi-host TPU/GPU jobs; CPU processes use "
+                  "gloo collectives).")
+flags.DEFINE_string("coordinator_address", None,
+                    "--multihost: host:port of process 0 (default: auto-detected on Cloud TPU "
+                    "and SLURM).")
+flags.DEFINE_integer("num_processes", None, "--multihost: number of processes (default: "
+                     "auto-detected).")
+flags.DEFINE_integer("process_id", None, "--multihost: this process's index (default: "
+                     "auto-detected).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 # Errors a user can cause (bad dataset, arrays, model name, config value, missing checkpoint):
@@ -119,11 +128,18 @@ def main(argv):
     _exit_with_error(f"{type(e).__name__}: {e}{cause}", 1)
 
 
+def initialize_multihost(coordinator_address=None, num_processes=None, process_id=None):
+  """``jax.distributed.initialize`` (None arguments: auto-detected on Cloud TPU / SLURM), with
+  gloo collectives for CPU devices, so that CPU processes form one mesh too."""
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address, num_processes, process_id)
+
+
 def run(config, workdir: str, mode: str):
   """The job ``--mode`` names, on ``config`` and ``workdir``."""
   if FLAGS.multihost:
-    jax.distributed.initialize()
-  results_dir = os.path.join(workdir, "results")
+    initialize_multihost(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  results_dir = workdir_lib.workdir_path(workdir) / "results"
   logging.info("JAX devices: %d (%s), processes: %d", jax.device_count(), jax.devices()[0].platform,
                jax.process_count())
   if mode == "train":

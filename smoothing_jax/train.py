@@ -19,7 +19,6 @@ class weights (paper Appendix A.2).
 from __future__ import annotations
 
 import functools
-import os
 import signal
 from typing import Any, Optional
 
@@ -41,8 +40,8 @@ from smoothing_jax.data.mixup import Mixing, mix_batch
 from smoothing_jax.inference import mc_predict, sample_rngs
 from smoothing_jax.metrics import UncertaintyMetrics, label_mask
 from smoothing_jax.models import is_ibnn, is_segmentation_model
-from smoothing_jax.parallel import (create_mesh, eval_batch_size, evaluate_batches, shard_batch,
-                                    shardings)
+from smoothing_jax.parallel import (create_mesh, eval_batch_size, evaluate_batches,
+                                    prefetch_to_devices, shardings)
 
 
 class TrainState(train_state.TrainState):
@@ -246,22 +245,70 @@ def create_train_state(config, model, rng, image_shape, schedule) -> TrainState:
                            tx=create_optimizer(config, schedule, model))
 
 
-def train_step(schedule, loss_fn, state: TrainState, batch, dropout_rng):
+def split_micro_batches(batch, num_micro_batches: int):
+  """``[B, ...]`` leaves → ``[num_micro_batches, B / num_micro_batches, ...]``, micro-batch j
+  holding rows j, j + k, j + 2k, ... (k = ``num_micro_batches``): each device's contiguous block
+  of a data-sharded batch then holds an equal part of every micro-batch."""
+  def split(x):
+    if x.shape[0] % num_micro_batches:
+      raise ValueError(f"A batch of {x.shape[0]} does not split into {num_micro_batches} "
+                       "micro-batches (config.grad_accum_steps must divide config.batch_size).")
+    x = x.reshape((x.shape[0] // num_micro_batches, num_micro_batches) + x.shape[1:])
+    return jnp.swapaxes(x, 0, 1)
+  return jax.tree.map(split, batch)
+
+
+def train_step(schedule, loss_fn, state: TrainState, batch, dropout_rng, grad_accum_steps: int = 1):
   """One optimiser step on a (global) batch of ``loss_fn`` (:func:`make_loss`); the dropout /
   noise key is ``fold_in(dropout_rng, step)``.  Metrics: loss, accuracy (void masked),
-  learning rate and the loss's own (e.g. the ELBO's NLL and KL)."""
+  learning rate and the loss's own (e.g. the ELBO's NLL and KL).
+
+  ``grad_accum_steps`` = k > 1 splits the batch into k micro-batches
+  (:func:`split_micro_batches`, key ``fold_in(key, j)`` for micro-batch j) and applies the mean
+  of their gradients and losses in one update, inside one ``lax.scan``: a batch that does not
+  fit in memory runs at 1/k of it.  The update equals the full batch's for a loss that is a mean
+  over equal-size micro-batches; BatchNorm statistics (and their running averages, updated once
+  per micro-batch) then come from micro-batches, and per-pixel losses are averaged per
+  micro-batch.
+  """
   rng = jax.random.fold_in(dropout_rng, state.step)
-  (loss, aux), grads = jax.value_and_grad(
-      lambda params: loss_fn(params, state.batch_stats, batch, rng, state.step),
-      has_aux=True)(state.params)
-  new_state = state.apply_gradients(grads=grads, batch_stats=aux["batch_stats"])
-  counted = label_mask(aux["labels"], aux["logits"].shape[-1])
-  correct = (jnp.argmax(aux["logits"], -1) == aux["labels"]) * counted
+
+  def micro_step(batch_stats, micro_batch, key):
+    (loss, aux), grads = jax.value_and_grad(
+        lambda params: loss_fn(params, batch_stats, micro_batch, key, state.step),
+        has_aux=True)(state.params)
+    counted = label_mask(aux["labels"], aux["logits"].shape[-1])
+    correct = (jnp.argmax(aux["logits"], -1) == aux["labels"]) * counted
+    totals = {"loss": loss, "correct": jnp.sum(correct), "counted": jnp.sum(counted),
+              **aux["metrics"]}
+    return aux["batch_stats"], grads, totals
+
+  if grad_accum_steps == 1:
+    batch_stats, grads, totals = micro_step(state.batch_stats, batch, rng)
+  else:
+    def accumulate(carry, inputs):
+      batch_stats, grad_sum, total_sum = carry
+      j, micro_batch = inputs
+      batch_stats, grads, totals = micro_step(batch_stats, micro_batch, jax.random.fold_in(rng, j))
+      return (batch_stats, jax.tree.map(jnp.add, grad_sum, grads),
+              jax.tree.map(jnp.add, total_sum, totals)), None
+
+    micro_batches = split_micro_batches(batch, grad_accum_steps)
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    _, grad_shape, total_shape = jax.eval_shape(micro_step, state.batch_stats, first, rng)
+    zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
+    (batch_stats, grads, totals), _ = jax.lax.scan(
+        accumulate, (state.batch_stats, zeros(grad_shape), zeros(total_shape)),
+        (jnp.arange(grad_accum_steps), micro_batches))
+    grads = jax.tree.map(lambda g: g / grad_accum_steps, grads)
+    counts = {"correct": totals["correct"], "counted": totals["counted"]}
+    totals = {**jax.tree.map(lambda t: t / grad_accum_steps, totals), **counts}
+  new_state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
+  correct, counted = totals.pop("correct"), totals.pop("counted")
   return new_state, {
-      "loss": loss,
-      "accuracy": jnp.sum(correct) / jnp.maximum(jnp.sum(counted), 1.0),
+      **totals,
+      "accuracy": correct / jnp.maximum(counted, 1.0),
       "learning_rate": schedule(state.step),
-      **aux["metrics"]
   }
 
 
@@ -275,13 +322,38 @@ def eval_step(model, num_samples: int, num_bins: int, variables, batch, rng) -> 
                                               num_bins=num_bins)
 
 
-def compile_steps(model, schedule, mesh: Mesh, num_bins: int, loss_fn=None):
-  """``(train_step, eval_step)`` jitted over ``mesh``: batch sharded on ``data``, state replicated
-  and donated.  ``loss_fn`` (:func:`make_loss`) defaults to the plain cross-entropy."""
+def train_batch_sharding(config, mesh: Mesh):
+  """How training batches lie on ``mesh``: sharded on ``data`` when each micro-batch
+  (``batch_size / grad_accum_steps``) divides over the devices; otherwise (one process only)
+  replicated, every device computing whole micro-batches, with a warning."""
+  k = config.grad_accum_steps
+  if not isinstance(k, int) or k < 1 or config.batch_size % k:
+    raise ValueError(f"grad_accum_steps must be a positive integer that divides batch_size "
+                     f"{config.batch_size}, got {k!r}.")
+  replicated, data_sharding = shardings(mesh)
+  micro = config.batch_size // k
+  if micro % mesh.size == 0:
+    return data_sharding
+  if jax.process_count() > 1:
+    raise ValueError(f"Micro-batches of {micro} (batch_size {config.batch_size} / "
+                     f"grad_accum_steps {k}) do not divide over the {mesh.size} devices of a "
+                     "multi-process run.")
+  logging.warning("Micro-batches of %d (batch_size %d / grad_accum_steps %d) do not divide over "
+                  "%d devices: every device computes whole micro-batches (no data parallelism).",
+                  micro, config.batch_size, k, mesh.size)
+  return replicated
+
+
+def compile_steps(model, schedule, mesh: Mesh, num_bins: int, loss_fn=None,
+                  grad_accum_steps: int = 1, batch_sharding=None):
+  """``(train_step, eval_step)`` jitted over ``mesh``: the training batch on ``batch_sharding``
+  (default: sharded on ``data``), state replicated and donated.  ``loss_fn``
+  (:func:`make_loss`) defaults to the plain cross-entropy."""
   replicated, data_sharding = shardings(mesh)
   loss_fn = loss_fn or supervised_loss(model)
-  p_train_step = jax.jit(functools.partial(train_step, schedule, loss_fn),
-                         in_shardings=(replicated, data_sharding, replicated),
+  p_train_step = jax.jit(functools.partial(train_step, schedule, loss_fn,
+                                           grad_accum_steps=grad_accum_steps),
+                         in_shardings=(replicated, batch_sharding or data_sharding, replicated),
                          out_shardings=(replicated, replicated), donate_argnums=(0,))
   p_eval_step = jax.jit(functools.partial(eval_step, model, 1, num_bins),
                         in_shardings=(replicated, data_sharding, replicated),
@@ -319,6 +391,17 @@ class _Preemption:
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
 
+  def agreed(self, step: int, every: int) -> bool:
+    """Whether to stop after ``step``.  One process: its own flag.  Several: any process's flag,
+    compared by an all-gather every ``every`` steps; every process runs the same steps, so all
+    stop (and save) at the same one, whichever received the SIGTERM."""
+    if jax.process_count() == 1:
+      return self.requested
+    if step % every:
+      return False
+    from jax.experimental import multihost_utils
+    return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))
+
 
 @jax.jit
 def _all_finite(state: TrainState):
@@ -347,12 +430,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   to restore are renamed by ``workdir.set_aside_newer_steps``, not deleted).  ``stop_after_steps``
   ends this run early (after a checkpoint), as a preemption would.
   """
-  os.makedirs(workdir, exist_ok=True)
-  writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
+  workdir_lib.workdir_path(workdir).mkdir(parents=True, exist_ok=True)
+  writer = metric_writers.create_default_writer(str(workdir_lib.workdir_path(workdir)),
+                                                just_logging=jax.process_index() > 0)
   mesh = create_mesh(config.num_devices)
-  if config.batch_size % mesh.size:
-    raise ValueError(f"batch_size {config.batch_size} is not divisible by the {mesh.size} devices.")
   replicated, data_sharding = shardings(mesh)
+  batch_sharding = train_batch_sharding(config, mesh)
 
   randaugment = config.randaugment
   pipeline = create_pipeline(
@@ -397,7 +480,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   if jax.process_index() == 0:
     workdir_lib.write_config(workdir, config, model_spec(config, pipeline))
 
-  p_train_step, p_eval_step = compile_steps(model, schedule, mesh, config.ece_bins, loss_fn)
+  p_train_step, p_eval_step = compile_steps(model, schedule, mesh, config.ece_bins, loss_fn,
+                                            config.grad_accum_steps, batch_sharding)
 
   report_progress = periodic_actions.ReportProgress(num_train_steps=num_steps, writer=writer)
   eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))
@@ -408,18 +492,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                config.model, config.dataset, num_steps, steps_per_epoch, config.batch_size,
                mesh.size)
 
-  batches = pipeline.train_iterator(start_step)
+  # The next global batches are assembled on the devices while the current step runs.
+  batches = prefetch_to_devices(pipeline.train_iterator(start_step), batch_sharding,
+                                config.prefetch_batches)
   try:
     with _Preemption() as preemption:
       for step in range(start_step + 1, stop_at + 1):
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
-          state, metrics = p_train_step(state, shard_batch(next(batches), data_sharding),
+          state, metrics = p_train_step(state, next(batches),
                                         dropout_rng)
         train_metrics.append(metrics)
         pending_losses.append((step, metrics["loss"]))
         report_progress(step)
 
-        preempted = preemption.requested  # read once: the save and the exit below must agree
+        # Read once: the save and the exit below must agree (and, multi-host, every process).
+        preempted = preemption.agreed(step, config.log_every_steps)
         is_last = step == stop_at or preempted
         if step % config.log_every_steps == 0 or is_last:
           _check_finite(pending_losses, last_good, checkpoint_dir)
@@ -447,6 +534,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         if preempted:
           break
   finally:
+    batches.close()
     manager.wait_until_finished()  # commits any checkpoint still being written
     manager.close()
     writer.close()

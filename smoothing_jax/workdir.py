@@ -7,20 +7,27 @@
 ``load(workdir) -> (config, model, variables)`` is what evaluation, analyses, notebooks
 and benchmarks use.  Checkpoints restore onto the current devices, whatever device count
 wrote them; a step that cannot be read is skipped with a warning (``restore_latest``).
+
+A workdir is any path ``etils.epath`` opens: a local folder or ``gs://bucket/run``.
+Every file under it is written through :func:`write_atomically` / :func:`save_figure`
+(a temporary file renamed over the target), never through ``open``/``os.path``.
 """
 from __future__ import annotations
 
+import io
 import json
 import logging as std_logging
-import os
+import re
 import sys
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 
 from smoothing_jax.models import get_model
 from smoothing_jax.parallel import create_mesh, shardings
@@ -29,32 +36,61 @@ CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
 
 
-def checkpoint_dir(workdir: str) -> str:
-  """``<workdir>/checkpoints`` as an absolute path (orbax needs one)."""
-  return os.path.join(os.path.abspath(workdir), CHECKPOINTS)
+def workdir_path(workdir) -> epath.Path:
+  """``workdir`` as an ``epath.Path``: URIs (``gs://bucket/run``) as given, local paths made
+  absolute (orbax needs absolute paths)."""
+  path = epath.Path(workdir)
+  return path if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", str(workdir)) else path.absolute()
 
 
-def write_config(workdir: str, config: ml_collections.ConfigDict, model_spec: dict):
+def write_atomically(path, data) -> None:
+  """Write ``data`` (str or bytes) to ``<path>.tmp``, then rename it over ``path``: readers see
+  the old file or the new one, never half of one.  Creates the parent folder."""
+  path = epath.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_name(path.name + ".tmp")
+  if isinstance(data, bytes):
+    tmp.write_bytes(data)
+  else:
+    tmp.write_text(data)
+  tmp.replace(path)
+
+
+def write_json(path, obj, indent: int = 2) -> None:
+  """``obj`` as JSON at ``path`` (:func:`write_atomically`)."""
+  write_atomically(path, json.dumps(obj, indent=indent))
+
+
+def save_figure(fig, path, **savefig_kwargs) -> None:
+  """A matplotlib figure at ``path`` (format from the suffix; :func:`write_atomically`)."""
+  path = epath.Path(path)
+  buffer = io.BytesIO()
+  fig.savefig(buffer, format=path.suffix.lstrip(".") or "png", **savefig_kwargs)
+  write_atomically(path, buffer.getvalue())
+
+
+def checkpoint_dir(workdir) -> epath.Path:
+  """``<workdir>/checkpoints`` (:func:`workdir_path`)."""
+  return workdir_path(workdir) / CHECKPOINTS
+
+
+def write_config(workdir, config: ml_collections.ConfigDict, model_spec: dict):
   """Record ``config`` and the ``model_spec`` in ``<workdir>/config.json`` (written atomically)."""
   record = json.loads(config.to_json_best_effort())
   record["model_spec"] = model_spec
-  path = os.path.join(workdir, CONFIG_FILE)
-  with open(path + ".tmp", "w") as f:
-    json.dump(record, f, indent=2)
-  os.replace(path + ".tmp", path)
+  write_json(workdir_path(workdir) / CONFIG_FILE, record)
 
 
-def _read_record(workdir: str) -> dict:
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.exists(path):
+def _read_record(workdir) -> dict:
+  path = workdir_path(workdir) / CONFIG_FILE
+  if not path.exists():
     raise FileNotFoundError(f"No run in {workdir}: {path} does not exist (train into it first).")
-  with open(path) as f:
-    return json.load(f)
+  return json.loads(path.read_text())
 
 
-def read_config(workdir: str) -> tuple:
+def read_config(workdir) -> tuple:
   """``(config, model_spec)`` recorded in ``<workdir>/config.json``."""
-  path = os.path.join(workdir, CONFIG_FILE)
+  path = workdir_path(workdir) / CONFIG_FILE
   record = _read_record(workdir)
   spec = record.pop("model_spec", None)
   if spec is None:
@@ -63,11 +99,20 @@ def read_config(workdir: str) -> tuple:
   return ml_collections.ConfigDict(record), spec
 
 
+def compute_dtype(config):
+  """The models' computation dtype: bfloat16 under ``config.half_precision`` (as in the Flax
+  ImageNet example), else float32.  Parameters, optimizer state and BatchNorm statistics stay
+  float32 either way, and softmax, losses and metrics are computed in float32."""
+  return jnp.bfloat16 if config.get("half_precision", False) else jnp.float32
+
+
 def build_model(config, model_spec: dict):
-  """``config.model`` with ``config.model_kwargs`` for ``model_spec``'s classes and geometry."""
+  """``config.model`` with ``config.model_kwargs`` for ``model_spec``'s classes and geometry,
+  computing in :func:`compute_dtype` (training and every evaluation of the workdir alike)."""
   overrides = {k: v for k, v in config.model_kwargs.items() if v is not None}
   overrides.setdefault("stem", model_spec["stem"])
-  return get_model(config.model, int(model_spec["num_classes"]), **overrides)
+  return get_model(config.model, int(model_spec["num_classes"]), dtype=compute_dtype(config),
+                   **overrides)
 
 
 def checkpoint_manager(workdir: str, max_to_keep: Optional[int] = None,
@@ -159,7 +204,7 @@ def restore_latest(manager: ocp.CheckpointManager, target):
   _mute_late_read_errors()
   failures = []
   for step in sorted(manager.all_steps(), reverse=True):
-    step_dir = os.path.join(manager.directory, str(step), "")
+    step_dir = f"{manager.directory / str(step)}/"
     _RESTORED_STEP_DIRS.add(step_dir)  # before any read can fail
     try:
       tree = target(step) if callable(target) else target
@@ -191,12 +236,12 @@ def set_aside_newer_steps(manager: ocp.CheckpointManager, step: int):
     return
   if jax.process_index() == 0:
     for s in newer:
-      source = os.path.join(manager.directory, str(s))
-      destination, n = source + ".corrupt", 0
-      while os.path.exists(destination):
+      source = epath.Path(manager.directory) / str(s)
+      destination, n = source.with_name(f"{s}.corrupt"), 0
+      while destination.exists():
         n += 1
-        destination = f"{source}.corrupt.{n}"
-      os.rename(source, destination)
+        destination = source.with_name(f"{s}.corrupt.{n}")
+      source.rename(destination)
       logging.warning("Unreadable checkpoint step %d moved to %s (not deleted).", s, destination)
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils

@@ -97,3 +97,58 @@ def test_user_errors_print_one_line(cli_results, case, code, expected):
 def test_the_traceback_is_kept_on_request(cli_results):
   result = cli_results["traceback on request"]
   assert result["code"] == "raised" and "Unknown model name 'vgg_dnn_16x'" in result["stderr"]
+
+
+def test_two_processes_stop_together_and_match_one_process(tmp_path):
+  """2 processes × 4 simulated CPU devices (``--multihost``, gloo collectives on localhost) train
+  the quickstart; a SIGTERM to process 1 alone stops both at the same step, which both save.
+  One process with 8 devices trained for that many steps ends with the same parameters: the
+  global batches do not depend on the number of processes."""
+  import re
+  import signal
+  import socket
+  import time
+  import jax
+  from configs import quickstart
+  from smoothing_jax import train
+  from smoothing_jax import workdir as workdir_lib
+  from tests.helpers import override
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  workdir = tmp_path / "two_processes"
+  sizes = {"model_kwargs.width": 4, "batch_size": 16, "log_every_steps": 5,
+           "checkpoint_every_steps": 1000, "num_train_steps": 1000}
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+         "JAX_PLATFORMS": "cpu"}
+  command = [sys.executable, "-m", "smoothing_jax.main", "--config=configs/quickstart.py:runlocal",
+             f"--workdir={workdir}", "--multihost", f"--coordinator_address=localhost:{port}",
+             "--num_processes=2"] + [f"--config.{k}={v}" for k, v in sizes.items()]
+  processes = [subprocess.Popen(command + [f"--process_id={i}"], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for i in range(2)]
+  try:
+    deadline = time.time() + 300
+    while not (workdir / "config.json").exists() and time.time() < deadline:
+      assert all(p.poll() is None for p in processes), processes[0].communicate()[0][-3000:]
+      time.sleep(0.2)
+    time.sleep(2.0)  # inside the training loop (its first step is still compiling)
+    processes[1].send_signal(signal.SIGTERM)
+    outputs = [p.communicate(timeout=300)[0] for p in processes]
+  finally:
+    for p in processes:
+      p.kill()
+  stopped = [re.findall(r"Stopped at step (\d+) after SIGTERM", out) for out in outputs]
+  assert all(len(s) == 1 for s in stopped), [out[-3000:] for out in outputs]
+  step = int(stopped[0][0])
+  assert stopped[1] == [str(step)] and [p.returncode for p in processes] == [1, 1]
+  assert 0 < step < 1000 and step % 5 == 0
+  assert sorted(os.listdir(workdir / "checkpoints")) == [str(step)]
+
+  assert jax.device_count() == 8 and jax.process_count() == 1
+  config = override(quickstart.get_config("runlocal"), **{**sizes, "num_train_steps": step})
+  single = train.train_and_evaluate(config, str(tmp_path / "one_process"))
+  _, saved_step, variables = workdir_lib.load_checkpoint(str(workdir))
+  assert saved_step == step
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6),
+               jax.device_get(variables["params"]), jax.device_get(single.params))

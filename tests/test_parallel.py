@@ -1,5 +1,5 @@
 """smoothing_jax.parallel: the mesh and its shardings, sharded batches, the evaluation batch size
-and evaluate_batches (exact merging over batches, one key per batch)."""
+evaluate_batches (exact merging over batches, one key per batch) and device prefetching."""
 import types
 
 import jax
@@ -8,8 +8,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from smoothing_jax.metrics import UncertaintyMetrics, evaluate
-from smoothing_jax.parallel import (create_mesh, eval_batch_size, evaluate_batches, shard_batch,
-                                    shardings)
+from smoothing_jax.parallel import (create_mesh, eval_batch_size, evaluate_batches,
+                                    prefetch_to_devices, shard_batch, shardings)
 
 
 def test_mesh_shardings_and_sharded_batches():
@@ -89,3 +89,31 @@ def test_evaluate_batches_merges_metrics_keeps_the_first_batch_of_the_rest_and_f
 def test_evaluate_batches_of_no_batches_is_an_error():
   with pytest.raises(ValueError, match="No evaluation batches"):
     evaluate_batches(lambda *args: 1 / 0, {}, [], None, jax.random.key(0))
+
+
+def test_prefetch_to_devices_keeps_order_raises_in_place_and_stops_its_thread():
+  import threading
+  _, data = shardings(create_mesh())
+  host = [{"image": np.full((8, 2), float(i)), "label": np.arange(8) + i} for i in range(5)]
+  for size in (0, 2):
+    got = list(prefetch_to_devices(iter(host), data, size))
+    assert len(got) == 5 and all(g["image"].sharding == data for g in got)
+    for g, h in zip(got, host):
+      np.testing.assert_array_equal(g["image"], h["image"])
+      np.testing.assert_array_equal(g["label"], h["label"])
+
+  def failing():
+    yield host[0]
+    raise OSError("the input pipeline broke")
+  batches = prefetch_to_devices(failing(), data)
+  assert float(next(batches)["image"][0, 0]) == 0.0
+  with pytest.raises(OSError, match="the input pipeline broke"):
+    next(batches)
+
+  def endless():
+    while True:
+      yield host[1]
+  batches = prefetch_to_devices(endless(), data, size=2)
+  next(batches)
+  batches.close()  # what the train loop does when it ends or fails
+  assert not any(t.name == "prefetch_to_devices" for t in threading.enumerate())

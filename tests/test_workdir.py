@@ -67,6 +67,57 @@ def test_config_and_model_spec_round_trip(tmp_path):
                                                                                       (1,))
 
 
+@pytest.fixture
+def fake_gcs(tmp_path, monkeypatch):
+  """``gs://…`` paths served from ``tmp_path/gcs`` through ``etils.epath.testing.mock_epath``
+  (every backend call rewritten; epath would otherwise pick TensorFlow's GCS client, which
+  needs a network).  Orbax checkpoints go through TensorStore's own GCS driver: not covered."""
+  from etils.epath import gpath, testing
+  root = tmp_path / "gcs"
+  root.mkdir()
+
+  def local(path):
+    path = os.fspath(path)
+    return path.replace("gs://", f"{root}/", 1) if path.startswith("gs://") else path
+
+  def one(original, path, *args, **kwargs):
+    return original(local(path), *args, **kwargs)
+
+  def two(original, source, destination, *args, **kwargs):
+    return original(local(source), local(destination), *args, **kwargs)
+
+  monkeypatch.setattr(gpath, "_is_tf_installed", lambda: False)
+  names = ("open", "exists", "glob", "isdir", "listdir", "makedirs", "mkdir", "remove", "rmtree",
+           "stat", "walk")
+  with testing.mock_epath(**{name: one for name in names}, copy=two, rename=two, replace=two):
+    yield root
+
+
+def test_workdir_files_go_through_epath_to_gcs_paths(fake_gcs, tmp_path, monkeypatch):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  monkeypatch.chdir(tmp_path)
+  workdir = "gs://bucket/run"
+  assert str(workdir_lib.workdir_path(workdir)) == workdir  # a URI is never made "absolute"
+  assert workdir_lib.workdir_path("relative/run") == tmp_path / "relative" / "run"
+  config = npz_config(str(tmp_path / "data"))
+  spec = {"num_classes": 4, "stem": "cifar", "image_shape": [16, 16, 3]}
+  workdir_lib.write_config(workdir, config, spec)
+  assert workdir_lib.read_config(workdir)[1] == spec
+  results = workdir_lib.workdir_path(workdir) / "results"
+  rows = [{"type": "fog", "severity": 1, "NLL": 1.5, "Acc": 0.5, "ECE": 0.1, "count": 10}]
+  evaluate._write_table(rows, results, "corruptions")
+  workdir_lib.save_figure(plt.figure(), results / "figure.png")
+  assert evaluate.read_corruption_table(results / "corruptions.csv")[("fog", 1)]["nll"] == 1.5
+  stored = fake_gcs / "bucket" / "run"
+  assert sorted(os.listdir(stored)) == ["config.json", "results"]
+  assert sorted(os.listdir(stored / "results")) == ["corruptions.csv", "corruptions.json",
+                                                     "figure.png"]  # no .tmp left behind
+  assert (stored / "results" / "figure.png").read_bytes()[:4] == b"\x89PNG"
+  assert not os.path.exists(tmp_path / "gs:")  # nothing went to a local "gs:/bucket" folder
+
+
 def test_missing_run_and_missing_model_spec_are_clear_errors(tmp_path):
   missing = str(tmp_path / "never_trained")
   message = re.escape(f"No run in {missing}: {os.path.join(missing, 'config.json')} does not "

@@ -39,11 +39,23 @@ def segmentation_train_augment(image, labels, seed, crop_size):
 
 
 def imagenet_train_augment(image, seed, image_size: int = 224):
-  """Random-resized crop (scale 0.08–1, ratio 3/4–4/3) to ``image_size``, then a random flip."""
+  """Random-resized crop (scale 0.08–1, ratio 3/4–4/3) to ``image_size``, then a random flip.
+
+  ``image``: decoded ``[H, W, 3]`` pixels, or the encoded JPEG bytes (a string scalar), which
+  are decoded inside the crop window only (``tf.image.decode_and_crop_jpeg``): the same pixels
+  as decoding the whole image and slicing, for a fraction of the decoding work.
+  """
+  image = tf.convert_to_tensor(image)
+  encoded = image.dtype == tf.string
+  shape = tf.image.extract_jpeg_shape(image) if encoded else tf.shape(image)
   begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
-      tf.shape(image), tf.zeros((1, 0, 4)), seed=seed, area_range=(0.08, 1.0),
+      shape, tf.zeros((1, 0, 4)), seed=seed, area_range=(0.08, 1.0),
       aspect_ratio_range=(3 / 4, 4 / 3), max_attempts=10, use_image_if_no_bounding_boxes=True)
-  image = tf.slice(image, begin, size)
+  if encoded:
+    window = tf.stack([begin[0], begin[1], size[0], size[1]])
+    image = tf.image.decode_and_crop_jpeg(image, window, channels=3)
+  else:
+    image = tf.slice(image, begin, size)
   image = tf.image.resize(image, (image_size, image_size), method="bilinear")
   return tf.image.stateless_random_flip_left_right(image, seed=seed + 1)
 

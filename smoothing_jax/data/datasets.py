@@ -143,12 +143,15 @@ def _missing_message(spec, builder, reason=""):
           f"[N] in train.npz/test.npz).")
 
 
-def tfds_split(spec: DatasetSpec, split: str, data_dir: Optional[str],
-               download: bool) -> tf.data.Dataset:
-  """This process's shard of a TFDS split as ``{"image", "label"}`` examples."""
+def tfds_split(spec: DatasetSpec, split: str, data_dir: Optional[str], download: bool,
+               encoded_images: bool = False, shard: bool = True) -> tf.data.Dataset:
+  """This process's shard (``shard=False``: all) of a TFDS split as ``{"image", "label"}``
+  examples (``encoded_images``: the stored JPEG bytes, left for the augmentation to decode)."""
   builder = tfds_builder(spec, data_dir, download)
+  decoders = {"image": tfds.decode.SkipDecoding()} if encoded_images else None
   try:
-    return builder.as_dataset(split=tfds.split_for_jax_process(split), shuffle_files=False)
+    return builder.as_dataset(split=tfds.split_for_jax_process(split) if shard else split,
+                              shuffle_files=False, decoders=decoders)
   except AssertionError as e:  # TFDS: "could not find data in ..."
     raise DatasetUnavailableError(_missing_message(spec, builder)) from e
 
@@ -190,20 +193,23 @@ def _npz_arrays(spec: DatasetSpec, split: str):
 
 
 def load_arrays(spec: DatasetSpec, split: str, data_dir: Optional[str] = None,
-                download: bool = False):
-  """This process's shard of a small split as numpy
-  ``(uint8 images [N,H,W,3], int32 labels [N] or label maps [N,H,W])``."""
+                download: bool = False, shard: bool = True):
+  """This process's shard (every ``process_count``-th example; ``shard=False``: the whole split)
+  of a small split as numpy ``(uint8 images [N,H,W,3], int32 labels [N] or label maps
+  [N,H,W])``."""
   if spec.source == "digits":
     images, labels = _digits_arrays(split)
   elif spec.source == "npz":
     images, labels = _npz_arrays(spec, split)
   else:
-    ds = tfds_split(spec, split, data_dir, download)
+    ds = tfds_split(spec, split, data_dir, download, shard=shard)
     batches = list(tfds.as_numpy(ds.map(lambda ex: (ex["image"], ex["label"])).batch(4096)))
     images = np.concatenate([b[0] for b in batches])
     labels = np.concatenate([b[1] for b in batches]).astype(np.int32)
     if labels.ndim == 4:  # label maps are stored as one-channel images
       labels = labels[..., 0]
+    return images, labels
+  if not shard:
     return images, labels
   process, count = jax.process_index(), jax.process_count()
   return images[process::count], labels[process::count]
@@ -211,25 +217,11 @@ def load_arrays(spec: DatasetSpec, split: str, data_dir: Optional[str] = None,
 
 # ----------------------------------------------------------------------------- statistics
 
-def sum_over_processes(x: np.ndarray) -> np.ndarray:
-  """``x`` summed over all processes (multi-host); ``x`` itself on one process."""
-  if jax.process_count() == 1:
-    return np.asarray(x)
-  from jax.experimental import multihost_utils
-  return np.sum(multihost_utils.process_allgather(np.asarray(x)), axis=0)
-
-
 def normalization(spec: DatasetSpec, train_images: Optional[np.ndarray] = None):
-  """Per-channel (mean, std) in [0, 1] units: the paper's constants, or the (whole)
-  training set's own."""
+  """Per-channel (mean, std) in [0, 1] units: the paper's constants, or those of
+  ``train_images``, the whole training split (every process holds it, so all agree)."""
   key = spec.base if spec.base in NORMALIZATION else None
   if key:
     return NORMALIZATION[key]
   pixels = train_images.reshape(-1, 3).astype(np.float64) / 255.0
-  if jax.process_count() == 1:
-    return tuple(pixels.mean(0)), tuple(pixels.std(0))
-  # Each process holds a shard: combine the moments so that every process normalises alike.
-  total = sum_over_processes(
-      np.concatenate([[len(pixels)], pixels.sum(0), np.square(pixels).sum(0)]))
-  mean = total[1:4] / total[0]
-  return tuple(mean), tuple(np.sqrt(np.maximum(total[4:7] / total[0] - mean ** 2, 0.0)))
+  return tuple(pixels.mean(0)), tuple(pixels.std(0))

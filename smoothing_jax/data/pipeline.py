@@ -26,7 +26,7 @@ from smoothing_jax.data.augment import (_normalize, cifar_train_augment, imagene
                                         imagenet_train_augment, segmentation_train_augment)
 from smoothing_jax.data.class_weights import class_pixel_counts, median_frequency_weights
 from smoothing_jax.data.datasets import (NORMALIZATION, DatasetSpec, load_arrays, normalization,
-                                         parse_dataset, prepared_tfds_builder, sum_over_processes,
+                                         parse_dataset, prepared_tfds_builder,
                                          tfds_builder, tfds_split)
 from smoothing_jax.data.randaugment import randaugment
 
@@ -89,7 +89,7 @@ class Pipeline:
     if not self.is_segmentation:
       raise ValueError(f"Class balancing needs a segmentation dataset; {self.spec.name!r} has "
                        "one label per image.")
-    counts = sum_over_processes(class_pixel_counts(self.train_labels, num_classes))
+    counts = class_pixel_counts(self.train_labels, num_classes)  # the whole split
     return median_frequency_weights(None, num_classes, counts)
 
   def normalize(self, images: np.ndarray) -> np.ndarray:
@@ -103,6 +103,8 @@ class Pipeline:
 
   @property
   def steps_per_epoch(self) -> int:
+    if self.train_images is not None:  # every process holds the split: global batches
+      return self.num_train // self.global_batch_size
     return (self.num_train // jax.process_count()) // self.local_batch_size
 
   @property
@@ -115,19 +117,28 @@ class Pipeline:
     """Batches of epoch ``epoch`` from step ``start_step`` on: ``{"image", "label"}``,
     normalised float32."""
     steps, batch = self.steps_per_epoch, self.local_batch_size
-    epoch_seed = np.random.default_rng([self.seed, epoch, jax.process_index()])
-    order_seed = int(epoch_seed.integers(2 ** 31))
     if self.train_images is not None:
-      order = np.random.default_rng([self.seed, epoch, jax.process_index(), 1]).permutation(
-          len(self.train_images))[start_step * batch:steps * batch]
-      ds = tf.data.Dataset.from_tensor_slices((self.train_images[order],
-                                               self.train_labels[order]))
+      # One global order of the whole split (the same on every process); process p takes its
+      # slice of each global batch, so the global batches, and the augmentation of each example
+      # (seeded by its global position), do not depend on the number of processes.
+      order_seed = int(np.random.default_rng([self.seed, epoch, 0]).integers(2 ** 31))
+      order = np.random.default_rng([self.seed, epoch, 0, 1]).permutation(len(self.train_images))
+      mine = slice(jax.process_index() * batch, (jax.process_index() + 1) * batch)
+      take = lambda x: x[:steps * self.global_batch_size].reshape(  # noqa: E731
+          steps, self.global_batch_size)[start_step:, mine].reshape(-1)
+      rows, positions = take(order), take(np.arange(steps * self.global_batch_size))
+      ds = tf.data.Dataset.zip(tf.data.Dataset.from_tensor_slices(positions),
+                               tf.data.Dataset.from_tensor_slices((self.train_images[rows],
+                                                                   self.train_labels[rows])))
     else:  # streaming (ImageNet): seeded shuffle buffer, then skip what was already consumed
-      ds = tfds_split(self.spec, "train", self.data_dir, self.download)
+      epoch_seed = np.random.default_rng([self.seed, epoch, jax.process_index()])
+      order_seed = int(epoch_seed.integers(2 ** 31))
+      # JPEG bytes: imagenet_train_augment decodes only its random crop.
+      ds = tfds_split(self.spec, "train", self.data_dir, self.download, encoded_images=True)
       ds = ds.map(lambda ex: (ex["image"], ex["label"]))
       ds = ds.shuffle(16 * 1024, seed=order_seed, reshuffle_each_iteration=False)
       ds = ds.take(steps * batch).skip(start_step * batch)
-    positions = tf.data.Dataset.range(start_step * batch, steps * batch)
+      ds = tf.data.Dataset.zip(tf.data.Dataset.range(start_step * batch, steps * batch), ds)
     augment = imagenet_train_augment if self.spec.geometry == "imagenet" else cifar_train_augment
     mean, std, rand_layers = self.mean, self.std, self.randaugment
     segmentation, crop_size = self.is_segmentation, self.crop_size
@@ -145,7 +156,7 @@ class Pipeline:
         image = randaugment(image, seed + 2, *rand_layers)
       return {"image": _normalize(image, mean, std), "label": tf.cast(label, tf.int32)}
 
-    ds = tf.data.Dataset.zip(positions, ds).map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
+    ds = ds.map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
     return _options(ds.batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
 
   def train_iterator(self, start_step: int = 0) -> Iterator[dict]:
@@ -223,9 +234,11 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int,
     mean, std = NORMALIZATION["imagenet2012"]
     train_images = train_labels = None
   else:
-    train_images, train_labels = load_arrays(spec, "train", data_dir, download)
+    # The whole training split on every process (global batches independent of the process
+    # count); the evaluation split sharded.
+    train_images, train_labels = load_arrays(spec, "train", data_dir, download, shard=False)
     eval_images, eval_labels = load_arrays(spec, spec.eval_split, data_dir, download)
-    num_train = len(train_images) * jax.process_count()
+    num_train = len(train_images)
     num_eval = len(eval_images) * jax.process_count()
     mean, std = normalization(spec, train_images)
   pipeline = Pipeline(spec, global_batch_size, seed, tuple(mean), tuple(std), train_images,
