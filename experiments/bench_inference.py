@@ -34,8 +34,9 @@ def main(argv=None):
   parser.add_argument("--batch-size", type=int, default=128)
   parser.add_argument("--image-size", type=int, default=32)
   parser.add_argument("--num-samples", type=int, nargs="+", default=[1, 2, 10, 50])
-  parser.add_argument("--chunk-size", type=int, default=10,
-                      help="mc_predict chunk_size: samples evaluated together (bounds memory)")
+  parser.add_argument("--chunk-size", type=int, default=None,
+                      help="mc_predict chunk_size: samples evaluated together (default: the "
+                      "backend's, inference.default_chunk_size)")
   parser.add_argument("--width",
                       type=int,
                       default=None,

@@ -97,7 +97,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.keep_checkpoints = 3
   # Final evaluation: MC ensemble sizes (deterministic models use N = 1).
   config.ensemble_sizes = (1, 2, 3, 4, 5, 10, 20, 50)
-  config.eval_chunk_size = 10       # samples evaluated together (bounds memory)
+  # Samples evaluated together (None: inference.default_chunk_size, 1 on CPU, 10 on GPU/TPU).
+  config.eval_chunk_size = placeholder(int)
   return config
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from smoothing_jax.inference import Prediction, log_probs, mean_probs, sample_rngs
+from smoothing_jax.inference import Prediction, log_probs, map_in_chunks, mean_probs, sample_rngs
 from smoothing_jax.layers.node_noise import VARIATIONAL_PARAMS
 from smoothing_jax.models import is_ibnn
 from smoothing_jax.metrics import uncertainty_decomposition
@@ -184,14 +184,16 @@ def _ibnn_log_probs(model, variables, images, rng, num_samples):
     index, component_keys = args
     components = jnp.full((images.shape[0],), index)
 
-    return jax.vmap(lambda key: log_probs(model, variables, images, key, components=components))(
-        component_keys)
+    return map_in_chunks(
+        lambda key: log_probs(model, variables, images, key, components=components),
+        component_keys, None)
   samples = jax.lax.map(component, (jnp.arange(k), keys))          # [K, S, B, C]
   return jnp.swapaxes(samples, 0, 1).reshape((k * num_samples,) + samples.shape[2:])
 
 
 def ibnn_predict(model, variables, images, *, num_samples: int = 5, rng) -> Prediction:
-  """S samples from each of the K components in one jitted call (S vmapped passes per component).
+  """S samples from each of the K components in one jitted call (per component, the S passes
+  in chunks of ``inference.default_chunk_size``).
 
   ``sample_probs`` is ``[S·K, B, C]`` ordered sample-major (rows s·K … s·K+K−1 are
   one draw of every component); ``mean_probs`` their mean (NLL = −log mean p: log-mean-exp).

@@ -51,15 +51,34 @@ def mean_probs(sample_log_probs):
   return jnp.exp(log_mean_probs(sample_log_probs))
 
 
-def _map_in_chunks(fn, xs, chunk_size: Optional[int]):
-  """``vmap(fn)(xs)`` evaluated ``chunk_size`` rows at a time with ``lax.map`` (bounded memory)."""
-  n = xs.shape[0]
-  if chunk_size is None or chunk_size >= n:
+def default_chunk_size() -> int:
+  """Samples (or members) one compiled call evaluates together when ``chunk_size`` is None.
+
+  CPU: 1, i.e. a loop inside the call.  Measured with ``resnet_mcdo_smoothing_18`` at width
+  32, batch 128, on 2 cores: a vmap over N samples is 0.92× (N = 2) and 0.80× (N = 10) the
+  speed of a Python loop of single passes, while the in-call loop is 1.04× and 1.10×.
+  GPU/TPU: 10, vmapped (wider batches fill the accelerator; 10 bounds the memory).
+  """
+  return 1 if jax.default_backend() == "cpu" else 10
+
+
+def map_in_chunks(fn, xs, chunk_size: Optional[int]):
+  """``vmap(fn)(xs)`` evaluated ``chunk_size`` rows at a time with ``lax.map`` (bounded memory;
+  None: :func:`default_chunk_size`, 1: a plain ``lax.map``)."""
+  n = jax.tree.leaves(xs)[0].shape[0]
+  chunk_size = default_chunk_size() if chunk_size is None else chunk_size
+  if chunk_size == 1:
+    return jax.lax.map(fn, xs)
+  if chunk_size >= n:
     return jax.vmap(fn)(xs)
   num_chunks = -(-n // chunk_size)
   pad = num_chunks * chunk_size - n
-  padded = jnp.concatenate([xs, jnp.repeat(xs[-1:], pad, axis=0)]) if pad else xs
-  out = jax.lax.map(jax.vmap(fn), padded.reshape((num_chunks, chunk_size) + xs.shape[1:]))
+
+  def split(x):  # pad with copies of the last row, then [num_chunks, chunk_size, ...]
+    x = jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)]) if pad else x
+    return x.reshape((num_chunks, chunk_size) + x.shape[1:])
+
+  out = jax.lax.map(jax.vmap(fn), jax.tree.map(split, xs))
   return out.reshape((num_chunks * chunk_size,) + out.shape[2:])[:n]
 
 
@@ -68,7 +87,7 @@ def _mc_log_probs(model, variables, images, rng, num_samples, chunk_size):
   keys = jax.random.split(rng, num_samples)
   if num_samples == 1:  # one plain pass: a vmap over one key only adds work
     return log_probs(model, variables, images, keys[0])[None]
-  return _map_in_chunks(lambda key: log_probs(model, variables, images, key), keys, chunk_size)
+  return map_in_chunks(lambda key: log_probs(model, variables, images, key), keys, chunk_size)
 
 
 def check_rng(rng):
@@ -90,8 +109,9 @@ def mc_predict(model: nn.Module, variables, images, *, num_samples: int, rng,
     images: ``[B, H, W, 3]`` float images.
     num_samples: N ≥ 1.  Deterministic models give N identical samples.
     rng: PRNG key; sample ``i`` uses ``jax.random.split(rng, N)[i]`` as its dropout key.
-    chunk_size: evaluate at most this many samples at once (``lax.map`` over
-      chunks) to bound memory for large N; ``None`` runs all N in one vmap.
+    chunk_size: evaluate this many samples at once (one vmap; ``lax.map`` over the
+      chunks, which also bounds memory for large N); None: :func:`default_chunk_size`
+      for this backend, so the call is never slower than a loop of single passes.
 
   Returns:
     ``Prediction(sample_probs [N, B, C], mean_probs [B, C])``.
@@ -119,15 +139,16 @@ def stack_variables(variables_list: Sequence) -> dict:
 
 @functools.partial(jax.jit, static_argnames=("model",))
 def _ensemble_log_probs(model, stacked_variables, images, rng):
-  if rng is None:
-    return jax.vmap(lambda v: log_probs(model, v, images))(stacked_variables)
   members = jax.tree.leaves(stacked_variables)[0].shape[0]
-  return jax.vmap(lambda v, key: log_probs(model, v, images, key))(
-      stacked_variables, jax.random.split(rng, members))
+  if rng is None:
+    return map_in_chunks(lambda v: log_probs(model, v, images), stacked_variables, None)
+  return map_in_chunks(lambda args: log_probs(model, args[0], images, args[1]),
+                        (stacked_variables, jax.random.split(rng, members)), None)
 
 
 def ensemble_predict(model: nn.Module, stacked_variables, images, *, rng=None) -> Prediction:
-  """Deep ensemble: one jitted call vmapped over the leading axis of ``stacked_variables``.
+  """Deep ensemble: one jitted call over the leading axis of ``stacked_variables`` (vmapped in
+  chunks of :func:`default_chunk_size` members).
 
   ``rng`` gives member ``m`` the dropout key ``split(rng, M)[m]``; MC dropout
   members need it, deterministic members don't.  Returns ``Prediction([M, B, C], [B, C])``.

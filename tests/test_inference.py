@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from smoothing_jax.inference import ensemble_predict, mc_predict, stack_variables
+from smoothing_jax.inference import (default_chunk_size, ensemble_predict, map_in_chunks,
+                                     mc_predict, stack_variables)
 from smoothing_jax.models import get_model
 from tests.helpers import init_variables
 
@@ -29,11 +30,26 @@ def test_mc_predict_equals_python_loop(tiny_mcdo, images):
 
 
 def test_chunked_sampling_matches_one_vmap(tiny_mcdo, images):
+  """One vmap over all N, vmapped chunks of 2, and the CPU default (one sample at a time inside
+  the call, ``default_chunk_size``) give the same samples; N = 1 is one plain pass."""
   model, variables = tiny_mcdo
   rng = jax.random.key(3)
-  full = mc_predict(model, variables, images, num_samples=5, rng=rng)
-  chunked = mc_predict(model, variables, images, num_samples=5, rng=rng, chunk_size=2)
-  np.testing.assert_allclose(chunked.sample_probs, full.sample_probs, rtol=1e-5, atol=1e-7)
+  assert default_chunk_size() == 1  # CPU
+  full = mc_predict(model, variables, images, num_samples=5, rng=rng, chunk_size=5)
+  for chunk_size in (2, None):
+    chunked = mc_predict(model, variables, images, num_samples=5, rng=rng, chunk_size=chunk_size)
+    np.testing.assert_allclose(chunked.sample_probs, full.sample_probs, rtol=1e-5, atol=1e-7)
+  one = mc_predict(model, variables, images, num_samples=1, rng=rng)
+  expected = loop_predict(model, variables, images, jax.random.split(rng, 1))
+  np.testing.assert_allclose(one.sample_probs, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_map_in_chunks_over_a_pytree_pads_the_last_chunk():
+  xs = {"a": jnp.arange(5.0), "b": jnp.arange(10.0).reshape(5, 2)}
+  fn = lambda x: x["a"] * 10 + jnp.sum(x["b"])  # noqa: E731
+  expected = np.arange(5.0) * 10 + np.arange(10.0).reshape(5, 2).sum(1)
+  for chunk_size in (1, 2, 5, None):
+    np.testing.assert_allclose(map_in_chunks(fn, xs, chunk_size), expected)
 
 
 def test_deterministic_model_through_the_same_api(images):
