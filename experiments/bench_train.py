@@ -8,7 +8,9 @@ Prints one JSON object, all measured in the same run on the same devices:
   * each model's compiled FLOPs (XLA cost analysis) and its step-time and FLOP
     ratios against the first model, so the smoothing overhead can be read as
     "beyond what its larger feature maps cost" = time ratio / FLOP ratio;
-  * images/s of the training input pipeline alone (augmentation + batching).
+  * images/s of the training input pipeline alone (augmentation + batching);
+  * images/s of the ImageNet training augmentation on synthetic 375×500 JPEGs it writes to a
+    temporary folder: decoding only each random crop (the pipeline's way) vs the whole file.
 
   python experiments/bench_train.py                       # CIFAR, batch 128
   python experiments/bench_train.py --steps 3 --width 16  # quick
@@ -71,6 +73,42 @@ def time_train_steps(name, overrides, config, batch, steps):
   return statistics.median(times), flops
 
 
+def imagenet_jpeg_pipeline(num_files: int, batch_size: int, num_batches: int) -> dict:
+  """images/s of the ImageNet training augmentation on synthetic JPEGs written here
+  (375×500, quality 90, like ImageNet's typical file): decoding only the random crop
+  (``tf.image.decode_and_crop_jpeg``, what the pipeline does) vs decoding the whole file first."""
+  import tempfile
+  import tensorflow as tf
+  from smoothing_jax.data.augment import imagenet_train_augment
+  rng = np.random.default_rng(0)
+  folder = tempfile.mkdtemp(prefix="synthetic_jpegs_")
+  paths = []
+  for i in range(num_files):
+    pixels = (np.cumsum(rng.integers(0, 5, (375, 500, 3)), axis=1) % 256).astype(np.uint8)
+    paths.append(os.path.join(folder, f"{i}.jpg"))
+    tf.io.write_file(paths[-1], tf.io.encode_jpeg(pixels, quality=90))
+
+  def rate(decode_first: bool) -> float:
+    def prepare(position, path):
+      data = tf.io.read_file(path)
+      image = tf.io.decode_jpeg(data, channels=3) if decode_first else data
+      return imagenet_train_augment(image, tf.stack([tf.constant(0, tf.int64), position]))
+
+    ds = tf.data.Dataset.zip(tf.data.Dataset.range(10 ** 9),
+                             tf.data.Dataset.from_tensor_slices(paths).repeat())
+    ds = ds.map(prepare, num_parallel_calls=tf.data.AUTOTUNE).batch(batch_size)
+    iterator = iter(ds.prefetch(tf.data.AUTOTUNE))
+    next(iterator)
+    start = time.perf_counter()
+    for _ in range(num_batches):
+      next(iterator)
+    return num_batches * batch_size / (time.perf_counter() - start)
+
+  crop, whole = rate(False), rate(True)
+  return {"files": num_files, "decode_and_crop_images_per_s": crop,
+          "decode_then_crop_images_per_s": whole, "speedup": crop / whole}
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -90,6 +128,8 @@ def main(argv=None):
                       default=f"npz:{DEFAULT_DATA}" if os.path.isdir(DEFAULT_DATA) else "digits",
                       help="dataset for the input-pipeline measurement")
   parser.add_argument("--pipeline-batches", type=int, default=50)
+  parser.add_argument("--jpeg-files", type=int, default=256,
+                      help="synthetic JPEGs for the ImageNet-style pipeline (0: skip it)")
   args = parser.parse_args(argv)
 
   recipe, arg = ("cifar_vit", "vit_ti,cifar10") if args.recipe == "vit" else (
@@ -166,7 +206,10 @@ def main(argv=None):
               "pipeline_images_per_s":
                   pipeline_ips,
               "pipeline_vs_fastest_step":
-                  pipeline_ips / max(r["images_per_s"] for r in results)
+                  pipeline_ips / max(r["images_per_s"] for r in results),
+              "imagenet_jpeg_pipeline":
+                  imagenet_jpeg_pipeline(args.jpeg_files, args.batch_size, args.pipeline_batches)
+                  if args.jpeg_files else None
           },
           indent=2))
 

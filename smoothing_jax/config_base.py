@@ -99,6 +99,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.ensemble_sizes = (1, 2, 3, 4, 5, 10, 20, 50)
   # Samples evaluated together (None: inference.default_chunk_size, 1 on CPU, 10 on GPU/TPU).
   config.eval_chunk_size = placeholder(int)
+  # A file prefix keeping the preprocessed evaluation images after the first evaluation ("": off;
+  # ImageNet's validation JPEGs are otherwise decoded at every evaluation).
+  config.eval_cache = ""
   return config
 
 

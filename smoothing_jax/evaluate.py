@@ -44,7 +44,7 @@ def _evaluation_setup(workdir: str, config=None):
   ``config`` (evaluation settings) replaces the recorded one."""
   config, model, variables = workdir_lib.load(workdir, config)
   pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir,
-                             config.download)
+                             config.download, eval_cache=config.get("eval_cache", ""))
   return (config, model, variables, pipeline) + shardings(create_mesh(config.num_devices))
 
 

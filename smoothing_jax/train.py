@@ -440,7 +440,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   randaugment = config.randaugment
   pipeline = create_pipeline(
       config.dataset, config.batch_size, config.seed, config.data_dir, config.download,
-      (randaugment.num_layers, randaugment.magnitude, randaugment.magnitude_std), config.crop_size)
+      (randaugment.num_layers, randaugment.magnitude, randaugment.magnitude_std), config.crop_size,
+      config.eval_cache)
   model = create_model(config, pipeline)
   steps_per_epoch = pipeline.steps_per_epoch
   if steps_per_epoch == 0:

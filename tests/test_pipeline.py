@@ -155,3 +155,17 @@ def test_segmentation_crop_and_flip_keep_labels_on_their_pixels(tmp_path):
   classifier.num_classes = 5
   with pytest.raises(ValueError, match="does not fit dataset"):
     create_model(classifier, pipeline)
+
+
+def test_eval_cache_keeps_the_preprocessed_images_and_gives_the_same_batches(npz_dir, tmp_path):
+  prefix = str(tmp_path / "eval_cache")
+  pipeline = create_pipeline(f"npz:{npz_dir}", 8, seed=0, eval_cache=prefix)
+  first = list(pipeline.eval_batches(5))
+  cached = [f for f in os.listdir(tmp_path) if f.startswith("eval_cache.npz_")]
+  assert any(f.endswith(".index") for f in cached), cached  # a completed TF cache file
+  again = list(pipeline.eval_batches(5))
+  plain = list(create_pipeline(f"npz:{npz_dir}", 8, seed=0).eval_batches(5))
+  for a, b, c in zip(first, again, plain):
+    for key in ("image", "label", "mask"):
+      np.testing.assert_array_equal(a[key], b[key])
+      np.testing.assert_array_equal(a[key], c[key])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Iterator, Optional
 
 import jax
@@ -76,6 +77,7 @@ class Pipeline:
   download: bool = False
   randaugment: Optional[tuple] = None  # (num_layers, magnitude, magnitude_std) after crop + flip
   crop_size: Optional[tuple] = None    # segmentation: random (h, w) training crop (None: whole)
+  eval_cache: str = ""  # a file prefix: preprocessed evaluation images kept there ("": off)
 
   @property
   def is_segmentation(self) -> bool:
@@ -194,6 +196,8 @@ class Pipeline:
     preprocess = imagenet_eval_preprocess if self.spec.geometry == "imagenet" else (lambda x: x)
     ds = ds.map(lambda x, y: (_normalize(preprocess(x), mean, std), tf.cast(y, tf.int32)),
                 num_parallel_calls=tf.data.AUTOTUNE)
+    if self.eval_cache:  # decoded once (ImageNet JPEGs), then read back on later evaluations
+      ds = ds.cache(f"{self.eval_cache}.{re.sub(r'[^A-Za-z0-9_.-]', '_', spec.name)}")
     iterator = iter(tfds.as_numpy(_options(ds.batch(batch).prefetch(tf.data.AUTOTUNE))))
     label_shape = tuple(self.eval_labels.shape[1:] if self.is_segmentation else ())
     for _ in range(num_batches):
@@ -205,17 +209,20 @@ class Pipeline:
       if n:
         out["image"][:n], out["label"][:n], out["mask"][:n] = x, y, 1.0
       yield out
+    next(iterator, None)  # reach the end, so that a cache file is completed
 
 
 def create_pipeline(dataset: str, global_batch_size: int, seed: int,
                     data_dir: Optional[str] = None, download: bool = False,
                     randaugment: Optional[tuple] = None,
-                    crop_size: Optional[tuple] = None) -> Pipeline:
+                    crop_size: Optional[tuple] = None, eval_cache: str = "") -> Pipeline:
   """Load (or open, for ImageNet) ``dataset``; fail early with a clear message if it is missing.
 
   ``randaugment``: ``(num_layers, magnitude, magnitude_std)`` applied to training images
   after the crop and flip (None or num_layers 0: off).  ``crop_size``: (h, w) random
-  training crop of segmentation datasets (None: whole images).  Keeps TensorFlow off the
+  training crop of segmentation datasets (None: whole images).  ``eval_cache``: a file
+  prefix where the preprocessed evaluation images are kept after their first pass (for
+  ImageNet, whose JPEGs are otherwise decoded at every evaluation).  Keeps TensorFlow off the
   accelerators (:func:`hide_accelerators_from_tensorflow`) if it has not started yet.
   """
   hide_accelerators_from_tensorflow()
@@ -244,7 +251,7 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int,
   pipeline = Pipeline(spec, global_batch_size, seed, tuple(mean), tuple(std), train_images,
                       train_labels, eval_images, eval_labels, num_train, num_eval, data_dir,
                       download, tuple(randaugment) if randaugment and randaugment[0] > 0 else None,
-                      tuple(crop_size) if crop_size else None)
+                      tuple(crop_size) if crop_size else None, eval_cache)
   if pipeline.is_segmentation and pipeline.randaugment:
     raise ValueError("RandAugment is not supported for segmentation datasets (it would move "
                      "pixels off their labels).")
