@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_train import DEFAULT_DATA, time_train_steps
+from bench_train import DEFAULT_DATA, recipe_config, time_train_steps
 from timing import median_seconds
 
 from smoothing_jax.data import create_pipeline
@@ -56,20 +56,8 @@ def peak_tflops(dtype: str):
   return None
 
 
-def cifar_recipe(name: str):
-  """``configs/cifar_resnet.py`` for ``name`` (the paper's SGD recipe; values do not affect
-  timing)."""
-  import importlib.util
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
-                      "cifar_resnet.py")
-  spec = importlib.util.spec_from_file_location("cifar_resnet", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(f"{name},cifar10")
-
-
 def jax_train_step(name, width, batch_size, half, steps):
-  config = cifar_recipe(name)
+  config = recipe_config("cifar_resnet", f"{name},cifar10")  # the SGD recipe
   rng = np.random.default_rng(0)
   batch = {"image": rng.normal(size=(batch_size, 32, 32, 3)).astype(np.float32),
            "label": rng.integers(0, 10, batch_size).astype(np.int32)}

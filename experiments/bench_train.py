@@ -47,6 +47,15 @@ from smoothing_jax.models import get_model
 DEFAULT_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "cifar10")
 
 
+def recipe_config(recipe: str, arg: str):
+  """``configs/<recipe>.py``'s ``get_config(arg)`` (``configs/`` is not a package)."""
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", f"{recipe}.py")
+  spec = importlib.util.spec_from_file_location(recipe, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
 def time_train_steps(name, overrides, config, batch, steps):
   fields = {f.name for f in dataclasses.fields(type(get_model(name, 10)))}
   model = get_model(name, 10, **{k: v for k, v in overrides.items() if k in fields})
@@ -134,12 +143,7 @@ def main(argv=None):
 
   recipe, arg = ("cifar_vit", "vit_ti,cifar10") if args.recipe == "vit" else (
       "cifar_resnet", "resnet_dnn_18,cifar10")  # the CIFAR SGD recipe; values do not affect timing
-  spec = importlib.util.spec_from_file_location(
-      recipe, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
-                           f"{recipe}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config(arg)
+  config = recipe_config(recipe, arg)
   if args.recipe == "vit":
     models = args.models or ["resnet_dnn_50", "vit_ti", "alternet_50"]
   else:
