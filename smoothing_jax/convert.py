@@ -1,4 +1,4 @@
-"""Load checkpoints trained with the PyTorch reference implementations.
+"""Load checkpoints trained with the PyTorch reference implementations (SS, HV) and with timm.
 
 ``from_torch_state_dict("resnet_dnn_18", {k: v.numpy() for k, v in torch.load(p).items()})``
 returns Flax variables ``{"params": ..., "batch_stats": ...}``.  Our submodule
@@ -10,7 +10,7 @@ weights transposed, BatchNorm ``weight/bias/running_mean/running_var`` →
 from __future__ import annotations
 
 import re
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -109,15 +109,21 @@ def from_torch_state_dict(model_name: str, state_dict: Mapping[str, np.ndarray],
       continue
     unexpected.append(key)
 
+  _raise_on_mismatch(f"state_dict does not match {model_name!r} (num_classes={num_classes})",
+                     missing, unexpected, mismatched)
+  return traverse_util.unflatten_dict(converted)
+
+
+def _raise_on_mismatch(title: str, missing, unexpected, mismatched) -> None:
+  """ValueError listing the missing keys, unexpected keys and shape mismatches, if any."""
   if missing or unexpected or mismatched:
-    lines = [f"state_dict does not match {model_name!r} (num_classes={num_classes}):"]
-    for title, items in (("missing keys", missing), ("unexpected keys", unexpected),
-                         ("shape mismatches", mismatched)):
+    lines = [f"{title}:"]
+    for heading, items in (("missing keys", missing), ("unexpected keys", unexpected),
+                           ("shape mismatches", mismatched)):
       if items:
-        lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:20]) +
+        lines.append(f"  {heading} ({len(items)}): " + ", ".join(items[:20]) +
                      (" ..." if len(items) > 20 else ""))
     raise ValueError("\n".join(lines))
-  return traverse_util.unflatten_dict(converted)
 
 
 def to_torch_state_dict(variables) -> dict:
@@ -131,3 +137,72 @@ def to_torch_state_dict(variables) -> dict:
       value = value.T
     out[torch_key(path)] = value
   return out
+
+
+# ---------------------------------------------------------------------------------------------
+# timm state dicts (HV's released ViT / PiT / Swin CIFAR-100 checkpoints are timm models).
+#
+# Each family maps one of our flattened variable paths ``(collection, module..., leaf)`` to the
+# timm key it comes from and the function that turns that array into ours:
+# ``key_fn(path) -> (timm_key, to_flax)``.  ``from_timm_state_dict`` checks the whole mapping
+# (missing, unexpected, mismatched keys) in one place.
+
+TimmKeyFn = Callable[[tuple], tuple]
+
+# Model class -> key function; filled in below by each family's section.
+_TIMM_KEYS: dict = {}
+# Model class -> regular expressions of timm buffers that carry no parameters (e.g. Swin's
+# ``relative_position_index``, ``attn_mask``): ignored when checking for unexpected keys.
+_TIMM_BUFFERS: dict = {}
+# Registry name -> ``get_model`` overrides that reproduce the timm constructor of HV's released
+# CIFAR-100 checkpoint (HV README), e.g. ``TIMM_LAYOUTS["vit_ti"]``.
+TIMM_LAYOUTS: dict = {}
+
+
+def from_timm_state_dict(model_name: str, state_dict: Mapping[str, np.ndarray], *,
+                         num_classes: Optional[int] = None, **overrides) -> dict:
+  """Map a timm ``state_dict`` (names → numpy arrays) onto ``get_model(model_name)`` variables.
+
+  Args:
+    model_name: registry name of a family timm also has (``vit_*``, ``pit_*``, ``swin_*``).
+    state_dict: timm parameter/buffer names → arrays (``{k: v.numpy() for k, v in sd.items()}``).
+    num_classes: inferred from ``head.weight`` when omitted.
+    **overrides: model options; ``TIMM_LAYOUTS[model_name]`` (the layout of HV's checkpoints) is
+      applied first.
+
+  Raises:
+    ValueError: a family without a timm mapping, or naming every missing key, unexpected key
+      and shape mismatch.
+  """
+  state_dict = {k: np.asarray(v) for k, v in state_dict.items()}
+  overrides = {**TIMM_LAYOUTS.get(model_name, {}), **overrides}
+  if num_classes is None:
+    if "head.weight" not in state_dict:
+      raise ValueError("Cannot infer num_classes: 'head.weight' is missing from the state_dict.")
+    num_classes = int(state_dict["head.weight"].shape[0])
+  model = get_model(model_name, num_classes, **overrides)
+  key_fn = _TIMM_KEYS.get(type(model))
+  if key_fn is None:
+    raise ValueError(f"No timm mapping for {model_name!r} ({type(model).__name__}); timm "
+                     f"checkpoints load into {sorted(c.__name__ for c in _TIMM_KEYS)} models.")
+  flat = traverse_util.flatten_dict(dict(_abstract_variables(model)))
+  converted, missing, mismatched, used = {}, [], [], set()
+  for path, abstract in flat.items():
+    key, to_flax = key_fn(path)
+    used.add(key)
+    if key not in state_dict:
+      missing.append(key)
+      continue
+    value = np.asarray(to_flax(state_dict[key]))
+    if value.shape != abstract.shape:
+      mismatched.append(
+          f"{key}: timm {state_dict[key].shape} -> {value.shape}, expected {abstract.shape}")
+      continue
+    converted[path] = jnp.asarray(value, abstract.dtype)
+  buffers = [re.compile(b) for b in _TIMM_BUFFERS.get(type(model), ())]
+  unexpected = [k for k in state_dict
+                if k not in used and not any(b.search(k) for b in buffers)]
+  _raise_on_mismatch(f"timm state_dict does not match {model_name!r} "
+                     f"(num_classes={num_classes}, options={overrides})",
+                     missing, unexpected, mismatched)
+  return traverse_util.unflatten_dict(converted)

@@ -3,6 +3,10 @@
 ``from tests.helpers import ...`` (``tests`` is a package).
 """
 import functools
+import importlib.abc
+import importlib.machinery
+import sys
+import types
 
 import flax.linen as nn
 import jax
@@ -111,3 +115,59 @@ def small_net_problem():
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
 
   return loss_fn, params
+
+
+class _TorchvisionStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+  """Answers every ``torchvision[.*]`` import with a module of placeholders.
+
+  timm imports torchvision at import time (transforms, ``FrozenBatchNorm2d``), and torchvision's
+  PyPI wheels are built against CUDA torch: with the CPU torch of ``requirements-test.txt`` its
+  import fails (``operator torchvision::nms does not exist``). The models the tests build never
+  call torchvision, so placeholders are enough.
+  """
+
+  class _Module(types.ModuleType):
+
+    def __getattr__(self, attr):
+      if attr.startswith("__"):
+        raise AttributeError(attr)
+      return _TorchvisionStub._Placeholder()
+
+  class _Placeholder:
+    """Any attribute, call or base class (``class X(torchvision.Y)``)."""
+
+    def __getattr__(self, attr):
+      if attr.startswith("__"):
+        raise AttributeError(attr)
+      return _TorchvisionStub._Placeholder()
+
+    def __call__(self, *args, **kwargs):
+      return _TorchvisionStub._Placeholder()
+
+    def __mro_entries__(self, bases):
+      return (object,)
+
+  def find_spec(self, name, path, target=None):
+    if name == "torchvision" or name.startswith("torchvision."):
+      return importlib.machinery.ModuleSpec(name, self, is_package=True)
+    return None
+
+  def create_module(self, spec):
+    module = self._Module(spec.name)
+    module.__path__ = []
+    return module
+
+  def exec_module(self, module):
+    pass
+
+
+def import_timm():
+  """``timm`` (pinned in ``requirements-test.txt``) with torchvision stubbed (see
+  :class:`_TorchvisionStub`); skips the test where timm or torch is not installed."""
+  import pytest  # pylint: disable=import-outside-toplevel
+  pytest.importorskip("torch")
+  if not any(isinstance(f, _TorchvisionStub) for f in sys.meta_path):
+    for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+      del sys.modules[name]
+    sys.meta_path.insert(0, _TorchvisionStub())
+  return pytest.importorskip("timm")
