@@ -6,6 +6,8 @@ positionally or as ``name=value``; flag ``runlocal``: a CPU smoke run.
 
   --config=configs/cifar_vit.py                          # vit_ti on cifar100
   --config=configs/cifar_vit.py:alternet_50,cifar10
+  --config=configs/cifar_vit.py:swin_t,cifar100          # Swin-T: patch 1, window 4
+  --config=configs/cifar_vit.py:pit_ti,cifar100          # PiT-Ti: patch 2, stride 8 (HV's class)
   --config=configs/cifar_vit.py:vit_ti,cifar10,runlocal  # CPU smoke run (narrow model, few steps)
 
 AdamW (lr 1.25e-4 at batch 96, scaled linearly with the batch; weight decay
@@ -77,6 +79,18 @@ _RUNLOCAL_SIZES = {
         "stage_sizes": (1, 2, 2, 2),
         "msa_blocks": (0, 1, 1, 1),
         "num_heads": (1, 2, 2, 2),
+        "head_dim": 8
+    },
+    "swin": {
+        "embed_dim": 16,
+        "depths": (2, 2),
+        "num_heads": (1, 2),
+        "head_dim": 8,
+        "patch_size": 2
+    },
+    "pit": {
+        "depths": (1, 1, 1),
+        "num_heads": (1, 2, 4),
         "head_dim": 8
     },
 }

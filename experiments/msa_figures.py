@@ -8,11 +8,18 @@ Figures (``--figures``, default all), each ``<figure>.png`` + ``<figure>.json`` 
   * ``fourier``: Δlog-amplitude curves per block and the high-frequency (π) value by depth,
     MSA blocks shaded;
   * ``variance``: feature-map (spatial) variance by depth, MSA blocks shaded;
-  * ``lesion``: accuracy drop with each unit removed (table in ``lesion.md``).
+  * ``lesion``: accuracy drop with each unit removed (table in ``lesion.md``);
+  * ``similarity``: mini-batch linear CKA between every pair of blocks, one heat map per workdir,
+    and ``similarity_cross.{png,json}`` between the blocks of the first two workdirs;
+  * ``trajectory``: learning trajectories in polar coordinates about each optimum, for the
+    workdirs trained with ``--config.trajectory_every_steps=k`` (the others are left out).
 The printed JSON summary says, for each workdir, whether the slides' claims hold:
 MSA blocks lower the high-frequency amplitude and the feature-map variance while
-Conv blocks raise them, and (against the first workdir) MSAs shrink the positive
-max eigenvalues.  Sizes are CPU-scale by default; ``--size k=v`` overrides one.
+Conv blocks raise them, (against the first workdir) MSAs shrink the positive
+max eigenvalues, and blocks of one stage are more alike than blocks of different
+stages (the block structure of multi-stage networks), and (against the first workdir) the
+trajectory is straighter (smaller path length / distance).  Sizes are CPU-scale by default;
+``--size k=v`` overrides one.
 """
 from __future__ import annotations
 
@@ -29,14 +36,17 @@ from figure_cli import (chosen_figures, figure_parser, load_workdirs, output_dir
 from smoothing_jax.analysis import trained  # noqa: E402
 from smoothing_jax.analysis.features import block_kinds  # noqa: E402
 from smoothing_jax.analysis.lesion import lesion_table  # noqa: E402
+from smoothing_jax.analysis.similarity import stage_block_structure  # noqa: E402
 from smoothing_jax.analysis.spectrum import spectrum_caption  # noqa: E402
-from smoothing_jax.workdir import write_atomically  # noqa: E402
+from smoothing_jax.workdir import workdir_path, write_atomically  # noqa: E402
+from smoothing_jax.analysis.trajectory import TRAJECTORY_FILE  # noqa: E402
 from smoothing_jax.plots import (plot_by_depth, plot_delta_log_amplitude, plot_lesion,  # noqa: E402
-                                 plot_spectra)
+                                 plot_similarity, plot_spectra, plot_trajectories)
 
-FIGURES = ("spectra", "fourier", "variance", "lesion")
+FIGURES = ("spectra", "fourier", "variance", "lesion", "similarity", "trajectory")
 CPU_SIZES = {"hessian_batches": 8, "hessian_batch_size": 128, "hessian_k": 1, "hessian_iters": 20,
-             "fourier_images": 256, "variance_images": 128, "lesion_images": 2000}
+             "fourier_images": 256, "variance_images": 128, "lesion_images": 2000,
+             "similarity_images": 512, "similarity_batch_size": 128}
 
 
 def changes_by_kind(by_block: dict, kinds: dict) -> dict:
@@ -75,6 +85,16 @@ def run_figure(name: str, models: dict, sizes: dict, out: str) -> dict:
       summary[label] = {
           "variance_change_by_kind": changes_by_kind(spatial, block_kinds(m.model, spatial))
       }
+    elif name == "similarity":
+      r = trained.similarity_study(m, num_images=sizes["similarity_images"],
+                                   batch_size=sizes["similarity_batch_size"])
+      summary[label] = stage_block_structure(r)
+    elif name == "trajectory":
+      if not (workdir_path(m.workdir) / TRAJECTORY_FILE).exists():
+        continue
+      r = trained.trajectory_study(m)
+      summary[label] = {"path_ratio": r["path_ratio"], "snapshots": int(len(r["steps"])),
+                        "relative_error": r["relative_error"]}
     else:
       if not hasattr(m.model, "units"):
         continue
@@ -96,7 +116,19 @@ def run_figure(name: str, models: dict, sizes: dict, out: str) -> dict:
   if name == "lesion":
     write_atomically(out / "lesion.md", "\n\n".join(
         f"## {label}\n\n{lesion_table(r)}" for label, r in results.items()) + "\n")
+  if name == "similarity" and len(models) > 1:
+    _cross_similarity(models, sizes, out)
   return summary
+
+
+def _cross_similarity(models: dict, sizes: dict, out) -> None:
+  """``similarity_cross.{json,png}``: CKA between the blocks of the first two workdirs."""
+  (label_a, a), (label_b, b) = list(models.items())[:2]
+  r = trained.similarity_study(a, num_images=sizes["similarity_images"],
+                               batch_size=sizes["similarity_batch_size"], other=b)
+  write_json(out / "similarity_cross.json", {f"{label_a} vs {label_b}": r})
+  save_figure(plot_similarity(r, f"{label_a} vs {label_b}", xlabel=f"{label_b} block",
+                              ylabel=f"{label_a} block"), out / "similarity_cross.png", dpi=150)
 
 
 def _plot(name: str, results: dict, models: dict, out: str):
@@ -107,6 +139,14 @@ def _plot(name: str, results: dict, models: dict, out: str):
                          for label, r in results.items()}, caption=spectrum_caption(results))
   if name == "lesion":
     return plot_lesion(results, "lesion study")
+  if name == "trajectory":
+    return plot_trajectories(results)
+  if name == "similarity":
+    fig, axes = plt.subplots(1, len(results), figsize=(5.4 * len(results), 4.4), squeeze=False)
+    for ax, (label, r) in zip(axes[0], results.items()):
+      plot_similarity(r, label, ax=ax)
+    fig.tight_layout()
+    return fig
   if name == "fourier":
     fig, axes = plt.subplots(1, len(results) + 1, figsize=(5 * (len(results) + 1), 3.4))
     for ax, (label, curves) in zip(axes, results.items()):
@@ -140,6 +180,14 @@ def orderings(summaries: dict, labels: list) -> dict:
       checks["msa_reduces_variance"] = variance["msa"] < 0
     if "conv" in variance:
       checks["conv_increases_variance"] = variance["conv"] > 0
+    structure = summaries.get("similarity", {}).get(label, {})
+    if "across_stages_mean_cka" in structure:
+      checks["blocks_of_a_stage_are_more_alike"] = (structure["within_stage_mean_cka"]
+                                                    > structure["across_stages_mean_cka"])
+    trajectory = summaries.get("trajectory", {})
+    if label != labels[0] and label in trajectory and labels[0] in trajectory:
+      checks["straighter_trajectory_than_" + labels[0]] = (trajectory[label]["path_ratio"]
+                                                           < trajectory[labels[0]]["path_ratio"])
     spectra = summaries.get("spectra", {})
     if label != labels[0] and label in spectra and labels[0] in spectra:
       checks["smaller_positive_max_eigenvalue_than_" +

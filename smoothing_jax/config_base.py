@@ -25,8 +25,10 @@ def base_config() -> ml_collections.ConfigDict:
 
   Infrastructure keys (model options, dataset handling, seed, devices, logging, evaluation,
   checkpoints) hold neutral defaults, and every optional feature (class balancing, gradient
-  clipping, label smoothing, Mixup/CutMix, RandAugment) is off; the iBNN block holds the method's
-  defaults, read only by models with node noise.  The recipe keys (``RECIPE_KEYS`` and
+  clipping, label smoothing, Mixup/CutMix, RandAugment) is off; ``init_from`` ("": off) names a
+  workdir or torch checkpoint file whose variables training fine-tunes and an evaluation without
+  checkpoints uses; the iBNN block holds the method's defaults, read only by models with node
+  noise.  The recipe keys (``RECIPE_KEYS`` and
   ``RECIPE_KEYS_OF``: model name, dataset, optimiser and learning-rate schedule) are None here:
   a recipe's ``get_config()`` sets them and ends with ``finalize`` (``check_recipe``, then lock).
   """
@@ -37,11 +39,20 @@ def base_config() -> ml_collections.ConfigDict:
   # Module options: ``finalize`` declares every option of ``config.model`` (None: the registry's).
   config.model_kwargs = ml_collections.ConfigDict()
   config.num_classes = -1           # -1: from the dataset
+  # Start from other variables ("": off): a workdir (its latest checkpoint) or a torch checkpoint
+  # file (SS / HV CNNs, HV's timm ViT / PiT / Swin; ``convert.load_torch_checkpoint``).  Training
+  # fine-tunes from it (an output layer of another class count is re-initialised); evaluation
+  # and analyses of a workdir without checkpoints use it.
+  config.init_from = ""
   # Data.
   config.dataset = placeholder(str)  # TFDS name, "npz:<dir>" or "digits" (set by the recipe)
   config.data_dir = placeholder(str)  # TFDS data_dir (None: TFDS default)
   config.download = True            # let TFDS download missing datasets
   config.seed = 0
+  # Small-data regime (HV: "ViT using 6% dataset"): train on a fixed class-balanced subset, each
+  # class keeping round(fraction × its count), seeded by ``seed`` (in-memory splits only; the
+  # number of examples used is recorded as ``model_spec.num_train_examples`` in config.json).
+  config.train_fraction = 1.0
   config.num_devices = -1           # -1: all devices of all hosts
   config.half_precision = False     # compute in bfloat16 (parameters and statistics stay float32)
   config.prefetch_batches = 2       # global batches assembled on the devices ahead of the step
@@ -95,6 +106,11 @@ def base_config() -> ml_collections.ConfigDict:
   config.ece_bins = 10
   config.checkpoint_every_steps = 1000
   config.keep_checkpoints = 3
+  # Learning trajectory (HV Fig. 1b): every k steps (and at step 0) the parameters projected on
+  # ``trajectory_dims`` fixed random Gaussian directions, and ‖θ‖², appended to
+  # ``<workdir>/trajectory.npz`` (``smoothing_jax.analysis.trajectory``; 0: off).
+  config.trajectory_every_steps = 0
+  config.trajectory_dims = 256
   # Final evaluation: MC ensemble sizes (deterministic models use N = 1).
   config.ensemble_sizes = (1, 2, 3, 4, 5, 10, 20, 50)
   # Samples evaluated together (None: inference.default_chunk_size, 1 on CPU, 10 on GPU/TPU).

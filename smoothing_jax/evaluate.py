@@ -26,7 +26,7 @@ from etils import epath
 from smoothing_jax.data import CORRUPTIONS, corruption_dataset, create_pipeline
 from smoothing_jax.ibnn import ibnn_predict
 from smoothing_jax.inference import ensemble_predict, mc_predict, stack_variables
-from smoothing_jax import temporal
+from smoothing_jax import temporal, train
 from smoothing_jax.metrics import UncertaintyMetrics, class_iou
 from smoothing_jax import workdir as workdir_lib
 from smoothing_jax.models import is_ibnn
@@ -39,12 +39,22 @@ METRIC_COLUMNS = ("nll", "acc", "ece", "top5", "brier", "acc90", "unc90", "freq9
 STREAM_COLUMNS = ("nll", "acc", "ece", "iou", "iou90", "acc90", "unc90", "freq90", "consistency")
 
 
+def _evaluation_pipeline(config):
+  return create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir,
+                         config.download, eval_cache=config.get("eval_cache", ""))
+
+
 def _evaluation_setup(workdir: str, config=None):
   """``(config, model, variables, pipeline, replicated, batch-sharded)`` of a trained workdir;
-  ``config`` (evaluation settings) replaces the recorded one."""
+  ``config`` (evaluation settings) replaces the recorded one.  A workdir without checkpoints
+  evaluates ``config.init_from``: ``config`` and its ``model_spec`` are recorded there first
+  (``workdir.load`` then reads the variables from ``init_from``)."""
+  pipeline = None
+  if config is not None and config.get("init_from") and not workdir_lib.has_checkpoint(workdir):
+    pipeline = _evaluation_pipeline(config)
+    workdir_lib.record_run(workdir, config, train.model_spec(config, pipeline))
   config, model, variables = workdir_lib.load(workdir, config)
-  pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir,
-                             config.download, eval_cache=config.get("eval_cache", ""))
+  pipeline = pipeline or _evaluation_pipeline(config)
   return (config, model, variables, pipeline) + shardings(create_mesh(config.num_devices))
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from smoothing_jax.convert import transfer_variables
 from smoothing_jax.inference import Prediction, log_probs, map_in_chunks, mean_probs, sample_rngs
 from smoothing_jax.layers.node_noise import VARIATIONAL_PARAMS
 from smoothing_jax.models import is_ibnn
@@ -150,29 +151,15 @@ def create_optimizer(det_schedule,
 
 
 def load_deterministic(params, det_params):
-  """``params`` with every deterministic weight replaced by the same path of ``det_params``.
+  """``params`` with every deterministic weight replaced by the same path of ``det_params``
+  (``convert.transfer_variables``; the variational parameters stay as they are).
 
-  Raises a ValueError naming the first path whose presence or shape differs.
+  Raises a ValueError naming every path whose presence or shape differs.
   """
-  flat_det = {
-      jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(det_params)
-  }
-  wanted = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(params)
-            if not _is_variational(p)}
-  for key in sorted(set(wanted) ^ set(flat_det)):
-    where = "the iBNN model" if key in wanted else "the deterministic checkpoint"
-    raise ValueError(
-        f"Deterministic checkpoint does not match the iBNN architecture: {key} is only in {where}.")
-  for key, value in wanted.items():
-    if value.shape != flat_det[key].shape:
-      raise ValueError(
-          f"Deterministic checkpoint does not match the iBNN architecture: {key} has shape "
-          f"{flat_det[key].shape}, the iBNN model {value.shape}.")
-
-  def pick(path, value):
-    return value if _is_variational(path) else jnp.asarray(flat_det[jax.tree_util.keystr(path)],
-                                                           value.dtype)
-  return jax.tree_util.tree_map_with_path(pick, params)
+  loaded, _ = transfer_variables(
+      params, det_params, keep_fresh=lambda path, *_: path[-1] in VARIATIONAL_PARAMS,
+      title="Deterministic checkpoint does not match the iBNN architecture")
+  return loaded
 
 
 @functools.partial(jax.jit, static_argnames=("model", "num_samples"))

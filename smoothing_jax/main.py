@@ -2,7 +2,9 @@
 
 Modes:
   train (default)  train (resuming from ``workdir``), then evaluate ensemble sizes
-  evaluate         ensemble-size table of ``--workdir`` (or of several ``--ensemble_workdirs``)
+  evaluate         ensemble-size table of ``--workdir`` (or of several ``--ensemble_workdirs``);
+                   a workdir without checkpoints evaluates ``--config.init_from`` (another
+                   workdir, or a torch checkpoint file such as HV's released CIFAR-100 models)
   corruptions      corruption robustness (``--baseline_csv`` for mCE / mCNLL / mCECE)
   streams          segmentation on CamVid video clips: one pass, MC dropout (N = the largest
                    ``config.ensemble_sizes``) and temporal smoothing (VQ-BNN), with consistency

@@ -205,6 +205,44 @@ def plot_by_depth(values: dict, ylabel: str, title: str = "", kinds: Optional[di
   return _finish(fig, ax, "normalised depth", ylabel, title)
 
 
+def plot_similarity(result: dict,
+                    title: str = "",
+                    ax=None,
+                    xlabel: str = "block index",
+                    ylabel: str = "block index"):
+  """Heat map of a mini-batch CKA result
+  (:func:`smoothing_jax.analysis.similarity.feature_similarity` or ``cross_model_similarity``):
+  column blocks on x, row blocks on y (from the bottom), colour bar 0–1 (HV Sec. 4.1).
+
+  Each resolution change (``resolution_changes`` of ``rows``/``cols``) is a dashed white line
+  before its block, lettered on the top and right edges: E at block 0 (stem / patch embedding),
+  P elsewhere (pooling, patch merging, strided stage start). MSA blocks are grey bands along the
+  top and right edges, as :func:`plot_by_depth` shades them. Draws on ``ax`` if given; returns the
+  Figure.
+  """
+  fig, ax = _axes((5.4, 4.4), ax)
+  image = ax.imshow(np.asarray(result["cka"]), origin="lower", vmin=0, vmax=1, cmap="magma",
+                    interpolation="nearest", aspect="auto")
+  fig.colorbar(image, ax=ax, label="CKA", pad=0.08)
+  for blocks, line, band, edge in ((result["cols"], ax.axvline, ax.axvspan,
+                                    ax.get_xaxis_transform()),
+                                   (result["rows"], ax.axhline, ax.axhspan,
+                                    ax.get_yaxis_transform())):
+    for i in blocks["resolution_changes"]:
+      line(i - 0.5, color="white", linestyle="--", linewidth=0.8)
+      along, across = (i - 0.5, 1.05) if band == ax.axvspan else (1.05, i - 0.5)
+      ax.text(along, across, "E" if i == 0 else "P", transform=edge, ha="center", va="center",
+              fontsize=7)
+    for i, kind in enumerate(blocks["kinds"]):
+      if kind == "msa":
+        band(i - 0.5, i + 0.5, 1.0, 1.025, color="0.5", clip_on=False)
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, pad=20)  # above the letters
+  fig.tight_layout()
+  return fig
+
+
 def plot_delta_log_amplitude(curves: dict, title: str = "", ax=None):
   """Δlog-amplitude from 0 to π for each block, ``{block: curve}``, coloured by depth (HV Fourier
   plot).
@@ -264,3 +302,24 @@ def plot_lesion(results: dict, title: str = ""):
         bar.set_hatch("//")
         bar.set_edgecolor("black")
   return _finish(fig, ax, "unit index (hatched: MSA)", "accuracy drop (pp)", title)
+
+
+def plot_trajectories(trajectories: dict, title: str = "", relative: bool = True):
+  """Learning trajectories in polar coordinates about each run's optimum (HV Fig. 1b),
+  ``{label: polar trajectory}`` (:func:`smoothing_jax.analysis.trajectory.polar_trajectory`):
+  angle φ_t, radius r_t (÷ r_0 with ``relative``, so runs of any size start at 1); the legend
+  gives each path length / straight distance (1: straight).  Returns the Figure."""
+  fig, ax = _pyplot().subplots(figsize=(5, 4.2), subplot_kw={"projection": "polar"})
+  max_angle = 0.0
+  for label, polar in trajectories.items():
+    radius = polar["radius"] / (polar["distance"] if relative else 1.0)
+    ax.plot(polar["angle"], radius, "o-", markersize=2,
+            label=f"{label} (path / distance {polar['path_ratio']:.2f})")
+    max_angle = max(max_angle, float(np.max(polar["angle"])))
+  ax.set_thetamin(0)
+  ax.set_thetamax(min(180, max(90, 10 * np.ceil(np.degrees(max_angle) / 10))))
+  ax.set_title(title or ("r / r₀ against the angle to θ₀ − θ_T" if relative else
+                         "‖θ_t − θ_T‖ against the angle to θ₀ − θ_T"), fontsize=9)
+  ax.legend(loc="upper right", fontsize=7)
+  fig.tight_layout()
+  return fig

@@ -34,6 +34,7 @@ from flax.training import train_state
 from jax.sharding import Mesh
 
 from smoothing_jax import ibnn
+from smoothing_jax.analysis.trajectory import TrajectoryRecorder
 from smoothing_jax import workdir as workdir_lib
 from smoothing_jax.data import NUM_CLASSES, create_pipeline
 from smoothing_jax.data.mixup import Mixing, mix_batch
@@ -50,15 +51,20 @@ class TrainState(train_state.TrainState):
 
 def model_spec(config, pipeline) -> dict:
   """What rebuilds the model without the dataset (recorded in ``config.json``): classes
-  (``config.num_classes`` > 0 overrides the dataset's), stem geometry and image shape."""
+  (``config.num_classes`` > 0 overrides the dataset's), stem geometry and image shape; also the
+  number of training examples used (``num_train_examples``: the ``train_fraction`` subset), and
+  the model options a timm ``init_from`` needs (``model_options``, where any)."""
   if config.num_classes <= 0 and pipeline.is_segmentation and pipeline.spec.base not in NUM_CLASSES:
     raise ValueError(
         f"Set --config.num_classes for the segmentation dataset {config.dataset!r}: label maps "
         "mark void pixels with values outside [0, num_classes), so the classes cannot be inferred.")
   num_classes = config.num_classes if config.num_classes > 0 else NUM_CLASSES.get(
       pipeline.spec.base, int(pipeline.train_labels.max()) + 1)
-  return {"num_classes": int(num_classes), "stem": pipeline.spec.geometry,
-          "image_shape": [int(d) for d in pipeline.image_shape]}
+  spec = {"num_classes": int(num_classes), "stem": pipeline.spec.geometry,
+          "image_shape": [int(d) for d in pipeline.image_shape],
+          "num_train_examples": int(pipeline.num_train)}
+  options = workdir_lib.init_from_model_options(config)
+  return {**spec, "model_options": options} if options else spec
 
 
 def create_model(config, pipeline):
@@ -243,6 +249,24 @@ def create_train_state(config, model, rng, image_shape, schedule) -> TrainState:
                            params=variables["params"],
                            batch_stats=variables.get("batch_stats", {}),
                            tx=create_optimizer(config, schedule, model))
+
+
+def initialize_from(config, model, state: TrainState, spec: dict) -> TrainState:
+  """``state`` (fresh) starting from other variables: ``config.init_from`` (fine-tuning;
+  ``workdir.init_from_variables``: an output layer of another class count stays fresh), or for
+  iBNN models the deterministic weights of ``config.ibnn.pretrained_workdir``
+  (``ibnn.load_deterministic``; the posterior stays fresh).  ``spec``: :func:`model_spec`."""
+  if config.init_from and is_ibnn(model) and config.ibnn.pretrained_workdir:
+    raise ValueError("Set config.init_from or config.ibnn.pretrained_workdir, not both.")
+  if config.init_from:
+    variables = workdir_lib.init_from_variables(config, spec, _variables(state),
+                                                new_classifier=True)
+  else:
+    _, det_step, det = workdir_lib.load_checkpoint(config.ibnn.pretrained_workdir)
+    variables = {k: ibnn.load_deterministic(v, det[k]) for k, v in _variables(state).items()}
+    logging.info("Deterministic weights from step %d of %s", det_step,
+                 config.ibnn.pretrained_workdir)
+  return state.replace(params=variables["params"], batch_stats=variables["batch_stats"])
 
 
 def split_micro_batches(batch, num_micro_batches: int):
@@ -441,7 +465,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   pipeline = create_pipeline(
       config.dataset, config.batch_size, config.seed, config.data_dir, config.download,
       (randaugment.num_layers, randaugment.magnitude, randaugment.magnitude_std), config.crop_size,
-      config.eval_cache)
+      config.eval_cache, config.train_fraction)
   model = create_model(config, pipeline)
   steps_per_epoch = pipeline.steps_per_epoch
   if steps_per_epoch == 0:
@@ -450,6 +474,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   num_steps = config.num_train_steps if config.num_train_steps > 0 else int(
       (config.warmup_epochs + config.num_epochs) * steps_per_epoch)
   schedule = create_learning_rate_schedule(config, steps_per_epoch)
+  trajectory = TrajectoryRecorder.for_run(config, workdir, num_steps)
 
   init_rng, dropout_rng, eval_rng = jax.random.split(jax.random.key(config.seed), 3)
   state = jax.device_put(
@@ -469,15 +494,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   if resumed is not None:
     state = resumed[1]
     logging.info("Resumed from step %d of %s", int(state.step), checkpoint_dir)
-  elif is_ibnn(model) and config.ibnn.pretrained_workdir:
-    _, det_step, det = workdir_lib.load_checkpoint(config.ibnn.pretrained_workdir)
-    state = jax.device_put(
-        state.replace(params=ibnn.load_deterministic(state.params, det["params"]),
-                      batch_stats=ibnn.load_deterministic(state.batch_stats, det["batch_stats"])),
-        replicated)
-    logging.info("Deterministic weights from step %d of %s", det_step,
-                 config.ibnn.pretrained_workdir)
+  elif config.init_from or (is_ibnn(model) and config.ibnn.pretrained_workdir):
+    state = jax.device_put(initialize_from(config, model, state, model_spec(config, pipeline)),
+                           replicated)
   start_step = int(state.step)
+  trajectory.start(start_step, state.params)
   if jax.process_index() == 0:
     workdir_lib.write_config(workdir, config, model_spec(config, pipeline))
 
@@ -502,6 +523,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
           state, metrics = p_train_step(state, next(batches),
                                         dropout_rng)
+        trajectory.observe(step, state.params)
         train_metrics.append(metrics)
         pending_losses.append((step, metrics["loss"]))
         report_progress(step)
@@ -529,6 +551,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
             raise FloatingPointError(
                 f"Non-finite parameters after step {step}. Training stopped; the last good "
                 f"checkpoint (step {last_good}) is kept in {checkpoint_dir}.")
+          trajectory.write()  # before the checkpoint: a restored step always has its rows
           manager.save(step, args=ocp.args.StandardSave(state))
           last_good = step
         writer.flush()

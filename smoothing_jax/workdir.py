@@ -5,8 +5,11 @@
   <workdir>/checkpoints/<step>/    orbax checkpoints of the train state
 
 ``load(workdir) -> (config, model, variables)`` is what evaluation, analyses, notebooks
-and benchmarks use.  Checkpoints restore onto the current devices, whatever device count
-wrote them; a step that cannot be read is skipped with a warning (``restore_latest``).
+and benchmarks use.  ``config.init_from`` (another workdir, or a torch checkpoint file) gives the
+variables a training run starts from (``init_from_variables``), and those of a workdir that
+records it but has no checkpoint of its own (an evaluation run).  Checkpoints restore onto the
+current devices, whatever device count wrote them; a step that cannot be read is skipped with a
+warning (``restore_latest``).
 
 A workdir is any path ``etils.epath`` opens: a local folder or ``gs://bucket/run``.
 Every file under it is written through :func:`write_atomically` / :func:`save_figure`
@@ -29,6 +32,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
+from smoothing_jax import convert
+from smoothing_jax.inference import sample_rngs
 from smoothing_jax.models import get_model
 from smoothing_jax.parallel import create_mesh, shardings
 
@@ -106,13 +111,79 @@ def compute_dtype(config):
   return jnp.bfloat16 if config.get("half_precision", False) else jnp.float32
 
 
-def build_model(config, model_spec: dict):
-  """``config.model`` with ``config.model_kwargs`` for ``model_spec``'s classes and geometry,
-  computing in :func:`compute_dtype` (training and every evaluation of the workdir alike)."""
-  overrides = {k: v for k, v in config.model_kwargs.items() if v is not None}
+def model_overrides(config, model_spec: dict) -> dict:
+  """The ``get_model`` options of a run: ``model_spec["model_options"]`` (the layout of a timm
+  ``init_from``, :func:`init_from_model_options`), then ``config.model_kwargs`` that are set, and
+  the stem of ``model_spec`` unless set."""
+  overrides = {**model_spec.get("model_options", {}),
+               **{k: v for k, v in config.model_kwargs.items() if v is not None}}
   overrides.setdefault("stem", model_spec["stem"])
+  return overrides
+
+
+def build_model(config, model_spec: dict):
+  """``config.model`` with :func:`model_overrides` for ``model_spec``'s classes and geometry,
+  computing in :func:`compute_dtype` (training and every evaluation of the workdir alike)."""
   return get_model(config.model, int(model_spec["num_classes"]), dtype=compute_dtype(config),
-                   **overrides)
+                   **model_overrides(config, model_spec))
+
+
+def _is_workdir(init_from: str) -> bool:
+  path = workdir_path(init_from)
+  if not path.exists():
+    raise FileNotFoundError(f"config.init_from {init_from!r}: no such workdir or torch checkpoint "
+                            "file.")
+  return path.is_dir()
+
+
+def init_from_model_options(config) -> dict:
+  """The model options that ``config.init_from`` needs and ``config.model_kwargs`` leaves unset:
+  ``convert.TIMM_LAYOUTS[config.model]`` for a timm checkpoint file, else none (recorded as
+  ``model_spec["model_options"]``, so every later load builds the same model)."""
+  init_from = config.get("init_from")
+  if not init_from or _is_workdir(init_from) or not convert.is_timm_state_dict(
+      convert.read_torch_checkpoint(init_from)):
+    return {}
+  layout = convert.TIMM_LAYOUTS.get(config.model, {})
+  return {k: v for k, v in layout.items() if config.model_kwargs.get(k) is None}
+
+
+def init_from_variables(config, model_spec: dict, target, *, new_classifier: bool = False) -> dict:
+  """The variables ``config.init_from`` holds for ``build_model(config, model_spec)``: the latest
+  checkpoint of a workdir, or a torch checkpoint file (``convert.load_torch_checkpoint``: SS / HV
+  CNNs, HV's timm ViT / PiT / Swin).
+
+  Args:
+    config, model_spec: the run's (``model_spec["image_shape"]`` sizes a ViT's position
+      embedding).
+    target: the model's variables (a fresh initialisation) or their ``jax.eval_shape``.
+    new_classifier: fine-tuning to another class count: where the output layer's shape differs
+      (e.g. CIFAR-100 → CIFAR-10), keep ``target``'s (logged).
+
+  Raises:
+    FileNotFoundError: no such workdir or file, or a workdir without a checkpoint.
+    ValueError: naming every variable that is missing, unexpected or of another shape.
+  """
+  source = config.init_from
+  if _is_workdir(source):
+    _, step, loaded = load_checkpoint(source)
+    logging.info("init_from: step %d of %s", step, source)
+  else:
+    loaded = convert.load_torch_checkpoint(source, config.model,
+                                           image_shape=tuple(model_spec["image_shape"]),
+                                           **model_overrides(config, model_spec))
+  classifier = set(convert.classifier_paths(build_model(config, model_spec),
+                                            tuple(model_spec["image_shape"])))
+  variables, kept = convert.transfer_variables(
+      target, loaded,
+      keep_fresh=lambda path, new, old: new_classifier and path in classifier and old is not None
+      and np.shape(old) != new.shape,
+      title=f"config.init_from {source!r} does not match {config.model!r} "
+      f"(num_classes={model_spec['num_classes']})")
+  if kept:
+    logging.warning("init_from %s has another class count: re-initialised %s", source,
+                    ", ".join(kept))
+  return variables
 
 
 def checkpoint_manager(workdir: str, max_to_keep: Optional[int] = None,
@@ -249,19 +320,53 @@ def set_aside_newer_steps(manager: ocp.CheckpointManager, step: int):
   manager.reload()
 
 
+def has_checkpoint(workdir) -> bool:
+  """Whether ``<workdir>/checkpoints`` holds a checkpoint step."""
+  if not checkpoint_dir(workdir).exists():
+    return False
+  with checkpoint_manager(workdir, read_only=True) as manager:
+    return bool(manager.all_steps())
+
+
+def record_run(workdir, config: ml_collections.ConfigDict, model_spec: dict):
+  """:func:`write_config` by process 0; every process returns once the file is written."""
+  if jax.process_index() == 0:
+    write_config(workdir, config, model_spec)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("record_run")
+
+
+def _init_from_checkpoint(workdir) -> tuple:
+  """``(0, variables)`` of the ``init_from`` recorded in a workdir without checkpoints (an
+  evaluation of another run or of a torch checkpoint file)."""
+  recorded, spec = read_config(workdir)
+  model = build_model(recorded, spec)
+  key = jax.random.key(0)
+  target = jax.eval_shape(lambda: model.init({"params": key, **sample_rngs(key)},
+                                             jnp.zeros((1,) + tuple(spec["image_shape"]))))
+  return 0, init_from_variables(recorded, spec, target)
+
+
 def load_checkpoint(workdir: str, config: Optional[ml_collections.ConfigDict] = None):
   """``(config, step, variables)`` of the latest intact checkpoint in ``workdir``.
 
   The config comes from ``workdir/config.json`` unless given.  Variables are restored
   replicated on all current devices, whatever device count wrote them; corrupted newer
-  steps are skipped with a warning (``restore_latest``).  Raises ``FileNotFoundError``
-  when there is no checkpoint or none restores.
+  steps are skipped with a warning (``restore_latest``).  A workdir without checkpoints whose
+  recorded config has ``init_from`` gives those variables (:func:`init_from_variables`) at step
+  0.  Raises ``FileNotFoundError`` when there is no checkpoint (nor ``init_from``) or none
+  restores.
   """
   if config is None:  # the variables need no model_spec
     record = _read_record(workdir)
     record.pop("model_spec", None)
     config = ml_collections.ConfigDict(record)
   replicated, _ = shardings(create_mesh())
+  if (not has_checkpoint(workdir) and (workdir_path(workdir) / CONFIG_FILE).exists() and
+      _read_record(workdir).get("init_from")):
+    step, variables = _init_from_checkpoint(workdir)
+    return config, step, jax.device_put(variables, replicated)
   with checkpoint_manager(workdir, read_only=True) as manager:
     restored = restore_latest(
         manager, lambda step: abstract_tree(manager.item_metadata(step).tree, replicated))

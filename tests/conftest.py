@@ -96,13 +96,15 @@ def _quadrant_npz(root):
 @pytest.fixture(scope="session")
 def msa_workdirs(tmp_path_factory):
   """A micro AlterNet and its ResNet backbone trained 4 steps with the full ViT recipe
-  (``configs/cifar_vit.py``: AdamW, RandAugment, Mixup/CutMix, label smoothing, clipping)."""
+  (``configs/cifar_vit.py``: AdamW, RandAugment, Mixup/CutMix, label smoothing, clipping),
+  recording the learning trajectory every 2 steps."""
   from configs import cifar_vit
 
   root = _quadrant_npz(tmp_path_factory.mktemp("msa"))
   return {
       label:
-          _train_briefly(cifar_vit.get_config(f"alternet_18,npz:{root},runlocal"),
+          _train_briefly(override(cifar_vit.get_config(f"alternet_18,npz:{root},runlocal"),
+                                  trajectory_every_steps=2, trajectory_dims=16),
                          root / label,
                          width=4,
                          stage_sizes=(1, 1, 2, 2),

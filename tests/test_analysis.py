@@ -8,7 +8,8 @@ import pytest
 
 from smoothing_jax.analysis import delta_log_amplitude, top_eigenvalues
 from smoothing_jax.layers import Blur
-from tests.helpers import abstract_variables, init_variables, small_net_problem
+from tests.helpers import (MICRO_VIT, abstract_variables, init_variables, model_options,
+                           small_net_problem)
 
 
 def numpy_delta_log_amplitude(maps):
@@ -379,3 +380,32 @@ def test_spectrum_with_negative_eigenvalues_matches_the_explicit_hessian(micro_v
   top = eigenvalues[np.argmax(np.abs(eigenvalues))]
   np.testing.assert_allclose(result["max_eigenvalues"][0], top, rtol=2e-2)
   np.testing.assert_allclose(result["min_eigenvalues"][0], eigenvalues[0], rtol=5e-2, atol=1e-3)
+
+
+def test_load_or_train_trains_an_empty_workdir_once_then_loads_it(tmp_path, monkeypatch):
+  from pathlib import Path
+
+  from smoothing_jax import workdir as workdir_lib
+  from smoothing_jax.analysis import trained
+  from tests.conftest import _quadrant_npz
+  monkeypatch.chdir(Path(__file__).parents[1])  # config paths are relative to the current directory
+  workdir = str(tmp_path / "run")
+  config = f"configs/cifar_resnet.py:vit_ti,npz:{_quadrant_npz(tmp_path)}"
+  tiny = {**model_options(**{**MICRO_VIT, "depth": 1}), "batch_size": 16, "num_train_steps": 1}
+  with pytest.raises(ValueError, match="no checkpoint: give a config"):
+    trained.load_or_train(workdir)
+  with pytest.raises(ValueError, match="'model_kwargs.widht'.*keys there: .*hidden_dim"):
+    trained.load_or_train(workdir, config, overrides={"model_kwargs.widht": 4})
+  with pytest.raises(ValueError, match="'configs/nope.py' is not a config file"):
+    trained.load_or_train(workdir, "configs/nope.py:runlocal")
+
+  first = trained.load_or_train(workdir, config, overrides=tiny)
+  _, step, variables = workdir_lib.load_checkpoint(workdir)
+  assert first.step == step == 1 and first.config.model_kwargs.depth == 1
+  assert first.config.dataset.startswith("npz:") and first.config.model == "vit_ti"
+  recorded = (tmp_path / "run" / "config.json").read_text()
+  # A workdir with a checkpoint is loaded as it is: another config trains nothing.
+  again = trained.load_or_train(workdir, "configs/quickstart.py", overrides={"num_train_steps": 9})
+  assert again.step == 1 and (tmp_path / "run" / "config.json").read_text() == recorded
+  for tree in (variables, again.variables):
+    jax.tree.map(np.testing.assert_array_equal, first.variables, tree)

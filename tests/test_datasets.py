@@ -44,3 +44,31 @@ def test_digits_source_is_offline_and_split():
   assert (pipeline.num_train, pipeline.num_eval) == (1797 - 360, 360)
   assert pipeline.train_images.shape[1:] == (32, 32, 3)
   assert set(np.unique(pipeline.eval_labels)) == set(range(10))
+
+
+def test_class_balanced_subset_keeps_round_fraction_of_each_class_deterministically():
+  from smoothing_jax.data.datasets import class_balanced_subset
+  labels = np.random.default_rng(0).permutation(np.repeat([0, 1, 2], [10, 7, 3]))
+  kept = class_balanced_subset(labels, 0.5, seed=0)
+  # round(0.5 × 10, 7, 3) = 5, 4, 2 (halves rounded up); increasing, distinct indices.
+  assert [np.sum(labels[kept] == c) for c in range(3)] == [5, 4, 2]
+  assert np.all(np.diff(kept) > 0)
+  np.testing.assert_array_equal(class_balanced_subset(labels, 0.5, seed=0), kept)
+  assert not np.array_equal(class_balanced_subset(labels, 0.5, seed=1), kept)
+  assert set(class_balanced_subset(labels, 0.2, seed=0)) < set(kept)  # nested in the fraction
+  np.testing.assert_array_equal(class_balanced_subset(labels, 1.0, seed=5), np.arange(20))
+  maps = np.zeros((8, 2, 2), np.int32)  # label maps: one group, a uniform subset
+  assert len(class_balanced_subset(maps, 0.25, seed=0)) == 2
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.5, 1.5, float("nan"), "0.5", True])
+def test_class_balanced_subset_rejects_bad_fractions(fraction):
+  from smoothing_jax.data.datasets import class_balanced_subset
+  with pytest.raises(ValueError, match=r"train_fraction must be a number in \(0, 1\]"):
+    class_balanced_subset(np.arange(4) % 2, fraction, seed=0)
+
+
+def test_class_balanced_subset_rejects_a_fraction_that_empties_a_class():
+  from smoothing_jax.data.datasets import class_balanced_subset
+  with pytest.raises(ValueError, match="keeps none of the 2 training examples of class 1"):
+    class_balanced_subset(np.array([0] * 10 + [1] * 2), 0.2, seed=0)

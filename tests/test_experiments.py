@@ -89,17 +89,28 @@ def test_stage_end_summaries_and_orderings_by_hand():
 def test_msa_figures_on_an_alternet_trained_with_the_vit_recipe(msa_workdirs, tmp_path, capsys):
   args = [a for label, path in msa_workdirs.items() for a in ("--workdir", f"{label}={path}")]
   sizes = ["hessian_batches=2", "hessian_batch_size=16", "hessian_iters=3", "fourier_images=8",
-           "variance_images=8", "lesion_images=16"]
+           "variance_images=8", "lesion_images=16", "similarity_images=16",
+           "similarity_batch_size=8"]
   msa_figures.main(args + ["--out", str(tmp_path)] +
                    [a for size in sizes for a in ("--size", size)])
   report = json.loads(capsys.readouterr().out)
   for name in msa_figures.FIGURES:
     assert os.path.getsize(tmp_path / f"{name}.png") > 1000
   assert os.path.getsize(tmp_path / "fourier_by_depth.png") > 1000
+  assert os.path.getsize(tmp_path / "similarity_cross.png") > 1000
   assert "| layer3_1 | msa |" in open(tmp_path / "lesion.md").read()
   checks = report["orderings"]["AlterNet"]
   assert {"msa_lowers_high_frequencies", "msa_reduces_variance", "conv_raises_high_frequencies",
-          "smaller_positive_max_eigenvalue_than_backbone"} <= set(checks)
+          "smaller_positive_max_eigenvalue_than_backbone",
+          "blocks_of_a_stage_are_more_alike", "straighter_trajectory_than_backbone"} <= set(checks)
+  trajectory = json.load(open(tmp_path / "trajectory.json"))["AlterNet"]
+  assert list(trajectory["steps"]) == [0, 2, 4] and abs(trajectory["angle"][0]) < 1e-3
+  similarity = json.load(open(tmp_path / "similarity.json"))["AlterNet"]
+  assert similarity["rows"]["kinds"] == ["conv", "conv", "conv", "msa", "conv", "msa"]
+  assert similarity["rows"]["resolution_changes"] == [1, 2, 4]  # the strided stage starts
+  assert similarity["num_examples"] == 16
+  cross = json.load(open(tmp_path / "similarity_cross.json"))["backbone vs AlterNet"]
+  assert np.shape(cross["cka"]) == (6, 6) and cross["cols"] == similarity["rows"]
   assert "msa_lowers_high_frequencies" not in report["orderings"]["backbone"]
   spectra = json.load(open(tmp_path / "spectra.json"))["AlterNet"]
   assert len(spectra["min_eigenvalues"]) == 2

@@ -65,6 +65,26 @@ def test_order_is_a_function_of_seed_and_epoch(npz_dir):
                                 epoch1[0]["image"])
 
 
+def test_train_fraction_trains_on_a_balanced_subset_with_the_whole_split_statistics(npz_dir):
+  full = create_pipeline(f"npz:{npz_dir}", 8, seed=0)
+  half = create_pipeline(f"npz:{npz_dir}", 8, seed=0, train_fraction=0.5)
+  _, counts = np.unique(full.train_labels, return_counts=True)
+  expected = np.floor(0.5 * counts + 0.5)
+  np.testing.assert_array_equal(np.unique(half.train_labels, return_counts=True)[1], expected)
+  assert (half.num_train, half.steps_per_epoch) == (expected.sum(), int(expected.sum()) // 8)
+  assert half.mean == full.mean and half.std == full.std  # normalisation of the whole split
+  rows = [np.flatnonzero((full.train_images == image).all(axis=(1, 2, 3)))[0]
+          for image in half.train_images]  # the subset's images are the split's, in its order
+  np.testing.assert_array_equal(full.train_labels[rows], half.train_labels)
+  assert np.all(np.diff(rows) > 0)
+  again = create_pipeline(f"npz:{npz_dir}", 8, seed=0, train_fraction=0.5)  # e.g. on resume
+  np.testing.assert_array_equal(again.train_images, half.train_images)
+  with pytest.raises(ValueError, match="train_fraction must be a number in"):
+    create_pipeline(f"npz:{npz_dir}", 8, seed=0, train_fraction=0.0)
+  with pytest.raises(ValueError, match="train_fraction 0.5 needs an in-memory training split"):
+    create_pipeline("imagenet2012", 8, seed=0, train_fraction=0.5)
+
+
 def test_class_weights_need_label_maps(npz_dir):
   with pytest.raises(ValueError, match="segmentation"):
     create_pipeline(f"npz:{npz_dir}", 8, seed=0).class_weights(10)

@@ -217,18 +217,40 @@ def test_corruption_sweep_keeps_what_it_computed_when_a_later_set_fails(
 
 
 def test_resume_after_interruption_is_bit_identical(tmp_path):
-  config = tiny_config(num_train_steps=4, checkpoint_every_steps=2)
+  """Also on half of the training split (``train_fraction``: the same subset after the resume,
+  its size in config.json) and with the learning trajectory recorded every 3 steps (rows 0, 3
+  and the last step 4, the resumed record equal to the uninterrupted one)."""
+  from smoothing_jax.analysis import trained as trained_lib
+  from smoothing_jax.analysis.trajectory import load_trajectory
+  from smoothing_jax.data import load_arrays, parse_dataset
+  config = tiny_config(num_train_steps=4, checkpoint_every_steps=2, train_fraction=0.5,
+                       trajectory_every_steps=3, trajectory_dims=8)
   with tfds.testing.mock_data(num_examples=16):
     full = train.train_and_evaluate(config, str(tmp_path / "full"))
     train.train_and_evaluate(config, str(tmp_path / "cut"),
                              stop_after_steps=2)  # "killed" after step 2
     assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["2"]
+    assert list(load_trajectory(tmp_path / "cut").steps) == [0]
     resumed = train.train_and_evaluate(config, str(tmp_path / "cut"))
+    _, class_counts = np.unique(load_arrays(parse_dataset("cifar10"), "train", shard=False)[1],
+                                return_counts=True)
+    polar = trained_lib.trajectory_study(trained_lib.load_trained(str(tmp_path / "full")))
   assert int(resumed.step) == 4
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params),
                jax.device_get(full.params))
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.opt_state),
                jax.device_get(full.opt_state))
+  recorded = json.load(open(tmp_path / "cut" / "config.json"))
+  assert recorded["train_fraction"] == 0.5
+  assert recorded["model_spec"]["num_train_examples"] == np.sum(np.floor(0.5 * class_counts + 0.5))
+  records = [load_trajectory(tmp_path / run) for run in ("full", "cut")]
+  assert [list(r.steps) for r in records] == [[0, 3, 4]] * 2
+  np.testing.assert_array_equal(records[1].projections, records[0].projections)
+  np.testing.assert_array_equal(records[1].norm_sq, records[0].norm_sq)
+  params_sq = sum(np.sum(np.square(x, dtype=np.float64)) for x in jax.tree.leaves(full.params))
+  assert records[0].norm_sq[-1] == pytest.approx(params_sq, rel=1e-5)
+  np.testing.assert_array_equal(polar["steps"], [0, 3, 4])
+  assert polar["radius"][-1] == 0 and polar["path_ratio"] >= 1
 
 
 def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):

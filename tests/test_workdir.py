@@ -142,7 +142,8 @@ def test_load_rebuilds_the_model_without_the_dataset(tmp_path):
   config, model, variables = workdir_lib.load(workdir)
   assert config.dataset == f"npz:{data}" and not os.path.exists(data)
   assert workdir_lib.read_config(workdir)[1] == {"num_classes": 4, "stem": "cifar",
-                                                 "image_shape": [16, 16, 3]}
+                                                 "image_shape": [16, 16, 3],
+                                                 "num_train_examples": 32}
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(variables),
                jax.device_get({"params": state.params, "batch_stats": state.batch_stats}))
   images = jax.random.normal(jax.random.key(0), (2, 16, 16, 3))
@@ -325,6 +326,80 @@ def test_no_intact_checkpoint_is_a_one_line_error_and_deletes_nothing(npz_run, t
   assert _files(checkpoints) == before
   assert "never retrieved" not in caplog.text
 
+
+
+# ----------------------------------------------------------------------------- config.init_from
+
+
+def test_init_from_a_workdir_fine_tunes_with_a_fresh_classifier(npz_run, tmp_path, caplog):
+  data, source, trained = npz_run
+  workdir = tmp_path / "fine_tune"
+  with caplog.at_level(logging.WARNING):  # 6 classes instead of 4; no step taken
+    state = train.train_and_evaluate(npz_config(data, init_from=source, num_classes=6),
+                                     str(workdir), stop_after_steps=0)
+  before = _flat(trained)
+  started = _flat({"params": state.params, "batch_stats": state.batch_stats})
+  head = ["params/classifier_0/dense/bias", "params/classifier_0/dense/kernel"]
+  assert started[head[0]].shape == (6,) and before[head[0]].shape == (4,)
+  assert sorted(started) == sorted(before)
+  for key in set(before) - set(head):
+    np.testing.assert_array_equal(started[key], before[key])
+  assert f"re-initialised {', '.join(head)}" in caplog.text
+  assert json.load(open(workdir / workdir_lib.CONFIG_FILE))["init_from"] == source
+
+
+def test_init_from_errors_name_the_source_and_every_mismatch(npz_run, tmp_path):
+  data, source, _ = npz_run
+  with pytest.raises(FileNotFoundError, match="config.init_from '.*nowhere': no such workdir"):
+    train.train_and_evaluate(npz_config(data, init_from=str(tmp_path / "nowhere")),
+                             str(tmp_path / "run"), stop_after_steps=0)
+  spec = {"num_classes": 6, "stem": "cifar", "image_shape": [16, 16, 3]}
+
+  def target(config):
+    model = workdir_lib.build_model(config, spec)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3))))
+
+  config = npz_config(data, init_from=source)  # evaluation: no fresh classifier
+  with pytest.raises(ValueError, match=r"(?s)does not match 'resnet_dnn_18' \(num_classes=6\):.*"
+                     r"shape mismatches \(2\): params/classifier_0/dense/bias: \(4,\)"):
+    workdir_lib.init_from_variables(config, spec, target(config))
+  wider = npz_config(data, init_from=source, **{"model_kwargs.width": 8})
+  with pytest.raises(ValueError, match=r"params/layer0_0/kernel: \(3, 3, 3, 4\), expected"):
+    workdir_lib.init_from_variables(wider, spec, target(wider), new_classifier=True)
+
+
+def test_evaluation_and_analyses_of_a_timm_checkpoint_file(npz_run, tmp_path):
+  """HV's released ViT layout (timm, saved as ``{"state_dict": ...}``), evaluated by
+  ``--mode=evaluate`` in a workdir with no checkpoint, then loaded by the analyses."""
+  from configs import cifar_vit
+  from smoothing_jax.analysis.trained import eval_pixels, load_trained
+  from smoothing_jax.convert import TIMM_LAYOUTS
+  from smoothing_jax.torch_reference import randomize
+  from tests.helpers import import_timm, model_options
+  timm = import_timm()
+  import torch
+  data = npz_run[0]
+  vit = randomize(timm.models.vision_transformer.VisionTransformer(
+      num_classes=4, img_size=16, patch_size=2, embed_dim=16, depth=2, num_heads=2,
+      qkv_bias=False))
+  torch.save({"state_dict": vit.state_dict()}, tmp_path / "vit.pth.tar")
+  config = override(cifar_vit.get_config(f"vit_ti,npz:{data},runlocal"),
+                    **model_options(hidden_dim=16, depth=2, num_heads=2, head_dim=8, mlp_dim=64,
+                                    patch_size=None),  # the timm layout's patch size, 2
+                    init_from=str(tmp_path / "vit.pth.tar"), eval_batch_size=16,
+                    ensemble_sizes=(1,))
+  workdir = str(tmp_path / "evaluation")
+  (row,) = evaluate.evaluate_ensemble_sizes([workdir], f"{workdir}/results", config)
+  assert workdir_lib.read_config(workdir)[1]["model_options"] == TIMM_LAYOUTS["vit_ti"]
+  trained = load_trained(workdir)
+  assert trained.step == 0 and not workdir_lib.has_checkpoint(workdir)
+  pixels, labels = eval_pixels(trained, 16)
+  images = np.array(trained.normalize(pixels))
+  with torch.no_grad():
+    expected = vit(torch.from_numpy(images.transpose(0, 3, 1, 2))).numpy()
+  np.testing.assert_allclose(trained.model.apply(trained.variables, images), expected, rtol=1e-4,
+                             atol=1e-4)
+  assert row["count"] == 16 and row["acc"] == pytest.approx(np.mean(expected.argmax(-1) == labels))
 
 if __name__ == "__main__":
   _worker(sys.argv[1], json.loads(sys.argv[2]))

@@ -1,11 +1,12 @@
-"""Analysis tools: Hessian spectra (``hessian``) and Fourier analysis of feature maps
-(``fourier``)."""
-from smoothing_jax.analysis import fourier, hessian
+"""Analysis tools: Hessian spectra (``hessian``), Fourier analysis of feature maps (``fourier``)
+and feature-map similarity by mini-batch CKA (``similarity``)."""
+from smoothing_jax.analysis import fourier, hessian, similarity
 from smoothing_jax.analysis.fourier import delta_log_amplitude
 from smoothing_jax.analysis.hessian import (eigenvalue_density, hessian_trace, hvp, min_eigenvalue,
                                             top_eigenvalues)
+from smoothing_jax.analysis.similarity import cross_model_similarity, feature_similarity
 
 __all__ = [
-    "delta_log_amplitude", "eigenvalue_density", "fourier", "hessian", "hessian_trace", "hvp",
-    "min_eigenvalue", "top_eigenvalues"
+    "cross_model_similarity", "delta_log_amplitude", "eigenvalue_density", "feature_similarity",
+    "fourier", "hessian", "hessian_trace", "hvp", "min_eigenvalue", "similarity", "top_eigenvalues"
 ]

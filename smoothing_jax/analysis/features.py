@@ -3,9 +3,10 @@ HV Fig. 2/9).
 
 Feature maps are tapped with Flax ``capture_intermediates`` (no model copies):
 by default the outputs of every block (residual, VGG, AlexNet, WRN blocks; ViT
-MSA/MLP units; AlterNet Conv/MSA blocks) and smoothing layer of the network, in
-execution order; stem convolutions and BatchNorm layers on their own are not taps.
-ViT token outputs [B, N, D] become maps [B, h, w, D] (CLS token dropped), as in HV.
+MSA/MLP units; PiT MSA/MLP units and pooling layers; AlterNet Conv/MSA blocks; Swin MSA/MLP
+units, NHWC maps already) and smoothing layer of the network, in execution order; stem
+convolutions, BatchNorm layers and patch merging on their own are not taps.
+ViT and PiT token outputs [B, N, D] become maps [B, h, w, D] (CLS token dropped), as in HV.
 """
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from smoothing_jax.inference import sample_rngs
 from smoothing_jax.layers import Smooth
 from smoothing_jax.models.alternet import AttentionBlock
 from smoothing_jax.models.common import CNN
+from smoothing_jax.models.pit import Pooling
+from smoothing_jax.models.swin import SwinUnit
 from smoothing_jax.models.vit import TransformerUnit, tokens_to_map
 
-TAPPED = (CNN, Smooth, TransformerUnit, AttentionBlock)
+TAPPED = (CNN, Smooth, TransformerUnit, AttentionBlock, SwinUnit, Pooling)
 
 
 def _is_block(module, method_name: str) -> bool:
@@ -32,7 +35,7 @@ def _is_block(module, method_name: str) -> bool:
 
 def block_kinds(model, names) -> dict:
   """``{block: kind}``: "msa", "mlp" or "conv" from ``model.units()`` (ViT, AlterNet), "smooth" for
-  smoothing layers, "conv" for the other CNN blocks."""
+  smoothing layers, "conv" for the other CNN blocks (and PiT's pooling layers, depth-wise convs)."""
   units = dict(model.units()) if hasattr(model, "units") else {}
   return {n: units.get(n, "smooth" if n.startswith("smooth") else "conv") for n in names}
 

@@ -1,12 +1,15 @@
 """The analyses of the papers' figures, run on a trained workdir.
 
-``load_trained(workdir)`` restores a checkpoint with its config; each ``*_study``
+``load_trained(workdir)`` restores a checkpoint with its config (``load_or_train(workdir,
+config)`` trains the config into an empty workdir first); each ``*_study``
 function computes the data of one figure and returns plain arrays/dicts that the
 matching ``smoothing_jax.plots`` function (or a notebook) draws:
 
 * ``hessian_spectrum_study``   Hessian max-eigenvalue spectrum (SS Fig. 8, App. A.3)
 * ``fourier_study``            Δlog-amplitude of feature maps by depth (SS Fig. 6b)
 * ``variance_study``           feature-map variance by depth (SS Fig. 5)
+* ``similarity_study``         mini-batch CKA between every pair of blocks, or of two models
+                               (HV Sec. 4.1)
 * ``landscape_study``          2-D loss landscape (SS Fig. 7)
 * ``frequency_noise_study``    accuracy under band-limited noise (SS Fig. 6c)
 * ``consistency_study``        consistency / CEC / relative confidence (SS Table E.3)
@@ -14,13 +17,18 @@ matching ``smoothing_jax.plots`` function (or a notebook) draws:
                                (SS Table E.4 layout)
 * ``adversarial_study``        FGSM / PGD accuracy against the MC prediction
 * ``lesion_study``             accuracy drop when one unit is removed (HV Sec. 4.1; ViT, AlterNet)
+* ``trajectory_study``         learning trajectory in polar coordinates (HV Fig. 1b; recorded in
+                               training with ``config.trajectory_every_steps``)
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import importlib.util
 import itertools
-from typing import Optional, Sequence
+import os
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +43,12 @@ from smoothing_jax.analysis.lesion import lesion_accuracy_drops
 from smoothing_jax.analysis.perturbation import (perturbation_metrics, sequence_predictions,
                                                  translate_sequences)
 from smoothing_jax.analysis.robustness import ensemble_nll, fgsm, pgd
+from smoothing_jax.analysis.similarity import cross_model_similarity, feature_similarity
 from smoothing_jax.analysis.spectrum import max_eigenvalue_spectrum, training_loss
+from smoothing_jax.analysis.trajectory import load_trajectory, polar_trajectory
 from smoothing_jax.data import create_pipeline
 from smoothing_jax.data.pipeline import Pipeline
-from smoothing_jax import temporal
+from smoothing_jax import temporal, train
 from smoothing_jax.inference import mc_predict
 from smoothing_jax import workdir as workdir_lib
 from smoothing_jax.parallel import evaluate_batches
@@ -85,15 +95,78 @@ def _predictive(model, variables, images, rng, num_samples):
 
 
 def load_trained(workdir: str) -> TrainedModel:
-  """Restore the latest checkpoint of ``workdir`` (its ``config.json`` picks model and data)."""
+  """Restore the latest checkpoint of ``workdir`` (its ``config.json`` picks model and data;
+  training batches come from the ``train_fraction`` subset it trained on); a workdir without
+  checkpoints that records ``init_from`` (e.g. ``--mode=evaluate`` of a torch checkpoint) gives
+  those variables, at step 0."""
   config, spec = workdir_lib.read_config(workdir)
   _, step, variables = workdir_lib.load_checkpoint(workdir, config)
   rand = config.get("randaugment")  # training batches augmented as in training (Mixup/CutMix aside)
   pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir, False,
                              (rand.num_layers, rand.magnitude,
-                              rand.magnitude_std) if rand else None)
+                              rand.magnitude_std) if rand else None,
+                             train_fraction=config.get("train_fraction", 1.0))
   return TrainedModel(workdir, config, step, workdir_lib.build_model(config, spec), variables,
                       pipeline)
+
+
+def config_from_file(spec: str) -> ml_collections.ConfigDict:
+  """``"<file>.py[:<args>]"`` (as ``--config=`` of ``smoothing_jax.main``; the path relative to
+  the current directory, e.g. ``"configs/cifar_resnet.py:resnet_mcdo_18,cifar10"``) → that
+  file's ``get_config(<args>)``."""
+  path, _, arg = spec.partition(":")
+  if not path.endswith(".py") or not os.path.isfile(path):
+    raise ValueError(f"Config {spec!r}: {path!r} is not a config file (a .py path relative to "
+                     f"{os.getcwd()}, e.g. 'configs/quickstart.py').")
+  module_spec = importlib.util.spec_from_file_location("_config_file", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def with_overrides(config: ml_collections.ConfigDict,
+                   overrides: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """A copy of ``config`` with ``overrides`` set: dotted keys as ``--config.<key>=…`` (e.g.
+  ``{"model_kwargs.width": 8}``); only keys the config has, with values of their type."""
+  config = copy.deepcopy(config)
+  for key, value in overrides.items():
+    try:
+      config.update_from_flattened_dict({key: value})
+    except KeyError:
+      *path, _ = key.split(".")
+      node = functools.reduce(lambda c, k: c.get(k) if hasattr(c, "get") else None, path, config)
+      known = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "(none)"
+      raise ValueError(f"Override {key!r}: the config has no such key; keys there: "
+                       f"{known}.") from None
+    except TypeError as error:
+      raise ValueError(f"Override {key}={value!r}: {error}") from None
+  return config
+
+
+def load_or_train(workdir: str,
+                  config: Union[str, ml_collections.ConfigDict, None] = None,
+                  *,
+                  overrides: Optional[Mapping[str, Any]] = None) -> TrainedModel:
+  """The trained model of ``workdir`` (:func:`load_trained`), trained first if it has no
+  checkpoint.
+
+  A workdir with a checkpoint is loaded as it is: its ``config.json`` rules, and ``config``
+  and ``overrides`` are not used (rerun the training command to resume an interrupted run).
+  Otherwise ``config`` — a ConfigDict or ``"<file>.py[:<args>]"`` (:func:`config_from_file`)
+  — with ``overrides`` (:func:`with_overrides`) is trained into ``workdir`` by
+  :func:`smoothing_jax.train.train_and_evaluate`, then loaded.
+
+  Raises:
+    ValueError: ``workdir`` has no checkpoint and no ``config`` is given, or a bad config or
+      override.
+  """
+  if not workdir_lib.has_checkpoint(workdir):
+    if config is None:
+      raise ValueError(f"{workdir} holds no checkpoint: give a config to train one into it.")
+    if isinstance(config, str):
+      config = config_from_file(config)
+    train.train_and_evaluate(with_overrides(config, overrides or {}), workdir)
+  return load_trained(workdir)
 
 
 def eval_pixels(trained: TrainedModel, num_images: int):
@@ -160,6 +233,33 @@ def variance_study(trained: TrainedModel,
                           trained.normalize(pixels),
                           num_samples=num_samples,
                           rng=jax.random.key(seed))
+
+
+def similarity_study(trained: TrainedModel,
+                     *,
+                     num_images: int = 1024,
+                     batch_size: int = 256,
+                     other: Optional[TrainedModel] = None,
+                     seed: int = 0) -> dict:
+  """Mini-batch linear CKA between every pair of blocks of ``trained``
+  (:func:`smoothing_jax.analysis.similarity.feature_similarity`), or with ``other`` between
+  every block of ``trained`` (rows) and of ``other`` (columns), each model fed the images
+  normalised for it (``cross_model_similarity``).
+
+  Test images in batches of ``batch_size`` (≥ 4; Nguyen et al. use 256); a last partial batch is
+  left out. One stochastic pass per batch.
+  """
+  pixels, _ = eval_pixels(trained, num_images)
+  if batch_size < 4 or len(pixels) < batch_size:
+    raise ValueError(f"similarity_study: batch_size {batch_size} must be at least 4 and at most "
+                     f"the {len(pixels)} test images used.")
+  batches = [pixels[i:i + batch_size] for i in range(0, len(pixels) - batch_size + 1, batch_size)]
+  rng = jax.random.key(seed)
+  if other is None:
+    return feature_similarity(trained.model, trained.variables,
+                              (trained.normalize(x) for x in batches), rng)
+  return cross_model_similarity(trained.model, trained.variables, other.model, other.variables,
+                                ((trained.normalize(x), other.normalize(x)) for x in batches), rng)
 
 
 def landscape_study(trained: TrainedModel, *, num_points: int = 21, scale: float = 1.0,
@@ -320,3 +420,11 @@ def lesion_study(trained: TrainedModel,
       "label": labels[i:i + batch_size]
   } for i in range(0, len(pixels), batch_size)]
   return lesion_accuracy_drops(trained.model, trained.variables, batches, jax.random.key(seed))
+
+
+def trajectory_study(trained: TrainedModel) -> dict:
+  """The learning trajectory recorded in ``trained.workdir`` in polar coordinates about the
+  final parameters, with its path length over the straight distance (``path_ratio``) and the
+  projection's error (:func:`smoothing_jax.analysis.trajectory.polar_trajectory`); draw it with
+  ``plots.plot_trajectories``."""
+  return polar_trajectory(load_trajectory(trained.workdir))

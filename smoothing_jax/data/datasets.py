@@ -3,7 +3,8 @@
 Owns the dataset specs and name parsing (:class:`DatasetSpec`, :func:`parse_dataset`,
 :func:`corruption_dataset` and the constants), the sources (TFDS CIFAR-10/100, ImageNet,
 corruption sets, CamVid; local ``npz:`` arrays; scikit-learn's ``digits``),
-:class:`DatasetUnavailableError`, the per-dataset normalisation statistics and sums over
+:class:`DatasetUnavailableError`, the class-balanced training subsets of ``train_fraction``
+(:func:`class_balanced_subset`), the per-dataset normalisation statistics and sums over
 processes (multi-host).  Each process reads only its shard.
 """
 from __future__ import annotations
@@ -213,6 +214,52 @@ def load_arrays(spec: DatasetSpec, split: str, data_dir: Optional[str] = None,
     return images, labels
   process, count = jax.process_index(), jax.process_count()
   return images[process::count], labels[process::count]
+
+
+def check_train_fraction(fraction) -> float:
+  """``fraction`` as a float if it is a number in (0, 1]; otherwise a ValueError naming it."""
+  if isinstance(fraction, bool) or not isinstance(fraction, (int, float, np.floating)) or not (
+      0.0 < fraction <= 1.0):
+    raise ValueError(f"train_fraction must be a number in (0, 1] (the fraction of the training "
+                     f"split kept, class-balanced), got {fraction!r}.")
+  return float(fraction)
+
+
+def class_balanced_subset(labels: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+  """Sorted indices of a fixed, class-balanced ``fraction`` of a training split (the
+  small-data regime of HV, e.g. "ViT using 6% dataset for training").
+
+  Class c keeps ``round(fraction · n_c)`` of its ``n_c`` examples (rounded half up), chosen by a
+  permutation seeded by ``(seed, c)``: the same labels, fraction and seed always give the same
+  subset, and the examples kept at a smaller fraction are among those of a larger one.  Label
+  maps ``[N, H, W]`` (segmentation) have no class per example: they form one group, a uniform
+  subset.
+
+  Args:
+    labels: int ``[N]`` classes (or ``[N, H, W]`` label maps) of the whole split.
+    fraction: in (0, 1]; 1 keeps everything.
+    seed: ``config.seed``.
+
+  Returns:
+    int64 ``[M]`` indices into the split, increasing.
+
+  Raises:
+    ValueError: ``fraction`` outside (0, 1], or so small that a class keeps no example.
+  """
+  fraction = check_train_fraction(fraction)
+  labels = np.asarray(labels)
+  groups = labels if labels.ndim == 1 else np.zeros(len(labels), np.int64)
+  kept = []
+  for group in np.unique(groups):
+    members = np.flatnonzero(groups == group)
+    count = int(np.floor(fraction * len(members) + 0.5))
+    if count == 0:
+      raise ValueError(f"train_fraction {fraction} keeps none of the {len(members)} training "
+                       f"examples of class {group} (each class keeps round(fraction × its "
+                       "count)); use a larger fraction.")
+    order = np.random.default_rng([seed, int(group)]).permutation(len(members))
+    kept.append(members[order[:count]])
+  return np.sort(np.concatenate(kept))
 
 
 # ----------------------------------------------------------------------------- statistics

@@ -26,7 +26,8 @@ import tensorflow_datasets as tfds
 from smoothing_jax.data.augment import (_normalize, cifar_train_augment, imagenet_eval_preprocess,
                                         imagenet_train_augment, segmentation_train_augment)
 from smoothing_jax.data.class_weights import class_pixel_counts, median_frequency_weights
-from smoothing_jax.data.datasets import (NORMALIZATION, DatasetSpec, load_arrays, normalization,
+from smoothing_jax.data.datasets import (NORMALIZATION, DatasetSpec, check_train_fraction,
+                                         class_balanced_subset, load_arrays, normalization,
                                          parse_dataset, prepared_tfds_builder,
                                          tfds_builder, tfds_split)
 from smoothing_jax.data.randaugment import randaugment
@@ -58,7 +59,7 @@ class Pipeline:
 
   Attributes:
     spec: the parsed dataset.
-    num_train: examples in the (global) training split.
+    num_train: examples in the (global) training split (the ``train_fraction`` subset).
     num_eval: examples in the (global) evaluation split.
     local_batch_size / global_batch_size: per-process and global training batch.
   """
@@ -215,26 +216,36 @@ class Pipeline:
 def create_pipeline(dataset: str, global_batch_size: int, seed: int,
                     data_dir: Optional[str] = None, download: bool = False,
                     randaugment: Optional[tuple] = None,
-                    crop_size: Optional[tuple] = None, eval_cache: str = "") -> Pipeline:
+                    crop_size: Optional[tuple] = None, eval_cache: str = "",
+                    train_fraction: float = 1.0) -> Pipeline:
   """Load (or open, for ImageNet) ``dataset``; fail early with a clear message if it is missing.
 
   ``randaugment``: ``(num_layers, magnitude, magnitude_std)`` applied to training images
   after the crop and flip (None or num_layers 0: off).  ``crop_size``: (h, w) random
   training crop of segmentation datasets (None: whole images).  ``eval_cache``: a file
   prefix where the preprocessed evaluation images are kept after their first pass (for
-  ImageNet, whose JPEGs are otherwise decoded at every evaluation).  Keeps TensorFlow off the
-  accelerators (:func:`hide_accelerators_from_tensorflow`) if it has not started yet.
+  ImageNet, whose JPEGs are otherwise decoded at every evaluation).  ``train_fraction`` in
+  (0, 1]: train on a fixed class-balanced subset of an in-memory training split, seeded by
+  ``seed`` (:func:`~smoothing_jax.data.datasets.class_balanced_subset`); ``num_train`` and the
+  steps per epoch follow it, the normalisation statistics stay those of the whole split; the
+  streamed ImageNet split takes 1 only.  Keeps TensorFlow off the accelerators
+  (:func:`hide_accelerators_from_tensorflow`) if it has not started yet.
   """
   hide_accelerators_from_tensorflow()
   if randaugment is not None and randaugment[0] < 0:
     raise ValueError(f"RandAugment num_layers must be >= 0, got {randaugment[0]}.")
   spec = parse_dataset(dataset)
+  train_fraction = check_train_fraction(train_fraction)
   if spec.corruption:
     raise ValueError(f"{dataset!r} is an evaluation-only corruption set; train on {spec.base!r}.")
   if global_batch_size % jax.process_count():
     raise ValueError(f"Global batch size {global_batch_size} is not divisible by "
                      f"{jax.process_count()} processes.")
   if spec.base == "imagenet2012":
+    if train_fraction < 1:
+      raise ValueError(f"train_fraction {train_fraction} needs an in-memory training split "
+                       "(CIFAR, npz:, digits); ImageNet's is streamed: prepare a subset as its "
+                       "own dataset instead.")
     splits = prepared_tfds_builder(spec, data_dir, download).info.splits
     eval_images = eval_labels = None
     num_train, num_eval = splits["train"].num_examples, splits["validation"].num_examples
@@ -245,9 +256,12 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int,
     # count); the evaluation split sharded.
     train_images, train_labels = load_arrays(spec, "train", data_dir, download, shard=False)
     eval_images, eval_labels = load_arrays(spec, spec.eval_split, data_dir, download)
+    mean, std = normalization(spec, train_images)
+    if train_fraction < 1:
+      kept = class_balanced_subset(train_labels, train_fraction, seed)
+      train_images, train_labels = train_images[kept], train_labels[kept]
     num_train = len(train_images)
     num_eval = len(eval_images) * jax.process_count()
-    mean, std = normalization(spec, train_images)
   pipeline = Pipeline(spec, global_batch_size, seed, tuple(mean), tuple(std), train_images,
                       train_labels, eval_images, eval_labels, num_train, num_eval, data_dir,
                       download, tuple(randaugment) if randaugment and randaugment[0] > 0 else None,

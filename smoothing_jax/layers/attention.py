@@ -32,18 +32,20 @@ class MultiHeadAttention(nn.Module):
     num_heads, head_dim: heads h and per-head width d (inner width h·d).
     out_features: output channels (None: C).
     dropout_rate: train-only dropout on the output projection.
+    qkv_bias: a bias on q, k, v (timm's ``qkv_bias=True``, e.g. its PiT); HV's MSAs have none.
   """
   num_heads: int
   head_dim: int = 64
   out_features: Optional[int] = None
   dropout_rate: float = 0.0
   dtype: Any = jnp.float32
+  qkv_bias: bool = False
 
   @nn.compact
   def __call__(self, x, bias=None, train: bool = False):
     """``bias``: additive attention logits broadcastable to [B, heads, N, N] (e.g. [N, N])."""
     qkv = nn.DenseGeneral((3, self.num_heads, self.head_dim),
-                          use_bias=False,
+                          use_bias=self.qkv_bias,
                           kernel_init=dense_init,
                           dtype=self.dtype,
                           name="qkv")(x)  # [B, N, 3, h, d]

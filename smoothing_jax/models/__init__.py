@@ -4,10 +4,10 @@ Names follow the reference implementation: ``<family>_<variant>[_<depth>]`` with
 variant ``dnn`` (deterministic), ``mcdo`` (MC dropout), ``dnn_smoothing`` or
 ``mcdo_smoothing``; plus the iBNN models ``vgg_ibnn_16`` and ``wideresnet_ibnn_28_10``
 (``num_components=K`` override; they take ``components`` and a ``"noise"`` key); and the
-self-attention models ``vit_{ti,s,b}`` and ``alternet_{18,34,50,101,152}`` (HV); and the
-segmentation U-Nets ``unet_{dnn,mcdo,dnn_smoothing,mcdo_smoothing}`` (per-pixel logits
-``[B, H, W, C]``).  Every model is called as
-``model.apply(variables, images_nhwc, train=False, rngs={"dropout": key})``.
+self-attention models ``vit_{ti,s,b}``, ``pit_{ti,s}``, ``swin_{t,s}`` and
+``alternet_{18,34,50,101,152}`` (HV); and the segmentation U-Nets
+``unet_{dnn,mcdo,dnn_smoothing,mcdo_smoothing}`` (per-pixel logits ``[B, H, W, C]``).  Every
+model is called as ``model.apply(variables, images_nhwc, train=False, rngs={"dropout": key})``.
 """
 from __future__ import annotations
 
@@ -22,15 +22,17 @@ import flax.linen as nn
 
 from smoothing_jax.models.alexnet import AlexNet
 from smoothing_jax.models.alternet import AlterNet
+from smoothing_jax.models.pit import PiT
 from smoothing_jax.models.resnet import ResNet
+from smoothing_jax.models.swin import Swin
 from smoothing_jax.models.unet import UNet
 from smoothing_jax.models.vgg import VGG, VGG_STAGES
 from smoothing_jax.models.vit import ViT
 from smoothing_jax.models.wideresnet import WideResNet
 
 __all__ = [
-    "AlexNet", "AlterNet", "ResNet", "UNet", "VGG", "ViT", "WideResNet", "get_model", "list_models",
-    "is_segmentation_model"
+    "AlexNet", "AlterNet", "PiT", "ResNet", "Swin", "UNet", "VGG", "ViT", "WideResNet", "get_model",
+    "list_models", "is_segmentation_model"
 ]
 
 RESNET_STAGES = {
@@ -47,6 +49,10 @@ UNET_MCDO_RATE = 0.5  # Bayesian SegNet
 IBNN_COMPONENTS = 4
 # ViT sizes: (hidden_dim, heads, mlp_dim); depth 12, head width 64 (HV ``vit.py``).
 VIT_SIZES = {"ti": (192, 3, 768), "s": (384, 6, 1536), "b": (768, 12, 3072)}
+# Swin sizes: blocks per stage; width 96 doubling per stage, heads (3, 6, 12, 24) (HV ``swin.py``).
+SWIN_DEPTHS = {"t": (2, 2, 6, 2), "s": (2, 2, 18, 2)}
+# PiT sizes: (heads per stage, head width); blocks (2, 6, 4), MLP ×4 (HV ``pit.py``).
+PIT_SIZES = {"ti": ((2, 4, 8), 32), "s": ((3, 6, 12), 48)}
 # AlterNet: (block, blocks per stage, MSA blocks per stage) (HV ``alternet.py``).
 ALTERNET_STAGES = {
     18: ("basic", (2, 2, 2, 2), (0, 1, 1, 1)),
@@ -108,6 +114,10 @@ def _registry():
     registry[f"alternet_{depth}"] = (AlterNet, dict(block=block,
                                                     stage_sizes=stages,
                                                     msa_blocks=msas))
+  for size, depths in SWIN_DEPTHS.items():
+    registry[f"swin_{size}"] = (Swin, dict(depths=depths))
+  for size, (heads, head_dim) in PIT_SIZES.items():
+    registry[f"pit_{size}"] = (PiT, dict(num_heads=heads, head_dim=head_dim))
   return registry
 
 

@@ -11,6 +11,14 @@ with stochastic-depth rate ``stochastic_depth · i / (depth − 1)`` in encoder 
 and a head LN → Dense on the CLS token (``classifier="token"``, the reference)
 or on the mean of the patch tokens (``"gap"``; no CLS token).
 
+Layouts.  The defaults are HV's class (LayerNorm ε = 1e-5, q, k, v without bias).  timm's
+``VisionTransformer`` (HV's released CIFAR-100 ViT-Ti; ``convert.TIMM_LAYOUTS["vit_ti"]``) takes
+``layer_norm_epsilon=1e-6`` (every LN) and ``qkv_bias`` as its constructor's.  Everything else
+computes alike: timm's conv patch embedding (kernel = stride = p) is our Dense on (row, col,
+channel)-ordered patches, its position embedding covers the CLS token as ours, and its final
+``norm`` over all tokens followed by taking the CLS token equals our LN on the CLS token (LN acts
+per token).
+
 Lesion studies: ``block_mask`` [2·depth] scales the residual branch of each unit
 (``units()`` names them), so ``block_mask = 1 − e_i`` removes unit i at test time.
 """
@@ -45,10 +53,12 @@ class TransformerUnit(nn.Module):
   kernel_size: Optional[int] = None
   grid: Optional[tuple] = None
   dtype: Any = jnp.float32
+  qkv_bias: bool = False
+  layer_norm_epsilon: float = 1e-5
 
   @nn.compact
   def __call__(self, x, train: bool = False, keep=None):
-    y = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype, name="norm")(x)
+    y = nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype, name="norm")(x)
     if self.kind == "msa" and self.window_size:
       b, _, d = y.shape
       y = WindowAttention(self.window_size,
@@ -65,6 +75,7 @@ class TransformerUnit(nn.Module):
                              self.head_dim,
                              dropout_rate=self.dropout_rate,
                              dtype=self.dtype,
+                             qkv_bias=self.qkv_bias,
                              name="attention")(y, bias, train)
     else:
       y = nn.gelu(nn.Dense(self.mlp_dim, kernel_init=dense_init, dtype=self.dtype, name="fc1")(y),
@@ -88,6 +99,8 @@ class ViT(nn.Module):
     window_size: MSA within non-overlapping windows of the token grid (with a
       relative position bias); kernel_size: MSA within a k×k neighbourhood.
       Both need ``classifier="gap"``; None = global MSA.
+    qkv_bias: a bias on q, k, v (global or k×k MSA); layer_norm_epsilon: ε of every LayerNorm.
+      The defaults are HV's class, ``convert.TIMM_LAYOUTS["vit_ti"]`` timm's (module docstring).
   """
   num_classes: int = 10
   hidden_dim: int = 192
@@ -104,6 +117,8 @@ class ViT(nn.Module):
   kernel_size: Optional[int] = None
   stem: str = "cifar"
   dtype: Any = jnp.float32
+  qkv_bias: bool = False
+  layer_norm_epsilon: float = 1e-5
   dropout_rate: ClassVar[float] = 0.0  # no MC dropout: test-time predictions are deterministic
 
   def units(self) -> list:
@@ -124,6 +139,8 @@ class ViT(nn.Module):
           "Local MSA (window_size / kernel_size) needs classifier='gap' (a CLS token has no "
           "position)."
       )
+    if self.window_size and self.qkv_bias:
+      raise ValueError("qkv_bias is for global or k×k MSA (kernel_size), not windowed MSA.")
     p = self.patch_size or PATCH_SIZES[self.stem]
     if x.shape[1] % p or x.shape[2] % p:
       raise ValueError(
@@ -159,11 +176,14 @@ class ViT(nn.Module):
                                self.kernel_size,
                                grid,
                                self.dtype,
+                               self.qkv_bias,
+                               self.layer_norm_epsilon,
                                name=name)(tokens, train,
                                           None if block_mask is None else block_mask[i])
 
     pooled = tokens[:, 0] if self.classifier == "token" else jnp.mean(tokens, axis=1)
-    pooled = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype, name="head_norm")(pooled)
+    pooled = nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype,
+                          name="head_norm")(pooled)
     return nn.Dense(self.num_classes, kernel_init=dense_init, dtype=self.dtype, name="head")(pooled)
 
 
