@@ -50,12 +50,22 @@ def _evaluation_setup(workdir: str, config=None):
   evaluates ``config.init_from``: ``config`` and its ``model_spec`` are recorded there first
   (``workdir.load`` then reads the variables from ``init_from``)."""
   pipeline = None
-  if config is not None and config.get("init_from") and not workdir_lib.has_checkpoint(workdir):
-    pipeline = _evaluation_pipeline(config)
-    workdir_lib.record_run(workdir, config, train.model_spec(config, pipeline))
+  if (config is not None and config.get("init_from") and not workdir_lib.has_checkpoint(workdir)
+      and not workdir_lib.has_run(workdir)):
+    pipeline = record_init_from(workdir, config)
   config, model, variables = workdir_lib.load(workdir, config)
   pipeline = pipeline or _evaluation_pipeline(config)
   return (config, model, variables, pipeline) + shardings(create_mesh(config.num_devices))
+
+
+def record_init_from(workdir: str, config):
+  """Record ``config`` and its model spec in ``workdir`` (no checkpoint of its own), which then
+  stands for the variables of ``config.init_from`` (``workdir.load``); returns the evaluation
+  pipeline."""
+  pipeline = _evaluation_pipeline(config)
+  workdir_lib.record_run(workdir, config, {**train.model_spec(config, pipeline),
+                                           workdir_lib.EVALUATES_INIT_FROM: True})
+  return pipeline
 
 
 def _nested_metrics(sample_probs, labels, mask, sizes, num_bins):

@@ -320,12 +320,30 @@ def set_aside_newer_steps(manager: ocp.CheckpointManager, step: int):
   manager.reload()
 
 
+def has_run(workdir) -> bool:
+  """Whether ``workdir`` records a run (``config.json``), e.g. a training run interrupted before
+  its first checkpoint, which an evaluation must not overwrite."""
+  return (workdir_path(workdir) / CONFIG_FILE).exists() and not evaluates_init_from(workdir)
+
+
 def has_checkpoint(workdir) -> bool:
   """Whether ``<workdir>/checkpoints`` holds a checkpoint step."""
   if not checkpoint_dir(workdir).exists():
     return False
   with checkpoint_manager(workdir, read_only=True) as manager:
     return bool(manager.all_steps())
+
+
+# ``model_spec`` key of a workdir recorded to stand for its ``init_from`` (an evaluation), as
+# opposed to a fine-tuning run interrupted before its first checkpoint.
+EVALUATES_INIT_FROM = "evaluates_init_from"
+
+
+def evaluates_init_from(workdir) -> bool:
+  """Whether ``workdir`` has no checkpoint and was recorded to stand for its ``init_from`` (an
+  evaluation of another run or of a torch checkpoint file: ``evaluate.record_init_from``)."""
+  return (not has_checkpoint(workdir) and (workdir_path(workdir) / CONFIG_FILE).exists() and
+          bool(_read_record(workdir).get("model_spec", {}).get(EVALUATES_INIT_FROM)))
 
 
 def record_run(workdir, config: ml_collections.ConfigDict, model_spec: dict):
@@ -363,8 +381,7 @@ def load_checkpoint(workdir: str, config: Optional[ml_collections.ConfigDict] = 
     record.pop("model_spec", None)
     config = ml_collections.ConfigDict(record)
   replicated, _ = shardings(create_mesh())
-  if (not has_checkpoint(workdir) and (workdir_path(workdir) / CONFIG_FILE).exists() and
-      _read_record(workdir).get("init_from")):
+  if evaluates_init_from(workdir):
     step, variables = _init_from_checkpoint(workdir)
     return config, step, jax.device_put(variables, replicated)
   with checkpoint_manager(workdir, read_only=True) as manager:

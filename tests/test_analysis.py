@@ -409,3 +409,9 @@ def test_load_or_train_trains_an_empty_workdir_once_then_loads_it(tmp_path, monk
   assert again.step == 1 and (tmp_path / "run" / "config.json").read_text() == recorded
   for tree in (variables, again.variables):
     jax.tree.map(np.testing.assert_array_equal, first.variables, tree)
+  # init_from with num_train_steps 0: nothing is trained, the workdir stands for the source.
+  evaluated = trained.load_or_train(str(tmp_path / "evaluated"), config,
+                                    overrides={**tiny, "init_from": workdir, "num_train_steps": 0})
+  assert evaluated.step == 0 and not (tmp_path / "evaluated" / "checkpoints").exists()
+  jax.tree.map(np.testing.assert_array_equal, first.variables["params"],
+               evaluated.variables["params"])

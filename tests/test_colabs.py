@@ -1,5 +1,6 @@
 """Every notebook in colabs/ runs end to end (parameters cell replaced by tiny settings), so none
-can rot."""
+can rot: on the trained fixture workdirs, and one from empty workdirs (it trains tiny models
+first)."""
 import os
 
 import nbformat
@@ -15,12 +16,18 @@ TINY = {
         "TRACE_PROBES = 2",
     "fourier_and_variance":
         "NUM_IMAGES = 8\nNUM_SAMPLES = 2",
-    "loss_landscape":
-        "NUM_POINTS = 3\nSCALE = 0.5\nNORMALIZATION = 'reference'\nBATCH_SIZE = 16",
     "robustness": (
         "NUM_IMAGES = 8\nNUM_SAMPLES = 2\nNOISE_STD = 0.1\nNUM_FREQUENCIES = 3\nNUM_SEQUENCES = 2\n"
         "EPSILONS = (2 / 255,)\nPGD_STEPS = 2"),
 }
+
+
+LANDSCAPE_TINY = "NUM_POINTS = 3\nSCALE = 0.5\nNORMALIZATION = 'reference'\nBATCH_SIZE = 16"
+
+
+def load_parameters(workdirs: dict) -> str:
+  """Parameters that load the trained ``workdirs`` (no config: nothing is trained)."""
+  return f"WORKDIRS = {workdirs!r}\nMODELS = {{}}\nCONFIG = None\nOVERRIDES = {{}}\n"
 
 
 def execute(name: str, parameters: str):
@@ -47,14 +54,34 @@ MSA_TINY = "NUM_BATCHES = 2\nBATCH_SIZE = 16\nMAX_ITERS = 3\nNUM_IMAGES = 8\nLES
 
 def test_every_notebook_is_covered():
   names = sorted(f[:-6] for f in os.listdir(COLABS) if f.endswith(".ipynb"))
-  assert names == sorted([*TINY, "quickstart", "msa_analysis"])
+  assert names == sorted([*TINY, "loss_landscape", "quickstart", "msa_analysis"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_analysis_notebook_runs_on_trained_workdirs(name, analysis_workdirs):
-  book = execute(name, f"WORKDIRS = {analysis_workdirs!r}\n{TINY[name]}")
+  book = execute(name, load_parameters(analysis_workdirs) + TINY[name])
   assert images_in(book) >= 1
+
+
+@pytest.mark.slow
+def test_landscape_notebook_trains_empty_workdirs_first(analysis_workdirs, tmp_path):
+  """Empty workdirs: each model is trained (the fixture's run: 4 steps of batch 16, width 4, on
+  its quadrant images), then every figure appears: NLL and NLL + L2 per model."""
+  quadrants = os.path.dirname(next(iter(analysis_workdirs.values())))
+  models = {label: {"model": os.path.basename(path)} for label, path in analysis_workdirs.items()}
+  parameters = (f"MODELS = {models!r}\n"
+                f"WORKDIRS = {{label: {str(tmp_path)!r} + '/' + keys['model'] "
+                f"for label, keys in MODELS.items()}}\n"
+                f"CONFIG = 'configs/cifar_resnet.py:dataset=npz:{quadrants},runlocal'\n"
+                "OVERRIDES = {'model_kwargs.width': 4, 'batch_size': 16, 'num_train_steps': 4}\n")
+  book = execute("loss_landscape", parameters + LANDSCAPE_TINY)
+  assert images_in(book) == 2 * len(models)
+  printed = "".join(out.get("text", "") for c in book.cells if c.cell_type == "code"
+                    for out in c.outputs)
+  for label, keys in models.items():
+    assert f"{label}: {keys['model']} (width 4) on npz:{quadrants}, step 4" in printed
+    assert os.path.isdir(tmp_path / keys["model"] / "checkpoints" / "4")
 
 
 @pytest.mark.slow
@@ -68,7 +95,9 @@ def test_quickstart_notebook_trains_and_evaluates(tmp_path):
 
 @pytest.mark.slow
 def test_msa_notebook_runs_on_alternet_workdirs(msa_workdirs):
-  book = execute("msa_analysis", f"WORKDIRS = {msa_workdirs!r}\n{MSA_TINY}")
-  assert images_in(book) >= 4
-  assert any("layer3_1 | msa" in "".join(out.get("text", "")) for c in book.cells
-             if c.cell_type == "code" for out in c.outputs)
+  book = execute("msa_analysis", load_parameters(msa_workdirs) + MSA_TINY)
+  assert images_in(book) >= 6  # spectra, Fourier (2), variance, lesion, CKA, trajectories
+  printed = "".join(out.get("text", "") for c in book.cells if c.cell_type == "code"
+                    for out in c.outputs)
+  assert "layer3_1 | msa" in printed
+  assert "AlterNet: 3 snapshots, path / distance" in printed

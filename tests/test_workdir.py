@@ -403,3 +403,18 @@ def test_evaluation_and_analyses_of_a_timm_checkpoint_file(npz_run, tmp_path):
 
 if __name__ == "__main__":
   _worker(sys.argv[1], json.loads(sys.argv[2]))
+
+
+def test_an_interrupted_fine_tune_is_not_taken_for_an_evaluation_of_its_source(tmp_path):
+  """A training run from ``init_from`` stopped before its first checkpoint records
+  ``config.json`` with ``init_from`` too: only a workdir recorded by ``record_init_from`` (marked
+  in its model spec) stands for the source's variables; the other is a run, never overwritten."""
+  config = cifar_resnet.get_config("resnet_dnn_18,cifar10,runlocal")
+  spec = {"num_classes": 10, "stem": "cifar", "image_shape": [32, 32, 3]}
+  config = override(config, init_from=str(tmp_path / "source"))
+  fine_tune, evaluation = str(tmp_path / "fine_tune"), str(tmp_path / "evaluation")
+  workdir_lib.write_config(fine_tune, config, spec)
+  workdir_lib.write_config(evaluation, config, {**spec, workdir_lib.EVALUATES_INIT_FROM: True})
+  assert not workdir_lib.evaluates_init_from(fine_tune) and workdir_lib.has_run(fine_tune)
+  assert workdir_lib.evaluates_init_from(evaluation) and not workdir_lib.has_run(evaluation)
+  assert not workdir_lib.has_run(str(tmp_path / "empty"))

@@ -48,7 +48,7 @@ from smoothing_jax.analysis.spectrum import max_eigenvalue_spectrum, training_lo
 from smoothing_jax.analysis.trajectory import load_trajectory, polar_trajectory
 from smoothing_jax.data import create_pipeline
 from smoothing_jax.data.pipeline import Pipeline
-from smoothing_jax import temporal, train
+from smoothing_jax import evaluate, temporal, train
 from smoothing_jax.inference import mc_predict
 from smoothing_jax import workdir as workdir_lib
 from smoothing_jax.parallel import evaluate_batches
@@ -150,22 +150,29 @@ def load_or_train(workdir: str,
   """The trained model of ``workdir`` (:func:`load_trained`), trained first if it has no
   checkpoint.
 
-  A workdir with a checkpoint is loaded as it is: its ``config.json`` rules, and ``config``
-  and ``overrides`` are not used (rerun the training command to resume an interrupted run).
-  Otherwise ``config`` — a ConfigDict or ``"<file>.py[:<args>]"`` (:func:`config_from_file`)
-  — with ``overrides`` (:func:`with_overrides`) is trained into ``workdir`` by
-  :func:`smoothing_jax.train.train_and_evaluate`, then loaded.
+  A workdir with a checkpoint (or recording an ``init_from``) is loaded as it is: its
+  ``config.json`` rules, and ``config`` and ``overrides`` are not used (rerun the training
+  command to resume an interrupted run).  Otherwise ``config`` — a ConfigDict or
+  ``"<file>.py[:<args>]"`` (:func:`config_from_file`) — with ``overrides``
+  (:func:`with_overrides`) is trained into ``workdir`` by
+  :func:`smoothing_jax.train.train_and_evaluate`, then loaded; with ``init_from`` set (a
+  workdir, an SS or HV torch checkpoint) and ``num_train_steps`` 0 nothing is trained: the
+  workdir records the config and stands for the checkpoint's variables, as ``--mode=evaluate``.
 
   Raises:
     ValueError: ``workdir`` has no checkpoint and no ``config`` is given, or a bad config or
       override.
   """
-  if not workdir_lib.has_checkpoint(workdir):
+  if not workdir_lib.has_checkpoint(workdir) and not workdir_lib.evaluates_init_from(workdir):
     if config is None:
       raise ValueError(f"{workdir} holds no checkpoint: give a config to train one into it.")
     if isinstance(config, str):
       config = config_from_file(config)
-    train.train_and_evaluate(with_overrides(config, overrides or {}), workdir)
+    config = with_overrides(config, overrides or {})
+    if config.init_from and config.num_train_steps == 0:
+      evaluate.record_init_from(workdir, config)
+    else:
+      train.train_and_evaluate(config, workdir)
   return load_trained(workdir)
 
 
