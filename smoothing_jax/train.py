@@ -49,11 +49,12 @@ class TrainState(train_state.TrainState):
   batch_stats: Any
 
 
-def model_spec(config, pipeline) -> dict:
+def model_spec(config, pipeline, model_options: Optional[dict] = None) -> dict:
   """What rebuilds the model without the dataset (recorded in ``config.json``): classes
   (``config.num_classes`` > 0 overrides the dataset's), stem geometry and image shape; also the
   number of training examples used (``num_train_examples``: the ``train_fraction`` subset), and
-  the model options a timm ``init_from`` needs (``model_options``, where any)."""
+  the model options a timm ``init_from`` needs (``model_options``, where any: given, or read from
+  the ``init_from`` file)."""
   if config.num_classes <= 0 and pipeline.is_segmentation and pipeline.spec.base not in NUM_CLASSES:
     raise ValueError(
         f"Set --config.num_classes for the segmentation dataset {config.dataset!r}: label maps "
@@ -63,14 +64,24 @@ def model_spec(config, pipeline) -> dict:
   spec = {"num_classes": int(num_classes), "stem": pipeline.spec.geometry,
           "image_shape": [int(d) for d in pipeline.image_shape],
           "num_train_examples": int(pipeline.num_train)}
-  options = workdir_lib.init_from_model_options(config)
-  return {**spec, "model_options": options} if options else spec
+  if model_options is None:
+    model_options = workdir_lib.init_from_model_options(config)
+  return {**spec, "model_options": model_options} if model_options else spec
 
 
-def create_model(config, pipeline):
-  """``config.model`` for ``pipeline``'s classes and geometry (:func:`model_spec`); a clear error
-  when a segmentation model meets one label per image, or a classifier label maps."""
-  model = workdir_lib.build_model(config, model_spec(config, pipeline))
+def _recorded_model_options(workdir, config) -> Optional[dict]:
+  """The model options a run with checkpoints recorded (the layout of a timm ``init_from``), so
+  that resuming it reads no ``init_from`` file; None for a new run."""
+  if not (workdir_lib.has_checkpoint(workdir) and workdir_lib.has_run(workdir)):
+    return None
+  return workdir_lib.read_config(workdir)[1].get("model_options", {})
+
+
+def create_model(config, pipeline, spec: Optional[dict] = None):
+  """``config.model`` for ``pipeline``'s classes and geometry (``spec``, default
+  :func:`model_spec`); a clear error when a segmentation model meets one label per image, or a
+  classifier label maps."""
+  model = workdir_lib.build_model(config, spec or model_spec(config, pipeline))
   if is_segmentation_model(model) != pipeline.is_segmentation:
     kind = ("label maps (segmentation)"
             if pipeline.is_segmentation else "one label per image (classification)")
@@ -466,7 +477,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       config.dataset, config.batch_size, config.seed, config.data_dir, config.download,
       (randaugment.num_layers, randaugment.magnitude, randaugment.magnitude_std), config.crop_size,
       config.eval_cache, config.train_fraction)
-  model = create_model(config, pipeline)
+  spec = model_spec(config, pipeline, _recorded_model_options(workdir, config))
+  model = create_model(config, pipeline, spec)
   steps_per_epoch = pipeline.steps_per_epoch
   if steps_per_epoch == 0:
     raise ValueError(
@@ -495,12 +507,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     state = resumed[1]
     logging.info("Resumed from step %d of %s", int(state.step), checkpoint_dir)
   elif config.init_from or (is_ibnn(model) and config.ibnn.pretrained_workdir):
-    state = jax.device_put(initialize_from(config, model, state, model_spec(config, pipeline)),
-                           replicated)
+    state = jax.device_put(initialize_from(config, model, state, spec), replicated)
   start_step = int(state.step)
   trajectory.start(start_step, state.params)
   if jax.process_index() == 0:
-    workdir_lib.write_config(workdir, config, model_spec(config, pipeline))
+    workdir_lib.write_config(workdir, config, spec)
 
   p_train_step, p_eval_step = compile_steps(model, schedule, mesh, config.ece_bins, loss_fn,
                                             config.grad_accum_steps, batch_sharding)

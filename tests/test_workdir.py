@@ -346,6 +346,15 @@ def test_init_from_a_workdir_fine_tunes_with_a_fresh_classifier(npz_run, tmp_pat
     np.testing.assert_array_equal(started[key], before[key])
   assert f"re-initialised {', '.join(head)}" in caplog.text
   assert json.load(open(workdir / workdir_lib.CONFIG_FILE))["init_from"] == source
+  # Resuming reads the recorded model spec, not the init_from source (moved away here).
+  moved = tmp_path / "source_copy"
+  shutil.copytree(source, moved)
+  config = npz_config(data, init_from=str(moved), num_classes=6)
+  first = train.train_and_evaluate(config, str(tmp_path / "resumed"), stop_after_steps=2)
+  shutil.rmtree(moved)
+  again = train.train_and_evaluate(config, str(tmp_path / "resumed"), stop_after_steps=0)
+  assert int(again.step) == int(first.step) == 2
+  jax.tree.map(np.testing.assert_array_equal, again.params, first.params)
 
 
 def test_init_from_errors_name_the_source_and_every_mismatch(npz_run, tmp_path):
