@@ -291,7 +291,8 @@ def from_timm_state_dict(model_name: str, state_dict: Mapping[str, np.ndarray], 
 # ``norm``, ``head.fc``.  Needs the timm layout (``TIMM_LAYOUTS["swin_t"]``).
 
 _SWIN_STAGE_MODULE = re.compile(r"^stage(\d+)_(merge|block(\d+)_(msa|mlp))$")
-_SWIN_UNIT_KEYS = {
+# Unit sub-keys of timm's transformer blocks (ViT and PiT ``Block``, ``SwinTransformerBlock``).
+_TIMM_BLOCK_KEYS = {
     ("msa", "norm"): "norm1",
     ("msa", "attention", "qkv"): "attn.qkv",
     ("msa", "attention", "out"): "attn.proj",
@@ -326,7 +327,7 @@ def _timm_swin_key(path) -> tuple:
   if match.group(2) == "merge":
     return f"layers.{stage}.downsample.{inner[0]}.{torch_leaf}", to_flax
   prefix = f"layers.{stage}.blocks.{match.group(3)}"
-  return f"{prefix}.{_SWIN_UNIT_KEYS[(match.group(4), *inner)]}.{torch_leaf}", to_flax
+  return f"{prefix}.{_TIMM_BLOCK_KEYS[(match.group(4), *inner)]}.{torch_leaf}", to_flax
 
 
 _TIMM_KEYS[Swin] = _timm_swin_key
@@ -349,7 +350,7 @@ TIMM_LAYOUTS["swin_s"] = dict(TIMM_LAYOUTS["swin_t"])
 # PiT (``smoothing_jax.models.pit``) from timm's ``PoolingVisionTransformer``; key names of timm
 # 1.0.31 (pinned in requirements-test.txt): ``patch_embed.conv``, ``pos_embed`` [1, D, h, w],
 # ``cls_token``, ``transformers.<i>.pool.{conv,fc}``, ``transformers.<i>.blocks.<j>.{norm1,attn,
-# norm2,mlp}`` (timm's ViT ``Block``, as Swin's: ``_SWIN_UNIT_KEYS``), ``norm``, ``head``.  Needs
+# norm2,mlp}`` (timm's ViT ``Block``, as Swin's: ``_TIMM_BLOCK_KEYS``), ``norm``, ``head``.  Needs
 # the timm layout (``TIMM_LAYOUTS["pit_ti"]``); distilled PiTs (``head_dist``) are not mapped.
 
 _PIT_STAGE_MODULE = re.compile(r"^stage(\d+)_(pool|block(\d+)_(msa|mlp))$")
@@ -375,7 +376,7 @@ def _timm_pit_key(path) -> tuple:
   prefix = f"transformers.{int(match.group(1)) - 1}"
   if match.group(2) == "pool":
     return f"{prefix}.pool.{_PIT_POOL_KEYS[inner[0]]}.{torch_leaf}", to_flax
-  unit_key = _SWIN_UNIT_KEYS[(match.group(4), *inner)]
+  unit_key = _TIMM_BLOCK_KEYS[(match.group(4), *inner)]
   return f"{prefix}.blocks.{match.group(3)}.{unit_key}.{torch_leaf}", to_flax
 
 
@@ -395,7 +396,7 @@ TIMM_LAYOUTS["pit_s"] = dict(TIMM_LAYOUTS["pit_ti"])
 # ViT (``smoothing_jax.models.vit``) from timm's ``VisionTransformer``; key names of timm 1.0.31
 # (pinned in requirements-test.txt): ``cls_token``, ``pos_embed`` [1, 1 + N, D] (as ours),
 # ``patch_embed.proj`` (a p×p conv of stride p), ``blocks.<i>.{norm1,attn,norm2,mlp}`` (as
-# Swin's units: ``_SWIN_UNIT_KEYS``), ``norm``, ``head``.  Only the CLS-token classifier (timm's
+# Swin's units: ``_TIMM_BLOCK_KEYS``), ``norm``, ``head``.  Only the CLS-token classifier (timm's
 # ``global_pool="token"``, HV's) is mapped; timm's average pooling normalises with ``fc_norm``.
 
 _VIT_UNIT_MODULE = re.compile(r"^block(\d+)_(msa|mlp)$")
@@ -422,7 +423,7 @@ def _timm_vit_key(path) -> tuple:
   match = _VIT_UNIT_MODULE.match(module)
   if match is None:
     return f"{_VIT_TOP_KEYS[module]}.{torch_leaf}", to_flax
-  unit_key = _SWIN_UNIT_KEYS[(match.group(2), *inner)]
+  unit_key = _TIMM_BLOCK_KEYS[(match.group(2), *inner)]
   return f"blocks.{match.group(1)}.{unit_key}.{torch_leaf}", to_flax
 
 

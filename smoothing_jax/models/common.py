@@ -38,6 +38,13 @@ def conv(features,
                  use_bias=bias, kernel_init=conv_init, dtype=dtype, name=name)
 
 
+def staged_units(depths) -> list:
+  """``[(name, kind)]`` of the pre-norm transformer units of a staged model (Swin, PiT):
+  ``stage{s}_block{j}_{msa|mlp}``, s from 1, ``depths[s-1]`` blocks of an MSA and an MLP unit."""
+  return [(f"stage{s}_block{j}_{kind}", kind) for s, depth in enumerate(depths, start=1)
+          for j in range(depth) for kind in ("msa", "mlp")]
+
+
 def drop_path(branch, rate: float, train: bool, keep=None):
   """A residual branch under stochastic depth and lesioning: call inside a compact module.
 

@@ -45,7 +45,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from smoothing_jax.layers.attention import dense_init
-from smoothing_jax.models.common import STEMS, check_images
+from smoothing_jax.models.common import STEMS, check_images, staged_units
 from smoothing_jax.models.vit import TransformerUnit
 
 PATCH_SIZES = {"cifar": 2, "imagenet": 16}
@@ -106,8 +106,7 @@ class PiT(nn.Module):
 
   def units(self) -> list:
     """``[(name, kind)]`` of the residual units in order; kind is "msa" or "mlp"."""
-    return [(f"stage{s}_block{j}_{kind}", kind) for s, depth in enumerate(self.depths, start=1)
-            for j in range(depth) for kind in ("msa", "mlp")]
+    return staged_units(self.depths)
 
   def _check(self, x) -> tuple:
     """Validates the options against images ``x``; returns (patch size, stride, widths)."""

@@ -50,7 +50,7 @@ import numpy as np
 from smoothing_jax.layers.attention import (MultiHeadAttention, dense_init,
                                             relative_position_index, window_merge,
                                             window_partition)
-from smoothing_jax.models.common import STEMS, check_images, conv, drop_path
+from smoothing_jax.models.common import STEMS, check_images, conv, drop_path, staged_units
 
 PATCH_SIZES = {"cifar": 1, "imagenet": 4}
 WINDOW_SIZES = {"cifar": 4, "imagenet": 7}
@@ -173,8 +173,7 @@ class Swin(nn.Module):
 
   def units(self) -> list:
     """``[(name, kind)]`` of the residual units in order; kind is "msa" or "mlp"."""
-    return [(f"stage{s}_block{j}_{kind}", kind) for s, depth in enumerate(self.depths, start=1)
-            for j in range(depth) for kind in ("msa", "mlp")]
+    return staged_units(self.depths)
 
   def _check(self, x) -> int:
     check_images(x)
