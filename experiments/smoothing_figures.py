@@ -39,7 +39,8 @@ CPU_SIZES = dict(num_batches=8,
                  num_samples=5,
                  grid=11,
                  frequencies=11,
-                 sequences=100)
+                 sequences=100,
+                 pgd_steps=10)
 PAPER_SIZES = dict(num_batches=100,
                    batch_size=128,
                    max_iters=100,
@@ -47,7 +48,8 @@ PAPER_SIZES = dict(num_batches=100,
                    num_samples=50,
                    grid=21,
                    frequencies=21,
-                   sequences=1000)
+                   sequences=1000,
+                   pgd_steps=10)
 
 
 def compute(name: str, model, sizes: dict) -> dict:
@@ -73,7 +75,7 @@ def compute(name: str, model, sizes: dict) -> dict:
     return trained.consistency_study(model, num_images=sizes["sequences"],
                                      num_samples=sizes["num_samples"])
   return trained.adversarial_study(model, num_images=sizes["num_images"],
-                                   num_samples=sizes["num_samples"])
+                                   num_samples=sizes["num_samples"], pgd_steps=sizes["pgd_steps"])
 
 
 def stage_ends(by_tap: dict) -> list:

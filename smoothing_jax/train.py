@@ -251,15 +251,19 @@ def make_loss(config, model, *, num_train: int, steps_per_epoch: int, class_weig
 
 
 def create_train_state(config, model, rng, image_shape, schedule) -> TrainState:
-  """Initialise parameters and BatchNorm statistics; attach the optimizer."""
-  variables = jax.jit(model.init)({
-      "params": rng,
-      **sample_rngs(rng)
-  }, jnp.zeros((1,) + tuple(image_shape)))
-  return TrainState.create(apply_fn=model.apply,
-                           params=variables["params"],
-                           batch_stats=variables.get("batch_stats", {}),
-                           tx=create_optimizer(config, schedule, model))
+  """Initialise parameters and BatchNorm statistics; attach the optimizer.
+
+  One compiled call: outside ``jit`` the optimizer state would be created leaf by leaf, each
+  new leaf shape an eager operation compiled (and kept) on its own.
+  """
+  tx = create_optimizer(config, schedule, model)
+
+  def init(rng):
+    variables = model.init({"params": rng, **sample_rngs(rng)},
+                           jnp.zeros((1,) + tuple(image_shape)))
+    return TrainState.create(apply_fn=model.apply, params=variables["params"],
+                             batch_stats=variables.get("batch_stats", {}), tx=tx)
+  return jax.jit(init)(rng)
 
 
 def initialize_from(config, model, state: TrainState, spec: dict) -> TrainState:

@@ -189,8 +189,10 @@ def init_from_variables(config, model_spec: dict, target, *, new_classifier: boo
 def checkpoint_manager(workdir: str, max_to_keep: Optional[int] = None,
                        read_only: bool = False) -> ocp.CheckpointManager:
   """The orbax manager of ``<workdir>/checkpoints`` (created unless ``read_only``)."""
+  # A reader saves nothing (save_interval_steps 0; orbax warns when it has to set that itself).
   options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=not read_only,
-                                         read_only=read_only)
+                                         read_only=read_only,
+                                         save_interval_steps=0 if read_only else 1)
   return ocp.CheckpointManager(checkpoint_dir(workdir), options=options,
                                item_handlers=ocp.StandardCheckpointHandler())
 

@@ -3,6 +3,8 @@
 Compile time dominates on CPU, so tests use narrow models on small inputs and
 share compiled functions through session fixtures.
 """
+import fcntl
+import json
 import os
 
 os.environ["XLA_FLAGS"] = " ".join([
@@ -15,11 +17,31 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import jax.numpy as jnp  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
 import pytest  # noqa: E402
 
 from smoothing_jax.models import get_model  # noqa: E402
-from tests.helpers import (MICRO_VIT, TINY_UNET, init_variables, model_options,  # noqa: E402
-                           override)
+from smoothing_jax.workdir import write_json  # noqa: E402
+from tests.helpers import (MICRO_VIT, TINY_UNET, init_variables, max_memory_maps,  # noqa: E402
+                           memory_maps, model_options, override, release_compiled_executables)
+
+# A worker at this share of vm.max_map_count after releasing a file's executables fails that file
+# with a message, before XLA aborts the worker at the limit.
+MAX_MAPS_SHARE = 0.5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_executables_after_each_file():
+  """Each test file's compiled executables are released when it ends: a worker runs one file
+  after another in one process, and executables kept from every file before reached
+  vm.max_map_count and aborted a worker (see ``helpers.release_compiled_executables``)."""
+  yield
+  release_compiled_executables()
+  held, limit = memory_maps(), max_memory_maps()
+  if held > MAX_MAPS_SHARE * limit:
+    pytest.fail(f"This test process still holds {held} memory mappings after releasing the "
+                f"compiled executables, over {MAX_MAPS_SHARE:.0%} of vm.max_map_count={limit}: "
+                "executables are kept alive outside JAX's caches (by a module or a fixture).")
 
 
 @pytest.fixture(scope="session")
@@ -53,22 +75,57 @@ def images():
 
 @pytest.fixture(scope="session")
 def analysis_workdirs(tmp_path_factory):
-  """Two briefly trained 16×16 workdirs, MC dropout without and with smoothing, on a small
-  ``npz:`` set.
-
-  Structured images (class = which quadrant is bright) so that the models learn a little.
-  """
+  """Two workdirs of 16×16 MC dropout ResNets (one block a stage, width 4), without and with
+  smoothing, on a small ``npz:`` set, as a run records them at step 0 (initialised, not trained):
+  what loading, evaluation and the analyses read.  Training is tested in test_train.py."""
   from configs import cifar_resnet
 
-  root = _quadrant_npz(tmp_path_factory.mktemp("analysis"))
-  return {
-      label:
-          _train_briefly(cifar_resnet.get_config(f"{name},npz:{root},runlocal"),
-                         root / name,
-                         width=4)
-      for label, name in (("MC dropout", "resnet_mcdo_18"), ("MC dropout + smoothing",
-                                                             "resnet_mcdo_smoothing_18"))
-  }
+  def make(root):
+    _quadrant_npz(root)
+    return {
+        label: _initialised_workdir(cifar_resnet.get_config(f"{name},npz:{root},runlocal"),
+                                    root / name, width=4, stage_sizes=(1, 1, 1, 1))
+        for label, name in (("MC dropout", "resnet_mcdo_18"), ("MC dropout + smoothing",
+                                                               "resnet_mcdo_smoothing_18"))
+    }
+  return _once_per_run(tmp_path_factory, "analysis", make)
+
+
+def _once_per_run(tmp_path_factory, name: str, make):
+  """``make(root)`` (a JSON-able result, e.g. workdir paths under the new folder ``root``) once
+  per test run: under xdist the first worker that asks makes it in the run's shared temporary
+  folder while the others wait on a file lock, then read its result.  Tests only read these."""
+  worker = os.environ.get("PYTEST_XDIST_WORKER")
+  if worker is None:
+    return make(tmp_path_factory.mktemp(name))
+  shared = tmp_path_factory.getbasetemp().parent  # this run's folder, above every worker's own
+  with open(shared / f"{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    made = shared / f"{name}.json"
+    if not made.exists():
+      (shared / name).mkdir(exist_ok=True)
+      write_json(made, make(shared / name))
+    return json.loads(made.read_text())
+
+
+def _initialised_workdir(config, workdir, **model_kwargs) -> str:
+  """What ``train.train_and_evaluate(config, workdir)`` leaves at step 0 (``model_kwargs``
+  overriding the model's options): ``config.json`` with the model spec, and an orbax checkpoint
+  of the initial train state.  No train or eval step is compiled."""
+  from smoothing_jax import train
+  from smoothing_jax import workdir as workdir_lib
+  from smoothing_jax.data.pipeline import create_pipeline
+  override(config, **model_options(**model_kwargs))
+  pipeline = create_pipeline(config.dataset, config.batch_size, config.seed)
+  spec = train.model_spec(config, pipeline)
+  model = train.create_model(config, pipeline, spec)
+  schedule = train.create_learning_rate_schedule(config, pipeline.steps_per_epoch)
+  init_rng = jax.random.split(jax.random.key(config.seed), 3)[0]  # as train_and_evaluate
+  state = train.create_train_state(config, model, init_rng, pipeline.image_shape, schedule)
+  workdir_lib.write_config(workdir, config, spec)
+  with workdir_lib.checkpoint_manager(str(workdir)) as manager:
+    manager.save(0, args=ocp.args.StandardSave(state))
+  return str(workdir)
 
 
 def _train_briefly(config, workdir, **model_kwargs) -> str:
@@ -100,17 +157,41 @@ def msa_workdirs(tmp_path_factory):
   recording the learning trajectory every 2 steps."""
   from configs import cifar_vit
 
-  root = _quadrant_npz(tmp_path_factory.mktemp("msa"))
-  return {
-      label:
-          _train_briefly(override(cifar_vit.get_config(f"alternet_18,npz:{root},runlocal"),
-                                  trajectory_every_steps=2, trajectory_dims=16),
-                         root / label,
-                         width=4,
-                         stage_sizes=(1, 1, 2, 2),
-                         msa_blocks=msa,
-                         num_heads=(1, 1, 1, 1),
-                         head_dim=4,
-                         window_size=2)
-      for label, msa in (("backbone", (0, 0, 0, 0)), ("AlterNet", (0, 0, 1, 1)))
-  }
+  def make(root):
+    _quadrant_npz(root)
+    return {
+        label:
+            _train_briefly(override(cifar_vit.get_config(f"alternet_18,npz:{root},runlocal"),
+                                    trajectory_every_steps=2, trajectory_dims=16),
+                           root / label,
+                           width=4,
+                           stage_sizes=(1, 1, 2, 2),
+                           msa_blocks=msa,
+                           num_heads=(1, 1, 1, 1),
+                           head_dim=4,
+                           window_size=2)
+        for label, msa in (("backbone", (0, 0, 0, 0)), ("AlterNet", (0, 0, 1, 1)))
+    }
+  return _once_per_run(tmp_path_factory, "msa", make)
+
+
+# The test files that take longest (measured on 2 cores), in that order.  They start first, and
+# the many short files fill the end of the run, so that both workers finish together.
+LONGEST_FILES = ("test_colabs.py", "test_experiments.py", "test_train.py", "test_analysis.py",
+                 "test_ibnn.py", "test_main.py", "test_models.py", "test_workdir.py")
+
+
+def pytest_collection_modifyitems(items):
+  """Longest files first (:data:`LONGEST_FILES`); the others keep their order after them."""
+  rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+def pytest_runtest_protocol(item, nextitem):
+  """With SMOOTHING_JAX_TEST_ORDER=<dir>, append each test's node id to ``<dir>/<worker>.txt``
+  before it runs: the exact sequence a crashed worker ran, to replay in one process."""
+  directory = os.environ.get("SMOOTHING_JAX_TEST_ORDER")
+  if directory:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.path.join(directory, f"{worker}.txt"), "a") as f:
+      f.write(item.nodeid + "\n")

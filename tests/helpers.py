@@ -3,6 +3,7 @@
 ``from tests.helpers import ...`` (``tests`` is a package).
 """
 import functools
+import gc
 import importlib.abc
 import importlib.machinery
 import sys
@@ -78,11 +79,12 @@ def tiny_run(config, **overrides):
 
 
 def tiny_config(**overrides):
-  """A narrow ``resnet_mcdo_smoothing_18`` on CIFAR-10 (mock data in tests): 4 steps of
-  :func:`tiny_run`, ensemble sizes 1 and 3; then ``overrides``."""
+  """A narrow ``resnet_mcdo_smoothing_18`` with one block a stage on CIFAR-10 (mock data in
+  tests): 4 steps of :func:`tiny_run`, ensemble sizes 1 and 3; then ``overrides``."""
   from configs import cifar_resnet
   config = cifar_resnet.get_config("resnet_mcdo_smoothing_18,cifar10,runlocal")
-  return tiny_run(config, **{"num_train_steps": 4, "ensemble_sizes": (1, 3), **overrides})
+  return tiny_run(config, **{"num_train_steps": 4, "ensemble_sizes": (1, 3),
+                             "model_kwargs.stage_sizes": (1, 1, 1, 1), **overrides})
 
 
 class SmallNet(nn.Module):
@@ -171,3 +173,35 @@ def import_timm():
       del sys.modules[name]
     sys.meta_path.insert(0, _TorchvisionStub())
   return pytest.importorskip("timm")
+
+
+def memory_maps() -> int:
+  """How many memory mappings this process holds (lines of ``/proc/self/maps``; 0 where there is
+  no ``/proc``)."""
+  try:
+    with open("/proc/self/maps") as maps:
+      return sum(1 for _ in maps)
+  except OSError:
+    return 0
+
+
+def max_memory_maps() -> int:
+  """The kernel's limit on a process's memory mappings (``vm.max_map_count``, usually 65,530)."""
+  try:
+    with open("/proc/sys/vm/max_map_count") as limit:
+      return int(limit.read())
+  except OSError:
+    return 1 << 31
+
+
+def release_compiled_executables():
+  """Drop every compiled executable JAX keeps (``jax.clear_caches``) and collect the garbage that
+  still holds one.
+
+  Each XLA:CPU executable keeps about three memory mappings of JIT-compiled code for as long as a
+  cache holds it, and JAX's caches hold thousands (jitted functions, eager operations on each new
+  shape).  A process that compiles for long enough reaches ``vm.max_map_count``, where LLVM's next
+  mapping fails and XLA aborts the process (``Fatal Python error: Aborted``).
+  """
+  jax.clear_caches()
+  gc.collect()

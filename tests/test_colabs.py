@@ -66,15 +66,16 @@ def test_analysis_notebook_runs_on_trained_workdirs(name, analysis_workdirs):
 
 @pytest.mark.slow
 def test_landscape_notebook_trains_empty_workdirs_first(analysis_workdirs, tmp_path):
-  """Empty workdirs: each model is trained (the fixture's run: 4 steps of batch 16, width 4, on
-  its quadrant images), then every figure appears: NLL and NLL + L2 per model."""
+  """Empty workdirs: each model is trained (4 steps of batch 16, width 4, one block a stage, on
+  the fixture's quadrant images), then every figure appears: NLL and NLL + L2 per model."""
   quadrants = os.path.dirname(next(iter(analysis_workdirs.values())))
   models = {label: {"model": os.path.basename(path)} for label, path in analysis_workdirs.items()}
   parameters = (f"MODELS = {models!r}\n"
                 f"WORKDIRS = {{label: {str(tmp_path)!r} + '/' + keys['model'] "
                 f"for label, keys in MODELS.items()}}\n"
                 f"CONFIG = 'configs/cifar_resnet.py:dataset=npz:{quadrants},runlocal'\n"
-                "OVERRIDES = {'model_kwargs.width': 4, 'batch_size': 16, 'num_train_steps': 4}\n")
+                "OVERRIDES = {'model_kwargs.width': 4, 'model_kwargs.stage_sizes': (1, 1, 1, 1), "
+                "'batch_size': 16, 'num_train_steps': 4}\n")
   book = execute("loss_landscape", parameters + LANDSCAPE_TINY)
   assert images_in(book) == 2 * len(models)
   printed = "".join(out.get("text", "") for c in book.cells if c.cell_type == "code"

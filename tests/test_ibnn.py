@@ -194,14 +194,17 @@ def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(tmp_path):
   from smoothing_jax import evaluate, train
   from smoothing_jax import workdir as workdir_lib
 
+  one_block_a_stage = (1, 1, 1, 1, 1)  # compiles in half the time of VGG-16's (2, 2, 3, 3, 3)
   det = tiny_run(cifar_resnet.get_config("vgg_dnn_16,cifar10,runlocal"),
                  num_train_steps=2,
-                 **model_options(batch_norm=False, classifier="mlp512"))
+                 **model_options(batch_norm=False, classifier="mlp512",
+                                 stage_sizes=one_block_a_stage))
   config = tiny_run(cifar_ibnn.get_config("vgg_ibnn_16,cifar10,3,runlocal"),
                     num_train_steps=4,
                     **{
                         "ibnn.pretrained_workdir": str(tmp_path / "det"),
-                        "ibnn.freeze_deterministic": True
+                        "ibnn.freeze_deterministic": True,
+                        "model_kwargs.stage_sizes": one_block_a_stage
                     })
   with tfds.testing.mock_data(num_examples=16):
     train.train_and_evaluate(det, str(tmp_path / "det"))
@@ -213,7 +216,8 @@ def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(tmp_path):
   np.testing.assert_array_equal(kernel,
                                 det_variables["params"]["layer0_0"]["conv"]["kernel"])  # frozen U
   init_rng = jax.random.split(jax.random.key(config.seed), 3)[0]  # as train_and_evaluate
-  model = get_model("vgg_ibnn_16", 10, num_components=3, width=4, noise_init_std=0.75)
+  model = get_model("vgg_ibnn_16", 10, num_components=3, width=4, noise_init_std=0.75,
+                    stage_sizes=one_block_a_stage)
   start = jax.jit(model.init)({
       "params": init_rng,
       **sample_rngs(init_rng)
@@ -225,7 +229,8 @@ def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(tmp_path):
   assert all(r["count"] == 16 for r in rows)
 
   wrong = tiny_run(cifar_ibnn.get_config("vgg_ibnn_16,cifar10,3,runlocal"), num_train_steps=2,
-                   **{"ibnn.pretrained_workdir": str(tmp_path / "det"), "model_kwargs.width": 8})
+                   **{"ibnn.pretrained_workdir": str(tmp_path / "det"), "model_kwargs.width": 8,
+                      "model_kwargs.stage_sizes": one_block_a_stage})
   with tfds.testing.mock_data(num_examples=16), pytest.raises(ValueError, match="does not match"):
     train.train_and_evaluate(wrong, str(tmp_path / "wrong"))
 

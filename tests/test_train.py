@@ -328,15 +328,15 @@ def test_gradient_accumulation_gives_the_full_batch_update_without_batchnorm():
 
 
 def test_half_precision_training_tracks_float32_and_keeps_float32_state():
-  """The quickstart recipe and data (digits, smoothing + MC dropout, width 8) for 20 steps in
-  float32 and with ``half_precision``, from the same initialisation, batches and dropout keys:
-  every step's loss agrees within 5% (bfloat16 rounds each operation by up to 2⁻⁹ ≈ 0.2%; the
-  losses here measured within 1%), and parameters, BatchNorm statistics and optimizer state —
-  what checkpoints save — stay float32."""
+  """The quickstart recipe and data (digits, smoothing + MC dropout, width 8, one block a stage)
+  for 20 steps in float32 and with ``half_precision``, from the same initialisation, batches and
+  dropout keys: every step's loss agrees within 5% (bfloat16 rounds each operation by up to
+  2⁻⁹ ≈ 0.2%; the losses here measured within 1%), and parameters, BatchNorm statistics and
+  optimizer state — what checkpoints save — stay float32."""
   import itertools
   from configs import quickstart
   from smoothing_jax.data import create_pipeline
-  config = quickstart.get_config("runlocal")
+  config = override(quickstart.get_config("runlocal"), **model_options(stage_sizes=(1, 1, 1, 1)))
   pipeline = create_pipeline("digits", config.batch_size, 0)
   batches = list(itertools.islice(pipeline.train_iterator(), 20))
   schedule = train.create_learning_rate_schedule(config, pipeline.steps_per_epoch)
@@ -380,7 +380,8 @@ def test_sigterm_and_sigkill_then_rerun_is_bit_identical(tmp_path):
     return [
         sys.executable, "-m", "smoothing_jax.main", f"--workdir={workdir}",
         f"--config={root}/configs/cifar_resnet.py:resnet_mcdo_smoothing_18,npz:{data},runlocal",
-        "--config.model_kwargs.width=4", "--config.batch_size=8", "--config.num_train_steps=24",
+        "--config.model_kwargs.width=4", "--config.model_kwargs.stage_sizes=(1, 1, 1, 1)",
+        "--config.batch_size=8", "--config.num_train_steps=24",
         "--config.checkpoint_every_steps=4", "--config.ensemble_sizes=(1,)",
         "--config.eval_batch_size=16"
     ]

@@ -383,10 +383,10 @@ def test_evaluation_and_analyses_of_a_timm_checkpoint_file(npz_run, tmp_path):
   from configs import cifar_vit
   from smoothing_jax.analysis.trained import eval_pixels, load_trained
   from smoothing_jax.convert import TIMM_LAYOUTS
-  from smoothing_jax.torch_reference import randomize
   from tests.helpers import import_timm, model_options
-  timm = import_timm()
+  timm = import_timm()  # skips without torch or timm, before anything imports them
   import torch
+  from smoothing_jax.torch_reference import randomize
   data = npz_run[0]
   vit = randomize(timm.models.vision_transformer.VisionTransformer(
       num_classes=4, img_size=16, patch_size=2, embed_dim=16, depth=2, num_heads=2,
@@ -410,9 +410,6 @@ def test_evaluation_and_analyses_of_a_timm_checkpoint_file(npz_run, tmp_path):
                              atol=1e-4)
   assert row["count"] == 16 and row["acc"] == pytest.approx(np.mean(expected.argmax(-1) == labels))
 
-if __name__ == "__main__":
-  _worker(sys.argv[1], json.loads(sys.argv[2]))
-
 
 def test_an_interrupted_fine_tune_is_not_taken_for_an_evaluation_of_its_source(tmp_path):
   """A training run from ``init_from`` stopped before its first checkpoint records
@@ -427,3 +424,7 @@ def test_an_interrupted_fine_tune_is_not_taken_for_an_evaluation_of_its_source(t
   assert not workdir_lib.evaluates_init_from(fine_tune) and workdir_lib.has_run(fine_tune)
   assert workdir_lib.evaluates_init_from(evaluation) and not workdir_lib.has_run(evaluation)
   assert not workdir_lib.has_run(str(tmp_path / "empty"))
+
+
+if __name__ == "__main__":
+  _worker(sys.argv[1], json.loads(sys.argv[2]))
