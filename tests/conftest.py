@@ -1,11 +1,15 @@
-"""Test settings: 8 simulated CPU devices and fast (unoptimised) XLA compiles.
+"""Test settings: 8 simulated CPU devices, fast (unoptimised) XLA compiles and a compilation cache
+shared by every process of the run.
 
 Compile time dominates on CPU, so tests use narrow models on small inputs and
 share compiled functions through session fixtures.
 """
+import atexit
 import fcntl
 import json
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = " ".join([
     os.environ.get("XLA_FLAGS", ""),
@@ -14,6 +18,14 @@ os.environ["XLA_FLAGS"] = " ".join([
 ]).strip()
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  # One persistent compilation cache per test run (removed at its end), shared by the xdist
+  # workers (they inherit this environment), the notebook kernels and the command lines the tests
+  # start: a program compiled again (a resumed run, a rerun command, a file after the caches
+  # were released, the other worker) is read back instead.
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="smoothing_jax_tests_cache_")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import jax.numpy as jnp  # noqa: E402
