@@ -45,7 +45,11 @@ def base_config() -> ml_collections.ConfigDict:
   # and analyses of a workdir without checkpoints use it.
   config.init_from = ""
   # Data.
-  config.dataset = placeholder(str)  # TFDS name, "npz:<dir>" or "digits" (set by the recipe)
+  config.dataset = placeholder(str)  # TFDS name, "npz:<dir>", "digits" or "synthetic:…" (recipe)
+  # "auto": in-memory splits (npz:, digits, synthetic:, CIFAR and -C) stay on the devices and each
+  # step gathers and augments its batch there; ImageNet and CamVid stream from disk by tf.data.
+  # "resident" or "tfdata" forces a path.
+  config.data_pipeline = "auto"
   config.data_dir = placeholder(str)  # TFDS data_dir (None: TFDS default)
   config.download = True            # let TFDS download missing datasets
   config.seed = 0
@@ -55,7 +59,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.train_fraction = 1.0
   config.num_devices = -1           # -1: all devices of all hosts
   config.half_precision = False     # compute in bfloat16 (parameters and statistics stay float32)
-  config.prefetch_batches = 2       # global batches assembled on the devices ahead of the step
+  config.prefetch_batches = 2       # tf.data: global batches put on the devices ahead of the step
   # Segmentation: random (h, w) training crop (None: whole image).
   config.crop_size = placeholder(tuple)
   # Optimisation: the recipe sets these.

@@ -41,7 +41,9 @@ STREAM_COLUMNS = ("nll", "acc", "ece", "iou", "iou90", "acc90", "unc90", "freq90
 
 def _evaluation_pipeline(config):
   return create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir,
-                         config.download, eval_cache=config.get("eval_cache", ""))
+                         config.download, eval_cache=config.get("eval_cache", ""),
+                         data_pipeline=config.get("data_pipeline", "auto"),
+                         mesh=create_mesh(config.num_devices))
 
 
 def _evaluation_setup(workdir: str, config=None):

@@ -22,8 +22,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from smoothing_jax import evaluate, train  # noqa: E402
 from smoothing_jax import workdir as workdir_lib  # noqa: E402
-from smoothing_jax.data import (DatasetUnavailableError,  # noqa: E402
-                                hide_accelerators_from_tensorflow)
+from smoothing_jax.data import DatasetUnavailableError  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config",
@@ -120,7 +119,6 @@ def parse_flags(argv):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  hide_accelerators_from_tensorflow()  # tf.data feeds the host; the accelerators are JAX's
   try:
     run(FLAGS.config, FLAGS.workdir, FLAGS.mode)  # the other flags are read where they are used
   except USER_ERRORS as e:

@@ -32,8 +32,10 @@ def eval_batch_size(config, mesh: Mesh) -> int:
 
 
 def shard_batch(batch: dict, sharding) -> dict:
-  """Assemble global arrays from this process's part of the batch."""
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+  """Assemble global arrays from this process's part of the batch (host arrays); global
+  ``jax.Array`` s (a device-resident pipeline's batches) are already assembled."""
+  return {k: v if isinstance(v, jax.Array) else
+          jax.make_array_from_process_local_data(sharding, np.asarray(v))
           for k, v in batch.items()}
 
 

@@ -29,7 +29,6 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from absl import logging
-from clu import metric_writers, periodic_actions
 from flax.training import train_state
 from jax.sharding import Mesh
 
@@ -43,6 +42,7 @@ from smoothing_jax.metrics import UncertaintyMetrics, label_mask
 from smoothing_jax.models import is_ibnn, is_segmentation_model
 from smoothing_jax.parallel import (create_mesh, eval_batch_size, evaluate_batches,
                                     prefetch_to_devices, shardings)
+from smoothing_jax.writers import MetricWriter, ProgressReporter
 
 
 class TrainState(train_state.TrainState):
@@ -59,8 +59,9 @@ def model_spec(config, pipeline, model_options: Optional[dict] = None) -> dict:
     raise ValueError(
         f"Set --config.num_classes for the segmentation dataset {config.dataset!r}: label maps "
         "mark void pixels with values outside [0, num_classes), so the classes cannot be inferred.")
-  num_classes = config.num_classes if config.num_classes > 0 else NUM_CLASSES.get(
-      pipeline.spec.base, int(pipeline.train_labels.max()) + 1)
+  num_classes = config.num_classes if config.num_classes > 0 else (
+      NUM_CLASSES.get(pipeline.spec.base) or pipeline.spec.num_classes
+      or int(pipeline.train_labels.max()) + 1)
   spec = {"num_classes": int(num_classes), "stem": pipeline.spec.geometry,
           "image_shape": [int(d) for d in pipeline.image_shape],
           "num_train_examples": int(pipeline.num_train)}
@@ -384,16 +385,27 @@ def train_batch_sharding(config, mesh: Mesh):
 
 
 def compile_steps(model, schedule, mesh: Mesh, num_bins: int, loss_fn=None,
-                  grad_accum_steps: int = 1, batch_sharding=None):
+                  grad_accum_steps: int = 1, batch_sharding=None, pipeline=None):
   """``(train_step, eval_step)`` jitted over ``mesh``: the training batch on ``batch_sharding``
   (default: sharded on ``data``), state replicated and donated.  ``loss_fn``
-  (:func:`make_loss`) defaults to the plain cross-entropy."""
+  (:func:`make_loss`) defaults to the plain cross-entropy.
+
+  ``train_step(state, batch, rng)``; for a device-resident ``pipeline``
+  (:class:`~smoothing_jax.data.resident.ResidentPipeline`) ``train_step(state, arrays, order,
+  rng)``, which gathers and augments the batch of ``state.step`` inside the same compiled step.
+  """
   replicated, data_sharding = shardings(mesh)
+  batch_sharding = batch_sharding or data_sharding
   loss_fn = loss_fn or supervised_loss(model)
-  p_train_step = jax.jit(functools.partial(train_step, schedule, loss_fn,
-                                           grad_accum_steps=grad_accum_steps),
-                         in_shardings=(replicated, batch_sharding or data_sharding, replicated),
-                         out_shardings=(replicated, replicated), donate_argnums=(0,))
+  step = functools.partial(train_step, schedule, loss_fn, grad_accum_steps=grad_accum_steps)
+  if pipeline is not None and pipeline.resident:
+    def resident_step(state, arrays, order, rng):
+      return step(state, pipeline.train_batch(arrays, order, state.step, batch_sharding), rng)
+    p_train_step = jax.jit(resident_step, in_shardings=(replicated,) * 4,
+                           out_shardings=(replicated, replicated), donate_argnums=(0,))
+  else:
+    p_train_step = jax.jit(step, in_shardings=(replicated, batch_sharding, replicated),
+                           out_shardings=(replicated, replicated), donate_argnums=(0,))
   p_eval_step = jax.jit(functools.partial(eval_step, model, 1, num_bins),
                         in_shardings=(replicated, data_sharding, replicated),
                         out_shardings=replicated)
@@ -470,8 +482,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   ends this run early (after a checkpoint), as a preemption would.
   """
   workdir_lib.workdir_path(workdir).mkdir(parents=True, exist_ok=True)
-  writer = metric_writers.create_default_writer(str(workdir_lib.workdir_path(workdir)),
-                                                just_logging=jax.process_index() > 0)
+  writer = MetricWriter(  # other processes log only
+      str(workdir_lib.workdir_path(workdir)) if jax.process_index() == 0 else None)
   mesh = create_mesh(config.num_devices)
   replicated, data_sharding = shardings(mesh)
   batch_sharding = train_batch_sharding(config, mesh)
@@ -480,7 +492,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   pipeline = create_pipeline(
       config.dataset, config.batch_size, config.seed, config.data_dir, config.download,
       (randaugment.num_layers, randaugment.magnitude, randaugment.magnitude_std), config.crop_size,
-      config.eval_cache, config.train_fraction)
+      config.eval_cache, config.train_fraction, config.data_pipeline, mesh)
   spec = model_spec(config, pipeline, _recorded_model_options(workdir, config))
   model = create_model(config, pipeline, spec)
   steps_per_epoch = pipeline.steps_per_epoch
@@ -518,9 +530,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     workdir_lib.write_config(workdir, config, spec)
 
   p_train_step, p_eval_step = compile_steps(model, schedule, mesh, config.ece_bins, loss_fn,
-                                            config.grad_accum_steps, batch_sharding)
+                                            config.grad_accum_steps, batch_sharding, pipeline)
 
-  report_progress = periodic_actions.ReportProgress(num_train_steps=num_steps, writer=writer)
+  report_progress = ProgressReporter(num_steps, writer)
   eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))
   stop_at = num_steps if stop_after_steps is None else min(num_steps, start_step + stop_after_steps)
   train_metrics, pending_losses = [], []
@@ -529,15 +541,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                config.model, config.dataset, num_steps, steps_per_epoch, config.batch_size,
                mesh.size)
 
-  # The next global batches are assembled on the devices while the current step runs.
-  batches = prefetch_to_devices(pipeline.train_iterator(start_step), batch_sharding,
-                                config.prefetch_batches)
+  if pipeline.resident:  # the step takes its batch from the arrays on the devices
+    batches = None
+    step_inputs = lambda step: (pipeline.arrays,  # noqa: E731
+                                pipeline.device_order((step - 1) // steps_per_epoch))
+  else:  # the next global batches are assembled on the devices while the current step runs
+    batches = prefetch_to_devices(pipeline.train_iterator(start_step), batch_sharding,
+                                  config.prefetch_batches)
+    step_inputs = lambda step: (next(batches),)  # noqa: E731
   try:
     with _Preemption() as preemption:
       for step in range(start_step + 1, stop_at + 1):
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
-          state, metrics = p_train_step(state, next(batches),
-                                        dropout_rng)
+          state, metrics = p_train_step(state, *step_inputs(step), dropout_rng)
         trajectory.observe(step, state.params)
         train_metrics.append(metrics)
         pending_losses.append((step, metrics["loss"]))
@@ -573,7 +589,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         if preempted:
           break
   finally:
-    batches.close()
+    if batches is not None:
+      batches.close()
     manager.wait_until_finished()  # commits any checkpoint still being written
     manager.close()
     writer.close()

@@ -73,3 +73,40 @@ def test_source_lines_are_at_most_100_columns():
                 for number, line in enumerate(path.read_text().splitlines(), start=1)
                 if len(line) > 100]
   assert not long_lines, long_lines
+
+
+# What a machine without TensorFlow (the accelerator images) runs: training, evaluation, the
+# analyses and every experiment script.  TensorFlow stays where data streams from disk.
+TENSORFLOW_FREE = ("smoothing_jax.train", "smoothing_jax.main", "smoothing_jax.evaluate",
+                   "smoothing_jax.analysis.trained", "smoothing_jax.data.resident")
+
+
+def _run_python(code: str, **kwargs):
+  import subprocess
+  return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=240, **kwargs)
+
+
+def test_training_evaluation_and_experiments_import_no_tensorflow():
+  scripts = sorted(p.stem for p in (ROOT / "experiments").glob("*.py"))
+  assert {"bench_train", "smoothing_figures"} <= set(scripts)
+  code = ("import importlib, sys\nsys.path.insert(0, 'experiments')\n"
+          f"for name in {list(TENSORFLOW_FREE) + scripts!r}:\n"
+          "  importlib.import_module(name)\n"
+          "  loaded = sorted(m for m in sys.modules if m.split('.')[0] in "
+          "('tensorflow', 'tensorflow_datasets'))\n"
+          "  assert not loaded, (name, loaded[:3])\n")
+  result = _run_python(code)
+  assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_tfds_dataset_without_tensorflow_is_one_line_naming_what_to_install(tmp_path):
+  code = ("import runpy, sys\n"
+          "sys.modules['tensorflow'] = sys.modules['tensorflow_datasets'] = None  # not installed\n"
+          "sys.argv = ['main', '--config=configs/quickstart.py:runlocal', "
+          f"'--config.dataset=cifar10', '--workdir={tmp_path}']\n"
+          "runpy.run_module('smoothing_jax.main', run_name='__main__')\n")
+  result = _run_python(code)
+  assert result.returncode == 1, result.stderr[-3000:]
+  lines = [line for line in result.stderr.splitlines() if "tensorflow" in line.lower()]
+  assert len(lines) == 1 and "pip install tensorflow-cpu tensorflow-datasets" in lines[0], lines

@@ -196,7 +196,7 @@ def test_corruption_sweep_keeps_what_it_computed_when_a_later_set_fails(
     trained_workdir, tmp_path, monkeypatch):
   """CIFAR-10-C under its TFDS names (frosted_glass_blur, elastic); the table is on disk after
   each (type, severity), so a failure at elastic_transform 3 keeps the 7 rows before it."""
-  from smoothing_jax.data import Pipeline
+  from smoothing_jax.data.resident import ResidentPipeline as Pipeline
   workdir, _ = trained_workdir
   eval_batches = Pipeline.eval_batches
 

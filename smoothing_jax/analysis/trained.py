@@ -105,7 +105,8 @@ def load_trained(workdir: str) -> TrainedModel:
   pipeline = create_pipeline(config.dataset, config.batch_size, config.seed, config.data_dir, False,
                              (rand.num_layers, rand.magnitude,
                               rand.magnitude_std) if rand else None,
-                             train_fraction=config.get("train_fraction", 1.0))
+                             train_fraction=config.get("train_fraction", 1.0),
+                             data_pipeline=config.get("data_pipeline", "auto"))
   return TrainedModel(workdir, config, step, workdir_lib.build_model(config, spec), variables,
                       pipeline)
 

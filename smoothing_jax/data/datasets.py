@@ -6,17 +6,19 @@ corruption sets, CamVid; local ``npz:`` arrays; scikit-learn's ``digits``),
 :class:`DatasetUnavailableError`, the class-balanced training subsets of ``train_fraction``
 (:func:`class_balanced_subset`), the per-dataset normalisation statistics and sums over
 processes (multi-host).  Each process reads only its shard.
+
+TensorFlow (TFDS) is imported only when a TFDS dataset is read (:func:`import_tfds`); ``npz:``,
+``digits`` and ``synthetic:`` need none.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Optional
 
 import jax
 import numpy as np
-import tensorflow as tf
-import tensorflow_datasets as tfds
 
 NORMALIZATION = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
@@ -49,12 +51,14 @@ class DatasetSpec:
   ``<base>_corrupted/<type>_<severity>`` (test set only), ``npz:<dir>`` (uint8
   ``images`` [N,H,W,3] + ``labels`` [N], or label maps [N,H,W], in
   ``<dir>/{train,test}.npz``), ``digits`` (scikit-learn's bundled 8×8 digits,
-  upsampled to 32×32; no network needed).
+  upsampled to 32×32; no network needed), ``synthetic:<N>x<H>x<W>x<C>:<classes>`` (N random
+  uint8 training images and labels, and N/5 test ones, at most 10,000; for benchmarks).
   """
   name: str
-  source: str                     # "tfds", "npz" or "digits"
-  base: str                       # cifar10 | cifar100 | imagenet2012 | npz | digits
+  source: str                     # "tfds", "npz", "digits" or "synthetic"
+  base: str                       # cifar10 | cifar100 | imagenet2012 | npz | digits | synthetic
   corruption: Optional[tuple] = None  # (type, severity)
+  num_classes: Optional[int] = None   # where the name says it (synthetic)
 
   @property
   def geometry(self) -> str:
@@ -85,6 +89,12 @@ def parse_dataset(name: str) -> DatasetSpec:
   """Parse a dataset string; raise ``ValueError`` naming the supported forms."""
   if name == "digits":
     return DatasetSpec(name, "digits", "digits")
+  if name.startswith("synthetic:"):
+    match = re.fullmatch(r"synthetic:(\d+)x(\d+)x(\d+)x(\d+):(\d+)", name)
+    if not match or min(int(g) for g in match.groups()) < 1:
+      raise ValueError(f"dataset {name!r}: write synthetic:<N>x<H>x<W>x<C>:<classes> with positive "
+                       "integers, e.g. synthetic:50000x32x32x3:100.")
+    return DatasetSpec(name, "synthetic", "synthetic", num_classes=int(match.group(5)))
   if name.startswith("npz:"):
     if not name[4:]:
       raise ValueError(
@@ -108,8 +118,39 @@ def parse_dataset(name: str) -> DatasetSpec:
 
 # ----------------------------------------------------------------------------- TFDS
 
+def hide_accelerators_from_tensorflow() -> None:
+  """TensorFlow only feeds the host; keep it off GPUs/TPUs that JAX owns.
+
+  Called before TensorFlow runs its first op (:func:`import_tfds`).  Harmless to call again; once
+  TensorFlow has initialised its devices they can no longer be changed, and this does nothing.
+  """
+  import tensorflow as tf
+  for device_type in ("GPU", "TPU"):
+    try:
+      tf.config.set_visible_devices([], device_type)
+    except RuntimeError:  # "Visible devices cannot be modified after being initialized"
+      pass
+
+
+def import_tfds(dataset: str):
+  """``tensorflow_datasets``, with our TFDS builders registered and TensorFlow kept off the
+  accelerators; where TensorFlow is missing, a :class:`DatasetUnavailableError` saying what to
+  install to read ``dataset``."""
+  try:
+    import tensorflow_datasets as tfds
+  except ImportError as e:
+    raise DatasetUnavailableError(
+        f"Dataset {dataset!r} is read with TensorFlow Datasets, which is not installed ({e}): "
+        "pip install tensorflow-cpu tensorflow-datasets, or give the arrays as "
+        "--config.dataset=npz:<dir>.") from None
+  hide_accelerators_from_tensorflow()
+  from smoothing_jax.data import camvid, cifar100_corrupted  # noqa: F401  (register builders)
+  return tfds
+
+
 def tfds_builder(spec: DatasetSpec, data_dir: Optional[str], download: bool):
   """The TFDS builder of ``spec``, downloaded and prepared first if ``download`` and needed."""
+  tfds = import_tfds(spec.name)
   builder = tfds.builder(spec.tfds_name, data_dir=data_dir)
   if not builder.is_prepared() and download:
     try:
@@ -145,9 +186,10 @@ def _missing_message(spec, builder, reason=""):
 
 
 def tfds_split(spec: DatasetSpec, split: str, data_dir: Optional[str], download: bool,
-               encoded_images: bool = False, shard: bool = True) -> tf.data.Dataset:
+               encoded_images: bool = False, shard: bool = True):
   """This process's shard (``shard=False``: all) of a TFDS split as ``{"image", "label"}``
   examples (``encoded_images``: the stored JPEG bytes, left for the augmentation to decode)."""
+  tfds = import_tfds(spec.name)
   builder = tfds_builder(spec, data_dir, download)
   decoders = {"image": tfds.decode.SkipDecoding()} if encoded_images else None
   try:
@@ -163,12 +205,24 @@ def _digits_arrays(split: str):
   from sklearn.datasets import load_digits  # small; ships its data
   digits = load_digits()
   images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)[..., None]
-  images = tf.image.resize(np.repeat(images, 3, axis=-1), (32, 32), method="bilinear").numpy()
+  images = np.repeat(images, 3, axis=-1).astype(np.float32)
+  # Bilinear with half-pixel centres: equal to tf.image.resize(..., "bilinear") for upsampling.
+  images = np.asarray(jax.image.resize(images, (len(images), 32, 32, 3), method="linear"))
   images = np.clip(np.round(images), 0, 255).astype(np.uint8)
   order = np.random.default_rng(0).permutation(len(images))
   held_out = order[:360]  # fixed held-out test split
   idx = np.sort(held_out if split == "test" else order[360:])
   return images[idx], digits.target[idx].astype(np.int32)
+
+
+def _synthetic_arrays(spec: DatasetSpec, split: str):
+  """Random uint8 images and labels, the same for the same name and split."""
+  n, h, w, c = (int(d) for d in spec.name.split(":")[1].split("x"))
+  if split != "train":
+    n = max(1, min(10_000, n // 5))
+  rng = np.random.default_rng([n, h, w, c, spec.num_classes, split == "train"])
+  return (rng.integers(0, 256, (n, h, w, c), dtype=np.uint8),
+          rng.integers(0, spec.num_classes, n, dtype=np.int32))
 
 
 def _npz_arrays(spec: DatasetSpec, split: str):
@@ -200,9 +254,12 @@ def load_arrays(spec: DatasetSpec, split: str, data_dir: Optional[str] = None,
   [N,H,W])``."""
   if spec.source == "digits":
     images, labels = _digits_arrays(split)
+  elif spec.source == "synthetic":
+    images, labels = _synthetic_arrays(spec, split)
   elif spec.source == "npz":
     images, labels = _npz_arrays(spec, split)
   else:
+    tfds = import_tfds(spec.name)
     ds = tfds_split(spec, split, data_dir, download, shard=shard)
     batches = list(tfds.as_numpy(ds.map(lambda ex: (ex["image"], ex["label"])).batch(4096)))
     images = np.concatenate([b[0] for b in batches])
@@ -270,5 +327,10 @@ def normalization(spec: DatasetSpec, train_images: Optional[np.ndarray] = None):
   key = spec.base if spec.base in NORMALIZATION else None
   if key:
     return NORMALIZATION[key]
-  pixels = train_images.reshape(-1, 3).astype(np.float64) / 255.0
-  return tuple(pixels.mean(0)), tuple(pixels.std(0))
+  # From each channel's 256-bin histogram: exact, without a float copy of the split.
+  channels = train_images.reshape(-1, train_images.shape[-1])
+  counts = np.stack([np.bincount(channels[:, c], minlength=256) for c in range(channels.shape[1])])
+  values = np.arange(256, dtype=np.float64) / 255.0
+  mean = counts @ values / len(channels)
+  std = np.sqrt(np.maximum(counts @ values ** 2 / len(channels) - mean ** 2, 0.0))
+  return tuple(mean), tuple(std)

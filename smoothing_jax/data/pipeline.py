@@ -1,56 +1,30 @@
-"""Input pipelines (tf.data): :class:`Pipeline`, :func:`create_pipeline`, batching.
+"""Input pipelines: :class:`Pipeline` (one dataset's train/eval batches for this process) and
+:func:`create_pipeline`, which picks the path by dataset.
 
-Owns the train/eval batches of one dataset for this process, the tf.data options and
-keeping TensorFlow off the accelerators (:func:`hide_accelerators_from_tensorflow`).
-Segmentation (CamVid, or ``npz:`` with label maps ``[N, H, W]``): labels outside
-``[0, num_classes)`` are void (masked from losses and metrics).
+* :class:`~smoothing_jax.data.resident.ResidentPipeline` (``npz:``, ``digits``, ``synthetic:``,
+  CIFAR-10/100 and their -C sets once read from TFDS): the split lives on the devices as uint8
+  and each batch is gathered and augmented inside the jitted step.  No TensorFlow.
+* :class:`~smoothing_jax.data.tfdata.TFDataPipeline` (ImageNet and CamVid, streamed from disk by
+  tf.data; any dataset with ``data_pipeline="tfdata"``).
 
-Determinism: the example order of epoch ``e`` is a pure function of
-``(seed, e, process_index)`` and augmentation uses stateless ops seeded by the
-example's position in that order, so a run resumed at step ``s`` sees exactly
-the batches an uninterrupted run would.  Each process reads only its shard.
-Evaluation pads the last batch and returns a ``mask`` so every example counts once.
+Both see the same examples in the same order (:meth:`Pipeline.epoch_order`, a pure function of
+``(seed, epoch)``); their augmentation draws differ.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
-from typing import Iterator, Optional
+from typing import ClassVar, Optional
 
 import jax
 import numpy as np
-import tensorflow as tf
-import tensorflow_datasets as tfds
 
-from smoothing_jax.data.augment import (_normalize, cifar_train_augment, imagenet_eval_preprocess,
-                                        imagenet_train_augment, segmentation_train_augment)
 from smoothing_jax.data.class_weights import class_pixel_counts, median_frequency_weights
 from smoothing_jax.data.datasets import (NORMALIZATION, DatasetSpec, check_train_fraction,
                                          class_balanced_subset, load_arrays, normalization,
-                                         parse_dataset, prepared_tfds_builder,
-                                         tfds_builder, tfds_split)
-from smoothing_jax.data.randaugment import randaugment
+                                         parse_dataset, prepared_tfds_builder)
 
-
-def hide_accelerators_from_tensorflow() -> None:
-  """TensorFlow only feeds the host; keep it off GPUs/TPUs that JAX owns.
-
-  Call before TensorFlow runs its first op.  Harmless to call again; once TensorFlow has
-  initialised its devices they can no longer be changed, and this does nothing.
-  """
-  for device_type in ("GPU", "TPU"):
-    try:
-      tf.config.set_visible_devices([], device_type)
-    except RuntimeError:  # "Visible devices cannot be modified after being initialized"
-      pass
-
-
-def _options(ds):
-  options = tf.data.Options()
-  options.deterministic = True
-  options.threading.private_threadpool_size = max(1, os.cpu_count() or 1)
-  return ds.with_options(options)
+DATA_PIPELINES = ("auto", "resident", "tfdata")
+STREAMED = ("imagenet2012", "camvid")  # read from disk by tf.data as training goes
 
 
 @dataclasses.dataclass
@@ -79,6 +53,7 @@ class Pipeline:
   randaugment: Optional[tuple] = None  # (num_layers, magnitude, magnitude_std) after crop + flip
   crop_size: Optional[tuple] = None    # segmentation: random (h, w) training crop (None: whole)
   eval_cache: str = ""  # a file prefix: preprocessed evaluation images kept there ("": off)
+  resident: ClassVar[bool] = False  # batches made on the devices inside the step
 
   @property
   def is_segmentation(self) -> bool:
@@ -116,108 +91,22 @@ class Pipeline:
       return (224, 224, 3)
     return tuple(self.eval_images.shape[1:])
 
-  def train_dataset(self, epoch: int, start_step: int = 0) -> tf.data.Dataset:
-    """Batches of epoch ``epoch`` from step ``start_step`` on: ``{"image", "label"}``,
-    normalised float32."""
-    steps, batch = self.steps_per_epoch, self.local_batch_size
-    if self.train_images is not None:
-      # One global order of the whole split (the same on every process); process p takes its
-      # slice of each global batch, so the global batches, and the augmentation of each example
-      # (seeded by its global position), do not depend on the number of processes.
-      order_seed = int(np.random.default_rng([self.seed, epoch, 0]).integers(2 ** 31))
-      order = np.random.default_rng([self.seed, epoch, 0, 1]).permutation(len(self.train_images))
-      mine = slice(jax.process_index() * batch, (jax.process_index() + 1) * batch)
-      take = lambda x: x[:steps * self.global_batch_size].reshape(  # noqa: E731
-          steps, self.global_batch_size)[start_step:, mine].reshape(-1)
-      rows, positions = take(order), take(np.arange(steps * self.global_batch_size))
-      ds = tf.data.Dataset.zip(tf.data.Dataset.from_tensor_slices(positions),
-                               tf.data.Dataset.from_tensor_slices((self.train_images[rows],
-                                                                   self.train_labels[rows])))
-    else:  # streaming (ImageNet): seeded shuffle buffer, then skip what was already consumed
-      epoch_seed = np.random.default_rng([self.seed, epoch, jax.process_index()])
-      order_seed = int(epoch_seed.integers(2 ** 31))
-      # JPEG bytes: imagenet_train_augment decodes only its random crop.
-      ds = tfds_split(self.spec, "train", self.data_dir, self.download, encoded_images=True)
-      ds = ds.map(lambda ex: (ex["image"], ex["label"]))
-      ds = ds.shuffle(16 * 1024, seed=order_seed, reshuffle_each_iteration=False)
-      ds = ds.take(steps * batch).skip(start_step * batch)
-      ds = tf.data.Dataset.zip(tf.data.Dataset.range(start_step * batch, steps * batch), ds)
-    augment = imagenet_train_augment if self.spec.geometry == "imagenet" else cifar_train_augment
-    mean, std, rand_layers = self.mean, self.std, self.randaugment
-    segmentation, crop_size = self.is_segmentation, self.crop_size
+  def epoch_order(self, epoch: int) -> np.ndarray:
+    """int ``[steps_per_epoch, global_batch_size]``: the rows of the (in-memory) training split in
+    each global batch of ``epoch``, a permutation of the split (its last partial batch dropped)
+    that depends on ``(seed, epoch)`` alone (not on the process or device count)."""
+    order = np.random.default_rng([self.seed, epoch, 0, 1]).permutation(len(self.train_images))
+    steps = self.steps_per_epoch
+    return order[:steps * self.global_batch_size].reshape(steps, self.global_batch_size)
 
-    def prepare(position, example):
-      image, label = example
-      seed = tf.stack([tf.constant(order_seed, tf.int64), position])
-      if segmentation:
-        image, label = segmentation_train_augment(image, label, seed, crop_size)
-      else:
-        image = augment(image, seed)
-      if rand_layers:
-        if image.dtype != tf.uint8:
-          image = tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8)
-        image = randaugment(image, seed + 2, *rand_layers)
-      return {"image": _normalize(image, mean, std), "label": tf.cast(label, tf.int32)}
-
-    ds = ds.map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
-    return _options(ds.batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
-
-  def train_iterator(self, start_step: int = 0) -> Iterator[dict]:
-    """Endless numpy batches starting at global step ``start_step``."""
-    epoch, step_in_epoch = divmod(start_step, self.steps_per_epoch)
-    while True:
-      yield from tfds.as_numpy(self.train_dataset(epoch, step_in_epoch))
-      epoch, step_in_epoch = epoch + 1, 0
-
-  def eval_batches(self, batch_size: Optional[int] = None,
-                   dataset: Optional[str] = None) -> Iterator[dict]:
-    """Evaluation batches ``{"image", "label", "mask"}``; the last one is zero-padded, nothing
-    is dropped.
-
-    ``dataset`` (e.g. ``"cifar10_corrupted/fog_3"``) defaults to this dataset's
-    evaluation split.  Every process yields the same number of batches (padding
-    the shorter shards); ImageNet-sized sets are streamed, the others held in memory.
-    """
-    batch = (batch_size or self.global_batch_size) // jax.process_count()
-    spec = self.spec if dataset is None else parse_dataset(dataset)
-    if spec == self.spec and self.eval_images is not None:
-      ds = tf.data.Dataset.from_tensor_slices((self.eval_images, self.eval_labels))
-      num_global = self.num_eval
-    elif spec.geometry == "imagenet":
-      ds = tfds_split(spec, spec.eval_split, self.data_dir, self.download)
-      ds = ds.map(lambda ex: (ex["image"], ex["label"]))
-      splits = tfds_builder(spec, self.data_dir, False).info.splits
-      num_global = splits[spec.eval_split].num_examples
-    else:
-      images, labels = load_arrays(spec, spec.eval_split, self.data_dir, self.download)
-      ds = tf.data.Dataset.from_tensor_slices((images, labels))
-      num_global = len(images) * jax.process_count()
-    num_batches = -(-(-(-num_global // jax.process_count())) // batch)
-    mean, std = self.mean, self.std
-    preprocess = imagenet_eval_preprocess if self.spec.geometry == "imagenet" else (lambda x: x)
-    ds = ds.map(lambda x, y: (_normalize(preprocess(x), mean, std), tf.cast(y, tf.int32)),
-                num_parallel_calls=tf.data.AUTOTUNE)
-    if self.eval_cache:  # decoded once (ImageNet JPEGs), then read back on later evaluations
-      ds = ds.cache(f"{self.eval_cache}.{re.sub(r'[^A-Za-z0-9_.-]', '_', spec.name)}")
-    iterator = iter(tfds.as_numpy(_options(ds.batch(batch).prefetch(tf.data.AUTOTUNE))))
-    label_shape = tuple(self.eval_labels.shape[1:] if self.is_segmentation else ())
-    for _ in range(num_batches):
-      x, y = next(iterator, (None, None))
-      n = 0 if x is None else len(x)
-      out = {"image": np.zeros((batch,) + tuple(self.image_shape), np.float32),
-             "label": np.zeros((batch,) + label_shape, np.int32),
-             "mask": np.zeros((batch,), np.float32)}
-      if n:
-        out["image"][:n], out["label"][:n], out["mask"][:n] = x, y, 1.0
-      yield out
-    next(iterator, None)  # reach the end, so that a cache file is completed
 
 
 def create_pipeline(dataset: str, global_batch_size: int, seed: int,
                     data_dir: Optional[str] = None, download: bool = False,
                     randaugment: Optional[tuple] = None,
                     crop_size: Optional[tuple] = None, eval_cache: str = "",
-                    train_fraction: float = 1.0) -> Pipeline:
+                    train_fraction: float = 1.0, data_pipeline: str = "auto",
+                    mesh=None) -> Pipeline:
   """Load (or open, for ImageNet) ``dataset``; fail early with a clear message if it is missing.
 
   ``randaugment``: ``(num_layers, magnitude, magnitude_std)`` applied to training images
@@ -228,13 +117,22 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int,
   (0, 1]: train on a fixed class-balanced subset of an in-memory training split, seeded by
   ``seed`` (:func:`~smoothing_jax.data.datasets.class_balanced_subset`); ``num_train`` and the
   steps per epoch follow it, the normalisation statistics stay those of the whole split; the
-  streamed ImageNet split takes 1 only.  Keeps TensorFlow off the accelerators
-  (:func:`hide_accelerators_from_tensorflow`) if it has not started yet.
+  streamed ImageNet split takes 1 only.  ``data_pipeline``: "auto" (device-resident unless the
+  dataset is streamed from disk: ImageNet, CamVid), "resident" or "tfdata" (the host path, which
+  also keeps TensorFlow off the accelerators); ``mesh`` (default: all devices) holds a resident
+  dataset.
   """
-  hide_accelerators_from_tensorflow()
+  if data_pipeline not in DATA_PIPELINES:
+    raise ValueError(f"data_pipeline must be one of {', '.join(DATA_PIPELINES)}, got "
+                     f"{data_pipeline!r}.")
   if randaugment is not None and randaugment[0] < 0:
     raise ValueError(f"RandAugment num_layers must be >= 0, got {randaugment[0]}.")
   spec = parse_dataset(dataset)
+  if data_pipeline == "auto":
+    data_pipeline = "tfdata" if spec.base in STREAMED else "resident"
+  if data_pipeline == "resident" and spec.base == "imagenet2012":
+    raise ValueError("ImageNet is streamed from disk: use data_pipeline 'tfdata' (or 'auto').")
+  resident = data_pipeline == "resident"
   train_fraction = check_train_fraction(train_fraction)
   if spec.corruption:
     raise ValueError(f"{dataset!r} is an evaluation-only corruption set; train on {spec.base!r}.")
@@ -253,19 +151,25 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int,
     train_images = train_labels = None
   else:
     # The whole training split on every process (global batches independent of the process
-    # count); the evaluation split sharded.
+    # count); the evaluation split sharded over the processes, or whole on the devices.
     train_images, train_labels = load_arrays(spec, "train", data_dir, download, shard=False)
-    eval_images, eval_labels = load_arrays(spec, spec.eval_split, data_dir, download)
+    eval_images, eval_labels = load_arrays(spec, spec.eval_split, data_dir, download,
+                                           shard=not resident)
     mean, std = normalization(spec, train_images)
     if train_fraction < 1:
       kept = class_balanced_subset(train_labels, train_fraction, seed)
       train_images, train_labels = train_images[kept], train_labels[kept]
     num_train = len(train_images)
-    num_eval = len(eval_images) * jax.process_count()
-  pipeline = Pipeline(spec, global_batch_size, seed, tuple(mean), tuple(std), train_images,
-                      train_labels, eval_images, eval_labels, num_train, num_eval, data_dir,
-                      download, tuple(randaugment) if randaugment and randaugment[0] > 0 else None,
-                      tuple(crop_size) if crop_size else None, eval_cache)
+    num_eval = len(eval_images) * (1 if resident else jax.process_count())
+  if resident:
+    from smoothing_jax.data.resident import ResidentPipeline as cls
+  else:
+    from smoothing_jax.data.tfdata import TFDataPipeline as cls, hide_accelerators_from_tensorflow
+    hide_accelerators_from_tensorflow()  # before TensorFlow's first op
+  pipeline = cls(spec, global_batch_size, seed, tuple(mean), tuple(std), train_images,
+                 train_labels, eval_images, eval_labels, num_train, num_eval, data_dir, download,
+                 tuple(randaugment) if randaugment and randaugment[0] > 0 else None,
+                 tuple(crop_size) if crop_size else None, eval_cache)
   if pipeline.is_segmentation and pipeline.randaugment:
     raise ValueError("RandAugment is not supported for segmentation datasets (it would move "
                      "pixels off their labels).")
@@ -278,4 +182,6 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int,
     if len(crop) != 2 or not (0 < crop[0] <= height and 0 < crop[1] <= width):
       raise ValueError(f"crop_size {crop} must be (h, w) within the {height}×{width} training "
                        "images.")
+  if resident:
+    pipeline.put_on_devices(mesh)
   return pipeline

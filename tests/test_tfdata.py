@@ -1,5 +1,6 @@
-"""smoothing_jax.data.pipeline: batches, deterministic order, padding, TensorFlow's devices,
-RandAugment resumed exactly, segmentation crops and flips."""
+"""smoothing_jax.data.tfdata (the host path, ``data_pipeline="tfdata"``): batches, deterministic
+order, padding, TensorFlow's devices, RandAugment resumed exactly, segmentation crops and flips."""
+import functools
 import os
 import subprocess
 import sys
@@ -9,7 +10,10 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from smoothing_jax.data import create_pipeline, hide_accelerators_from_tensorflow
+from smoothing_jax.data import pipeline as pipeline_lib
+from smoothing_jax.data.tfdata import TFDataPipeline, hide_accelerators_from_tensorflow
+
+create_pipeline = functools.partial(pipeline_lib.create_pipeline, data_pipeline="tfdata")
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +28,7 @@ def npz_dir(tmp_path_factory):
 
 def test_npz_source_batches_and_normalisation(npz_dir):
   pipeline = create_pipeline(f"npz:{npz_dir}", 8, seed=0)
+  assert isinstance(pipeline, TFDataPipeline) and not pipeline.resident
   assert (pipeline.num_train, pipeline.num_eval, pipeline.steps_per_epoch) == (40, 13, 5)
   with np.load(f"{npz_dir}/train.npz") as d:
     pixels = d["images"].reshape(-1, 3) / 255.0
@@ -113,7 +118,7 @@ def test_importing_the_data_package_leaves_tensorflow_devices_alone():
   code = ("import tensorflow as tf\n"
           "calls = []\n"
           "tf.config.set_visible_devices = lambda *args: calls.append(args)\n"
-          "import smoothing_jax.data, smoothing_jax.data.pipeline\n"
+          "import smoothing_jax.data, smoothing_jax.data.tfdata\n"
           "assert calls == [], calls\n")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)

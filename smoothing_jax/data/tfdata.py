@@ -1,0 +1,139 @@
+"""The tf.data path: :class:`TFDataPipeline`, for datasets streamed from disk (ImageNet, CamVid)
+or when ``data_pipeline="tfdata"`` asks for it.
+
+Each batch is assembled and augmented on the host by tf.data (:mod:`~smoothing_jax.data.augment`,
+:mod:`~smoothing_jax.data.randaugment`), then copied to the devices.  Segmentation (CamVid, or
+``npz:`` with label maps ``[N, H, W]``): labels outside ``[0, num_classes)`` are void (masked from
+losses and metrics).
+
+Determinism: the example order of epoch ``e`` is :meth:`Pipeline.epoch_order` (in-memory splits)
+or a shuffle seeded by ``(seed, e, process_index)`` (streamed), and augmentation uses stateless
+ops seeded by the example's position in that order, so a run resumed at step ``s`` sees exactly
+the batches an uninterrupted run would.  Each process reads only its shard.  Evaluation pads the
+last batch and returns a ``mask`` so every example counts once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Iterator, Optional
+
+import jax
+import numpy as np
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from smoothing_jax.data.augment import (_normalize, cifar_train_augment, imagenet_eval_preprocess,
+                                        imagenet_train_augment, segmentation_train_augment)
+from smoothing_jax.data.datasets import (hide_accelerators_from_tensorflow, load_arrays,
+                                         parse_dataset, tfds_builder, tfds_split)
+from smoothing_jax.data.pipeline import Pipeline
+from smoothing_jax.data.randaugment import randaugment
+
+
+def _options(ds):
+  options = tf.data.Options()
+  options.deterministic = True
+  options.threading.private_threadpool_size = max(1, os.cpu_count() or 1)
+  return ds.with_options(options)
+
+
+@dataclasses.dataclass
+class TFDataPipeline(Pipeline):
+  """:class:`Pipeline` whose batches tf.data assembles on the host (numpy)."""
+
+  def train_dataset(self, epoch: int, start_step: int = 0) -> tf.data.Dataset:
+    """Batches of epoch ``epoch`` from step ``start_step`` on: ``{"image", "label"}``,
+    normalised float32."""
+    steps, batch = self.steps_per_epoch, self.local_batch_size
+    if self.train_images is not None:
+      # One global order of the whole split (the same on every process); process p takes its
+      # slice of each global batch, so the global batches, and the augmentation of each example
+      # (seeded by its global position), do not depend on the number of processes.
+      order_seed = int(np.random.default_rng([self.seed, epoch, 0]).integers(2 ** 31))
+      mine = slice(jax.process_index() * batch, (jax.process_index() + 1) * batch)
+      rows = self.epoch_order(epoch)[start_step:, mine].reshape(-1)
+      positions = np.arange(steps * self.global_batch_size).reshape(
+          steps, self.global_batch_size)[start_step:, mine].reshape(-1)
+      ds = tf.data.Dataset.zip(tf.data.Dataset.from_tensor_slices(positions),
+                               tf.data.Dataset.from_tensor_slices((self.train_images[rows],
+                                                                   self.train_labels[rows])))
+    else:  # streaming (ImageNet): seeded shuffle buffer, then skip what was already consumed
+      epoch_seed = np.random.default_rng([self.seed, epoch, jax.process_index()])
+      order_seed = int(epoch_seed.integers(2 ** 31))
+      # JPEG bytes: imagenet_train_augment decodes only its random crop.
+      ds = tfds_split(self.spec, "train", self.data_dir, self.download, encoded_images=True)
+      ds = ds.map(lambda ex: (ex["image"], ex["label"]))
+      ds = ds.shuffle(16 * 1024, seed=order_seed, reshuffle_each_iteration=False)
+      ds = ds.take(steps * batch).skip(start_step * batch)
+      ds = tf.data.Dataset.zip(tf.data.Dataset.range(start_step * batch, steps * batch), ds)
+    augment = imagenet_train_augment if self.spec.geometry == "imagenet" else cifar_train_augment
+    mean, std, rand_layers = self.mean, self.std, self.randaugment
+    segmentation, crop_size = self.is_segmentation, self.crop_size
+
+    def prepare(position, example):
+      image, label = example
+      seed = tf.stack([tf.constant(order_seed, tf.int64), position])
+      if segmentation:
+        image, label = segmentation_train_augment(image, label, seed, crop_size)
+      else:
+        image = augment(image, seed)
+      if rand_layers:
+        if image.dtype != tf.uint8:
+          image = tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8)
+        image = randaugment(image, seed + 2, *rand_layers)
+      return {"image": _normalize(image, mean, std), "label": tf.cast(label, tf.int32)}
+
+    ds = ds.map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
+    return _options(ds.batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
+
+  def train_iterator(self, start_step: int = 0) -> Iterator[dict]:
+    """Endless numpy batches starting at global step ``start_step``."""
+    epoch, step_in_epoch = divmod(start_step, self.steps_per_epoch)
+    while True:
+      yield from tfds.as_numpy(self.train_dataset(epoch, step_in_epoch))
+      epoch, step_in_epoch = epoch + 1, 0
+
+  def eval_batches(self, batch_size: Optional[int] = None,
+                   dataset: Optional[str] = None) -> Iterator[dict]:
+    """Evaluation batches ``{"image", "label", "mask"}``; the last one is zero-padded, nothing
+    is dropped.
+
+    ``dataset`` (e.g. ``"cifar10_corrupted/fog_3"``) defaults to this dataset's
+    evaluation split.  Every process yields the same number of batches (padding
+    the shorter shards); ImageNet-sized sets are streamed, the others held in memory.
+    """
+    batch = (batch_size or self.global_batch_size) // jax.process_count()
+    spec = self.spec if dataset is None else parse_dataset(dataset)
+    if spec == self.spec and self.eval_images is not None:
+      ds = tf.data.Dataset.from_tensor_slices((self.eval_images, self.eval_labels))
+      num_global = self.num_eval
+    elif spec.geometry == "imagenet":
+      ds = tfds_split(spec, spec.eval_split, self.data_dir, self.download)
+      ds = ds.map(lambda ex: (ex["image"], ex["label"]))
+      splits = tfds_builder(spec, self.data_dir, False).info.splits
+      num_global = splits[spec.eval_split].num_examples
+    else:
+      images, labels = load_arrays(spec, spec.eval_split, self.data_dir, self.download)
+      ds = tf.data.Dataset.from_tensor_slices((images, labels))
+      num_global = len(images) * jax.process_count()
+    num_batches = -(-(-(-num_global // jax.process_count())) // batch)
+    mean, std = self.mean, self.std
+    preprocess = imagenet_eval_preprocess if self.spec.geometry == "imagenet" else (lambda x: x)
+    ds = ds.map(lambda x, y: (_normalize(preprocess(x), mean, std), tf.cast(y, tf.int32)),
+                num_parallel_calls=tf.data.AUTOTUNE)
+    if self.eval_cache:  # decoded once (ImageNet JPEGs), then read back on later evaluations
+      ds = ds.cache(f"{self.eval_cache}.{re.sub(r'[^A-Za-z0-9_.-]', '_', spec.name)}")
+    iterator = iter(tfds.as_numpy(_options(ds.batch(batch).prefetch(tf.data.AUTOTUNE))))
+    label_shape = tuple(self.eval_labels.shape[1:] if self.is_segmentation else ())
+    for _ in range(num_batches):
+      x, y = next(iterator, (None, None))
+      n = 0 if x is None else len(x)
+      out = {"image": np.zeros((batch,) + tuple(self.image_shape), np.float32),
+             "label": np.zeros((batch,) + label_shape, np.int32),
+             "mask": np.zeros((batch,), np.float32)}
+      if n:
+        out["image"][:n], out["label"][:n], out["mask"][:n] = x, y, 1.0
+      yield out
+    next(iterator, None)  # reach the end, so that a cache file is completed

@@ -1,0 +1,99 @@
+"""Training metrics on the console and in TensorBoard, and progress lines, without TensorFlow.
+
+:class:`MetricWriter` logs ``[step] name=value`` lines and appends the scalars to a TensorBoard
+event file in the workdir; :class:`ProgressReporter` logs steps/s, the share of time spent in
+timed sections (evaluation) and the time left.
+
+Why not clu's writers: importing ``clu.metric_writers`` (and ``clu.periodic_actions``, which
+imports it) imports TensorFlow for its ``tf.summary`` writer, and the accelerator images have no
+TensorFlow; the device-resident training path needs none.  The event files are written with
+TensorBoard's own record writer (``tensorboard.summary.writer.record_writer``: protobuf and a
+CRC, no TensorFlow), so TensorBoard reads them as it reads clu's.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from typing import Mapping, Optional
+
+from absl import logging
+from etils import epath
+
+
+class MetricWriter:
+  """Scalars to the log and, with a ``logdir``, to ``<logdir>/events.out.tfevents.*``."""
+
+  def __init__(self, logdir: Optional[str] = None):
+    self._records = None
+    if logdir is not None:
+      from tensorboard.compat.proto import event_pb2
+      from tensorboard.summary.writer.record_writer import RecordWriter
+      path = epath.Path(logdir)
+      path.mkdir(parents=True, exist_ok=True)
+      name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+      self._records = RecordWriter((path / name).open("wb"))
+      self._event = event_pb2.Event
+      self._write(self._event(wall_time=time.time(), file_version="brain.Event:2"))
+
+  def _write(self, event):
+    self._records.write(event.SerializeToString())
+
+  def write_scalars(self, step: int, scalars: Mapping[str, float]):
+    """Log ``scalars`` at ``step`` and add them to the event file."""
+    logging.info("[%d] %s", step, ", ".join(f"{k}={float(v):.6g}" for k, v in scalars.items()))
+    if self._records is None:
+      return
+    from tensorboard.compat.proto import summary_pb2
+    values = [summary_pb2.Summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()]
+    self._write(self._event(wall_time=time.time(), step=int(step),
+                            summary=summary_pb2.Summary(value=values)))
+
+  def flush(self):
+    if self._records is not None:
+      self._records.flush()
+
+  def close(self):
+    if self._records is not None:
+      self._records.close()
+      self._records = None
+
+
+class ProgressReporter:
+  """Every ``every_secs`` seconds (and at the last step): steps/s since the last report, the
+  share of that time spent in :meth:`timed` sections, and the estimated time left, as a log
+  line and as the scalars ``steps_per_sec`` and ``<section>_fraction``."""
+
+  def __init__(self, num_train_steps: int, writer: MetricWriter, every_secs: float = 60.0):
+    self.num_train_steps, self.writer, self.every_secs = num_train_steps, writer, every_secs
+    self._last_time, self._last_step = None, None
+    self._sections: dict = {}
+
+  def __call__(self, step: int):
+    now = time.monotonic()
+    if self._last_time is None:  # the first step includes compilation: measure from after it
+      self._last_time, self._last_step = now, step
+      return
+    if now - self._last_time < self.every_secs and step != self.num_train_steps:
+      return
+    elapsed, steps = now - self._last_time, step - self._last_step
+    if steps <= 0:
+      return
+    rate = steps / elapsed
+    fractions = {f"{name}_fraction": seconds / elapsed for name, seconds in self._sections.items()}
+    left = (self.num_train_steps - step) / rate
+    logging.info("Step %d/%d: %.3g steps/s, %s, %d min %02d s left.", step, self.num_train_steps,
+                 rate, ", ".join(f"{k} {v:.0%}" for k, v in fractions.items()) or "no evaluation",
+                 left // 60, left % 60)
+    self.writer.write_scalars(step, {"steps_per_sec": rate, **fractions})
+    self._last_time, self._last_step, self._sections = now, step, {}
+
+  @contextlib.contextmanager
+  def timed(self, name: str):
+    """Count the wall time of the ``with`` body as ``name`` in the next report."""
+    start = time.monotonic()
+    try:
+      yield
+    finally:
+      self._sections[name] = self._sections.get(name, 0.0) + time.monotonic() - start
