@@ -113,6 +113,22 @@ def torch_train_step(name, width, batch_size, half, steps):
   return best
 
 
+def train_step_row(name, width, batch_size, steps):
+  """One model and batch: JAX and PyTorch (None without torch) steps in float32 and bfloat16,
+  with the ratios bfloat16/float32 (JAX) and JAX/PyTorch."""
+  row = {"model": name, "batch_size": batch_size}
+  for half, label in ((False, "float32"), (True, "bfloat16")):
+    row[f"jax_{label}"] = jax_train_step(name, width, batch_size, half, steps)
+    row[f"torch_{label}"] = torch_train_step(name, width, batch_size, half, steps)
+  row["bfloat16_over_float32"] = (row["jax_bfloat16"]["images_per_s"] /
+                                  row["jax_float32"]["images_per_s"])
+  for label in ("float32", "bfloat16"):
+    if row[f"torch_{label}"]:
+      row[f"jax_over_torch_{label}"] = (row[f"jax_{label}"]["images_per_s"] /
+                                        row[f"torch_{label}"]["images_per_s"])
+  return row
+
+
 def mc_inference(width, batch_size, num_samples, repeats):
   model = get_model("resnet_mcdo_smoothing_18", 10, **({"width": width} if width else {}))
   images = jax.random.normal(jax.random.key(0), (batch_size, 32, 32, 3))
@@ -160,16 +176,7 @@ def main(argv=None):
             "num_devices": jax.device_count(), "width": args.width, "train_step": []}
   for name in MODELS:
     for batch_size in args.batch_sizes:
-      row = {"model": name, "batch_size": batch_size}
-      for half, label in ((False, "float32"), (True, "bfloat16")):
-        row[f"jax_{label}"] = jax_train_step(name, args.width, batch_size, half, args.steps)
-        row[f"torch_{label}"] = torch_train_step(name, args.width, batch_size, half, args.steps)
-      row["bfloat16_over_float32"] = (row["jax_bfloat16"]["images_per_s"] /
-                                      row["jax_float32"]["images_per_s"])
-      for label in ("float32", "bfloat16"):
-        if row[f"torch_{label}"]:
-          row[f"jax_over_torch_{label}"] = (row[f"jax_{label}"]["images_per_s"] /
-                                            row[f"torch_{label}"]["images_per_s"])
+      row = train_step_row(name, args.width, batch_size, args.steps)
       result["train_step"].append(row)
       print(json.dumps(row), flush=True)
   result["mc_predict"] = mc_inference(args.width, args.mc_batch, args.num_samples, args.repeats)

@@ -72,6 +72,18 @@ def reference_network(width: int):
   return ResNet((2, 2, 2, 2), False, 10, width=width).eval()
 
 
+def reference_variables(width: int, images):
+  """``(model, variables, net, state_dict)``: our ``resnet_dnn_18`` with the random weights of the
+  PyTorch transcription ``net`` (eval mode; ``state_dict`` as numpy arrays), or without torch at
+  our own random initialisation (``net`` and ``state_dict`` None)."""
+  model = get_model("resnet_dnn_18", 10, width=width)
+  net = reference_network(width)
+  if net is None:
+    return model, jax.jit(model.init)(jax.random.key(1), images[:1]), None, None
+  state_dict = {k: v.numpy() for k, v in net.state_dict().items()}
+  return model, from_torch_state_dict("resnet_dnn_18", state_dict, width=width), net, state_dict
+
+
 def time_ours(loss_fn, params, k, method, tol, max_iters, rng):
   # Compile first: the same shapes (max_iters sets the Lanczos basis), stopping at once.
   top_eigenvalues(loss_fn, params, k=k, max_iters=max_iters, tol=1e9, rng=rng, method=method)
@@ -91,8 +103,9 @@ def has_pyhessian() -> bool:
   return importlib.util.find_spec("pyhessian") is not None
 
 
-def time_pyhessian(net, images, labels, k, tol, max_iters, residual_of, seed):
-  """PyHessian's power iteration, timed from its constructor (which takes the gradient)."""
+def time_pyhessian(net, images, labels, k, tol, max_iters, residual_of, seed, cuda=False):
+  """PyHessian's power iteration, timed from its constructor (which takes the gradient); with
+  ``cuda``, on the GPU (``net`` already there; PyHessian moves the batch)."""
   import sys
   import pyhessian
   import torch
@@ -110,18 +123,35 @@ def time_pyhessian(net, images, labels, k, tol, max_iters, residual_of, seed):
     net.zero_grad(set_to_none=True)  # PyHessian reads .grad after its own backward()
     torch.manual_seed(seed)  # its start vectors: torch.randint_like(p, high=2)
     start = time.perf_counter()
-    computer = pyhessian.hessian(net, torch.nn.CrossEntropyLoss(), data=(x, y), cuda=False)
+    computer = pyhessian.hessian(net, torch.nn.CrossEntropyLoss(), data=(x, y), cuda=cuda)
     eigenvalues, eigenvectors = computer.eigenvalues(maxIter=max_iters, tol=tol, top_n=k)
     seconds = time.perf_counter() - start
   finally:
     pyhessian_module.hessian_vector_product = original
   names = [name for name, _ in net.named_parameters()]
   residuals = [
-      residual_of(value, {n: t.detach().numpy() for n, t in zip(names, vector)})
+      residual_of(value, {n: t.detach().cpu().numpy() for n, t in zip(names, vector)})
       for value, vector in zip(eigenvalues, eigenvectors)
   ]
   return {"seconds": seconds, "hvps": calls[0], "eigenvalues": [float(e) for e in eigenvalues],
           "relative_residuals": residuals}
+
+
+def batch_loss(model, variables, images, labels) -> Partial:
+  """``loss_fn(params)``: cross-entropy of one batch, BatchNorm in eval mode, no weight decay."""
+  return Partial(functools.partial(training_loss, model, 0.0), variables["batch_stats"],
+                 jax.random.key(2), jnp.asarray(images), jnp.asarray(labels, jnp.int32))
+
+
+def pyhessian_residual(loss_fn, params, state_dict, width):
+  """``residual_of(value, torch_params)``: ‖Hv − λv‖/|λ| of a PyHessian pair, with v (named like
+  ``state_dict``) mapped onto our ``resnet_dnn_18`` parameters."""
+  def residual_of(value, torch_params):
+    v = from_torch_state_dict("resnet_dnn_18", {**state_dict, **torch_params},
+                              width=width)["params"]
+    hv = ravel_pytree(hvp(loss_fn, params, v))[0]
+    return float(jnp.linalg.norm(hv - value * ravel_pytree(v)[0]) / abs(value))
+  return residual_of
 
 
 def pyhessian_hvp_seconds(net, images, labels, repeats):
@@ -157,19 +187,9 @@ def main(argv=None):
   args = parser.parse_args(argv)
 
   images, labels, source = cifar_batch(args.data, args.batch_size)
-  net = reference_network(args.width)
-  if net is None:  # no torch: our model at its own random initialisation
-    model = get_model("resnet_dnn_18", 10, width=args.width)
-    variables = jax.jit(model.init)(jax.random.key(1), images[:1])
-    to_variables = None
-  else:
-    state_dict = {k: v.numpy() for k, v in net.state_dict().items()}
-    to_variables = functools.partial(from_torch_state_dict, "resnet_dnn_18", width=args.width)
-    variables = to_variables(state_dict)
-    model = get_model("resnet_dnn_18", 10, width=args.width)
+  model, variables, net, state_dict = reference_variables(args.width, images)
   params = variables["params"]
-  loss_fn = Partial(functools.partial(training_loss, model, 0.0), variables["batch_stats"],
-                    jax.random.key(2), jnp.asarray(images), jnp.asarray(labels, jnp.int32))
+  loss_fn = batch_loss(model, variables, images, labels)
 
   grad_fn = jax.jit(jax.grad(lambda p, f: f(p)))
   vector = jax.tree.map(lambda p: jax.random.normal(jax.random.key(3), p.shape), params)
@@ -190,12 +210,6 @@ def main(argv=None):
       "pyhessian_hvp_seconds": pyhessian_hvp_seconds(net, images, labels, args.repeats),
   }
 
-  def residual_of(value, torch_params):
-    """‖Hv − λv‖/|λ| of a PyHessian pair, with v mapped onto our parameters."""
-    v = to_variables({**state_dict, **torch_params})["params"]
-    hv = ravel_pytree(hvp(loss_fn, params, v))[0]
-    return float(jnp.linalg.norm(hv - value * ravel_pytree(v)[0]) / abs(value))
-
   for k in args.top:
     # Both libraries start from a random vector, and the HVPs a run needs depend on it: top-1
     # runs repeat over --seeds starts and compare medians; top-k > 1 (minutes each) runs once.
@@ -204,6 +218,7 @@ def main(argv=None):
                                          jax.random.key(4 + seed)) for seed in seeds]
             for method in ("lanczos", "power")}
     if net is not None and has_pyhessian():
+      residual_of = pyhessian_residual(loss_fn, params, state_dict, args.width)
       runs["pyhessian"] = [time_pyhessian(net, images, labels, k, args.tol, args.max_iters,
                                           residual_of, seed) for seed in seeds]
     median = {name: float(np.median([r["seconds"] for r in rs])) for name, rs in runs.items()}

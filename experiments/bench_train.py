@@ -9,6 +9,10 @@ Prints one JSON object, all measured in the same run on the same devices:
     ratios against the first model, so the smoothing overhead can be read as
     "beyond what its larger feature maps cost" = time ratio / FLOP ratio;
   * images/s of the training input pipeline alone (augmentation + batching);
+  * end to end: images/s of the real training loop (``train.train_and_evaluate``: data,
+    augmentation, step, logging, evaluation and checkpoint at the end) for ``--loop-steps``
+    steps of the first model, with the dataset on the devices (``data_pipeline="resident"``)
+    and through tf.data (``"tfdata"``), and their ratio;
   * images/s of the ImageNet training augmentation on synthetic 375×500 JPEGs it writes to a
     temporary folder: decoding only each random crop (the pipeline's way) vs the whole file.
 
@@ -34,6 +38,7 @@ import importlib.util
 import json
 import os
 import statistics
+import tempfile
 import time
 
 import jax
@@ -80,6 +85,59 @@ def time_train_steps(name, overrides, config, batch, steps):
     jax.block_until_ready(metrics)
     times.append(time.perf_counter() - start)
   return statistics.median(times), flops
+
+
+def use_persistent_compilation_cache(directory: str):
+  """Keep compiled executables in ``directory``, so that a training loop started again in this
+  process loads its steps instead of compiling them."""
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def train_loop_images_per_s(config, log=print) -> dict:
+  """images/s of ``train.train_and_evaluate(config)`` without compilation and fixed costs.
+
+  Runs in fresh workdirs, the persistent compilation cache on
+  (:func:`use_persistent_compilation_cache`): one step (it compiles), one step twice more (T1,
+  their mean: the fixed costs of building the run, one evaluation and one checkpoint; the pair
+  shows their noise), then ``config.num_train_steps`` (T2; -1: the configured epochs).  The rate
+  is (steps − 1) · batch / (T2 − T1).
+  """
+  def run(num_train_steps):
+    config.num_train_steps = num_train_steps
+    with tempfile.TemporaryDirectory(prefix="bench_train_loop_") as workdir:
+      start = time.perf_counter()
+      state = train.train_and_evaluate(config, workdir)
+      jax.block_until_ready(state.params)
+      return time.perf_counter() - start, int(state.step)
+
+  steps = config.num_train_steps
+  compile_seconds, _ = run(1)
+  one_step = [run(1)[0] for _ in range(2)]
+  seconds, steps = run(steps)
+  log(f"train loop ({config.data_pipeline}): {steps} steps in {seconds:.1f} s, one step in "
+      f"{one_step[0]:.1f} s and {one_step[1]:.1f} s (first run {compile_seconds:.1f} s)")
+  return {"data_pipeline": config.data_pipeline, "batch_size": config.batch_size, "steps": steps,
+          "first_run_seconds": compile_seconds, "one_step_seconds": one_step, "seconds": seconds,
+          "images_per_s": (steps - 1) * config.batch_size / (seconds - np.mean(one_step))}
+
+
+def loop_resident_vs_tfdata(config, dataset: str, model: str, width, steps: int) -> dict:
+  """:func:`train_loop_images_per_s` of ``model`` on ``dataset`` on both input paths."""
+  config.dataset, config.model = dataset, model
+  config.eval_every_epochs = 10 ** 6  # evaluate and checkpoint after the last step only
+  config.checkpoint_every_steps = 10 ** 9
+  config.log_every_steps = max(1, steps // 4)
+  if width:
+    config.model_kwargs.width = width
+  rows = {}
+  for path in ("resident", "tfdata"):
+    config.data_pipeline, config.num_train_steps = path, steps
+    rows[path] = train_loop_images_per_s(config)
+  return {"dataset": dataset, "model": model, "width": width, "batch_size": config.batch_size,
+          **rows, "resident_over_tfdata": rows["resident"]["images_per_s"] /
+          rows["tfdata"]["images_per_s"]}
 
 
 def imagenet_jpeg_pipeline(num_files: int, batch_size: int, num_batches: int) -> dict:
@@ -139,6 +197,8 @@ def main(argv=None):
   parser.add_argument("--pipeline-batches", type=int, default=50)
   parser.add_argument("--jpeg-files", type=int, default=256,
                       help="synthetic JPEGs for the ImageNet-style pipeline (0: skip it)")
+  parser.add_argument("--loop-steps", type=int, default=40,
+                      help="steps of the end-to-end training loop per input path (0: skip it)")
   args = parser.parse_args(argv)
 
   recipe, arg = ("cifar_vit", "vit_ti,cifar10") if args.recipe == "vit" else (
@@ -182,11 +242,17 @@ def main(argv=None):
   pipeline = create_pipeline(args.dataset, args.batch_size, seed=0,
                              randaugment=(rand.num_layers, rand.magnitude, rand.magnitude_std))
   iterator = pipeline.train_iterator()
-  next(iterator)
+  jax.block_until_ready(next(iterator))  # a resident pipeline's batches are computed on devices
   start = time.perf_counter()
   for _ in range(args.pipeline_batches):
-    next(iterator)
+    jax.block_until_ready(next(iterator))
   pipeline_ips = args.pipeline_batches * args.batch_size / (time.perf_counter() - start)
+  loop = None
+  if args.loop_steps:
+    use_persistent_compilation_cache(tempfile.mkdtemp(prefix="bench_train_cache_"))
+    config.batch_size = args.batch_size
+    loop = loop_resident_vs_tfdata(config, args.dataset, models[0].partition(":")[0], args.width,
+                                   args.loop_steps)
   print(
       json.dumps(
           {
@@ -211,6 +277,7 @@ def main(argv=None):
                   pipeline_ips,
               "pipeline_vs_fastest_step":
                   pipeline_ips / max(r["images_per_s"] for r in results),
+              "train_loop": loop,
               "imagenet_jpeg_pipeline":
                   imagenet_jpeg_pipeline(args.jpeg_files, args.batch_size, args.pipeline_batches)
                   if args.jpeg_files else None

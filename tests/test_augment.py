@@ -1,5 +1,8 @@
 """smoothing_jax.data.augment: the CIFAR and ImageNet augmentation / preprocessing recipes."""
 import numpy as np
+import pytest
+
+pytest.importorskip("tensorflow")  # the tf.data path's ops
 
 from smoothing_jax.data.augment import (cifar_train_augment, imagenet_eval_preprocess,
                                         imagenet_train_augment)

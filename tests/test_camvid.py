@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+pytest.importorskip("tensorflow_datasets")  # a TFDS builder
+
 from smoothing_jax.data import camvid, create_pipeline, median_frequency_weights
 
 FAKE_SIZE = (720, 960)

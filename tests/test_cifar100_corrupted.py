@@ -1,6 +1,8 @@
 """smoothing_jax.data.cifar100_corrupted: the CIFAR-100-C TFDS builder."""
 import numpy as np
-import tensorflow_datasets as tfds
+import pytest
+
+tfds = pytest.importorskip("tensorflow_datasets")  # a TFDS builder
 
 from smoothing_jax.data.cifar100_corrupted import Cifar100Corrupted
 

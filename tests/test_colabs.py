@@ -3,9 +3,10 @@ can rot: on the trained fixture workdirs, and one from empty workdirs (it trains
 first)."""
 import os
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
+
+nbformat = pytest.importorskip("nbformat")  # the notebook runner (requirements.txt)
+NotebookClient = pytest.importorskip("nbclient").NotebookClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLABS = os.path.join(ROOT, "colabs")

@@ -1,7 +1,8 @@
 """smoothing_jax.data.datasets: dataset names, sources (TFDS, digits, npz), missing data."""
 import numpy as np
 import pytest
-import tensorflow_datasets as tfds
+
+tfds = pytest.importorskip("tensorflow_datasets")  # TFDS sources under mock data
 
 from smoothing_jax.data import (DatasetUnavailableError, NORMALIZATION, create_pipeline,
                                 parse_dataset)

@@ -118,9 +118,9 @@ def test_reference_csv_layout_without_header(tmp_path):
                                           ("imagenet2012", "imagenet2012_corrupted")])
 def test_every_requested_corruption_is_a_config_of_its_builder(base, builder):
   """TFDS calls CIFAR-10-C's glass blur ``frosted_glass_blur`` and its elastic ``elastic``."""
-  import tensorflow_datasets as tfds
-
-  import smoothing_jax.data  # noqa: F401  (registers cifar100_corrupted)
+  pytest.importorskip("tensorflow_datasets")
+  from smoothing_jax.data.datasets import import_tfds
+  tfds = import_tfds(base)  # registers cifar100_corrupted
   configs = {c.name for c in tfds.builder_cls(builder).BUILDER_CONFIGS}
   for corruption in CORRUPTIONS:
     for severity in range(1, 6):

@@ -188,7 +188,7 @@ def test_ood_curves_rise_with_blending(tiny_vgg):
 
 
 def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(tmp_path):
-  import tensorflow_datasets as tfds
+  tfds = pytest.importorskip("tensorflow_datasets")  # CIFAR-10 under TFDS mock data
 
   from configs import cifar_ibnn, cifar_resnet
   from smoothing_jax import evaluate, train

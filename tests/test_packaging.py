@@ -89,7 +89,7 @@ def _run_python(code: str, **kwargs):
 
 def test_training_evaluation_and_experiments_import_no_tensorflow():
   scripts = sorted(p.stem for p in (ROOT / "experiments").glob("*.py"))
-  assert {"bench_train", "smoothing_figures"} <= set(scripts)
+  assert {"bench_train", "device_check", "smoothing_figures"} <= set(scripts)
   code = ("import importlib, sys\nsys.path.insert(0, 'experiments')\n"
           f"for name in {list(TENSORFLOW_FREE) + scripts!r}:\n"
           "  importlib.import_module(name)\n"

@@ -1,7 +1,8 @@
 """smoothing_jax.data.randaugment: the operations against PIL, determinism in the seed."""
 import numpy as np
 import pytest
-import tensorflow as tf
+
+tf = pytest.importorskip("tensorflow")  # the tf.data path's RandAugment
 from PIL import Image, ImageEnhance, ImageOps
 
 from smoothing_jax.data import randaugment as ra

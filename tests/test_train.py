@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import tensorflow_datasets as tfds
+
+tfds = pytest.importorskip("tensorflow_datasets")  # CIFAR-10 under TFDS mock data
 
 from configs import cifar_resnet
 from smoothing_jax import evaluate, train

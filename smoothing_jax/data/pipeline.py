@@ -164,8 +164,9 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int,
   if resident:
     from smoothing_jax.data.resident import ResidentPipeline as cls
   else:
-    from smoothing_jax.data.tfdata import TFDataPipeline as cls, hide_accelerators_from_tensorflow
+    from smoothing_jax.data.datasets import hide_accelerators_from_tensorflow
     hide_accelerators_from_tensorflow()  # before TensorFlow's first op
+    from smoothing_jax.data.tfdata import TFDataPipeline as cls
   pipeline = cls(spec, global_batch_size, seed, tuple(mean), tuple(std), train_images,
                  train_labels, eval_images, eval_labels, num_train, num_eval, data_dir, download,
                  tuple(randaugment) if randaugment and randaugment[0] > 0 else None,

@@ -26,8 +26,7 @@ import tensorflow_datasets as tfds
 
 from smoothing_jax.data.augment import (_normalize, cifar_train_augment, imagenet_eval_preprocess,
                                         imagenet_train_augment, segmentation_train_augment)
-from smoothing_jax.data.datasets import (hide_accelerators_from_tensorflow, load_arrays,
-                                         parse_dataset, tfds_builder, tfds_split)
+from smoothing_jax.data.datasets import load_arrays, parse_dataset, tfds_builder, tfds_split
 from smoothing_jax.data.pipeline import Pipeline
 from smoothing_jax.data.randaugment import randaugment
 
