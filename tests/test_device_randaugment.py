@@ -22,9 +22,7 @@ import jax
 import numpy as np
 import pytest
 
-tf = pytest.importorskip("tensorflow")
-from smoothing_jax.data import device_randaugment as dra  # noqa: E402
-from smoothing_jax.data import randaugment as ra  # noqa: E402
+from smoothing_jax.data import device_randaugment as dra
 
 EXACT = ("AutoContrast", "Equalize", "Invert", "Posterize", "Solarize", "SolarizeAdd")
 MAGNITUDES = (0.0, 2.5, 3.0, 5.0, 7.0, 9.0, 10.0)
@@ -47,7 +45,15 @@ def images():
 
 
 @pytest.fixture(scope="module")
-def cases(images):
+def tf_randaugment():
+  """``(tensorflow, smoothing_jax.data.randaugment)``: the comparisons skip without TensorFlow."""
+  tf = pytest.importorskip("tensorflow")
+  from smoothing_jax.data import randaugment
+  return tf, randaugment
+
+
+@pytest.fixture(scope="module")
+def cases(images, tf_randaugment):
   """(op index, image, magnitude, sign) of every case, ours and TF's outputs, and where TF's
   output changes when the magnitude moves by ±1e-5."""
   grid = np.meshgrid(np.arange(len(dra.OPS)), np.arange(len(images)), MAGNITUDES, (-1.0, 1.0),
@@ -56,6 +62,7 @@ def cases(images):
   index, magnitude, sign = (index.astype(np.int32), magnitude.astype(np.float32),
                             sign.astype(np.float32))
   ours = np.asarray(apply_ops(index, images[image], magnitude, sign))
+  tf, ra = tf_randaugment
   tf_apply = tf.function(ra.apply_op)
 
   def theirs(magnitudes):
@@ -70,7 +77,8 @@ def cases(images):
   return index, image, ours.astype(int), reference.astype(int), rounding
 
 
-def test_ops_and_fill_are_the_tf_modules():
+def test_ops_and_fill_are_the_tf_modules(tf_randaugment):
+  _, ra = tf_randaugment
   assert dra.OPS == ra.OPS and dra.FILL == ra.FILL
 
 
