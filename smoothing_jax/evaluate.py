@@ -296,6 +296,8 @@ def evaluate_streams(workdir: str, output_dir: str, config=None, *, num_samples:
   the last two frames).  Writes ``streams.{json,csv,png}``, per-class IoU in
   ``streams_class_iou.json`` and ``stream_examples.png``.
   """
+  from smoothing_jax.data.datasets import import_tfds
+  import_tfds("camvid/clips")  # one line naming what to install where TensorFlow is missing
   from smoothing_jax.data import camvid
   output_dir = workdir_lib.workdir_path(output_dir)
   config, model, variables, pipeline, replicated, data_sharding = _evaluation_setup(workdir, config)

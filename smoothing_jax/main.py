@@ -10,6 +10,7 @@ Modes:
                    ``config.ensemble_sizes``) and temporal smoothing (VQ-BNN), with consistency
 """
 import importlib.util
+import logging as std_logging
 import os
 import re
 import sys
@@ -116,9 +117,20 @@ def parse_flags(argv):
         _unknown_config_key(argv) or f"bad config override: {type(e).__name__}: {e}", 2)
 
 
+class _OurInfoLines(std_logging.Filter):
+  """INFO lines from smoothing_jax only (libraries' warnings and errors still show): orbax, for
+  one, logs a dozen INFO lines per checkpoint."""
+
+  def filter(self, record):
+    return record.levelno >= std_logging.WARNING or f"{os.sep}smoothing_jax{os.sep}" in (
+        record.pathname)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if FLAGS.verbosity < 1:  # --verbosity=1 shows every library's INFO lines too
+    logging.get_absl_handler().addFilter(_OurInfoLines())
   try:
     run(FLAGS.config, FLAGS.workdir, FLAGS.mode)  # the other flags are read where they are used
   except USER_ERRORS as e:

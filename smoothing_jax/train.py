@@ -557,7 +557,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         trajectory.observe(step, state.params)
         train_metrics.append(metrics)
         pending_losses.append((step, metrics["loss"]))
-        report_progress(step)
 
         # Read once: the save and the exit below must agree (and, multi-host, every process).
         preempted = preemption.agreed(step, config.log_every_steps)
@@ -568,6 +567,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
               lambda *xs: np.mean(np.stack(xs)), *jax.device_get(train_metrics)).items()}
           writer.write_scalars(step, summary)
           train_metrics = []
+        report_progress(step)  # after the summary, which waits for the step: honest steps/s
         if step % eval_every == 0 or step == num_steps:
           with report_progress.timed("eval"):
             eval_batches = pipeline.eval_batches(eval_batch_size(config, mesh))
