@@ -205,6 +205,10 @@ def transfer_variables(target, source, *, keep_fresh: Optional[Callable] = None,
 # ``key_fn(path) -> (timm_key, to_flax)``.  ``from_timm_state_dict`` checks the whole mapping
 # (missing, unexpected, mismatched keys) in one place.  ``to_flax`` may leave axes fused that
 # ours split (timm's heads axis h·d): ``_split_fused_axes`` splits them by our shape.
+#
+# Key names are timm 1.0.31's.  HV's notebooks pin timm 0.5.4, whose Swin and PiT name some keys
+# otherwise (``tests/fixtures/timm_0_5_4_keys.json``): a state_dict with a key only that layout
+# has is renamed to 1.0.31's first (``_TIMM_0_5_LAYOUTS``).
 
 TimmKeyFn = Callable[[tuple], tuple]
 
@@ -213,6 +217,9 @@ _TIMM_KEYS: dict = {}
 # Model class -> regular expressions of timm buffers that carry no parameters (e.g. Swin's
 # ``relative_position_index``, ``attn_mask``): ignored when checking for unexpected keys.
 _TIMM_BUFFERS: dict = {}
+# Model class -> (regular expression of keys that only timm 0.5.4's layout has, its key -> timm
+# 1.0.31's); ViT's keys are the same in both.
+_TIMM_0_5_LAYOUTS: dict = {}
 # Registry name -> ``get_model`` overrides that reproduce the timm constructor of HV's released
 # CIFAR-100 checkpoint (HV README), e.g. ``TIMM_LAYOUTS["vit_ti"]``.
 TIMM_LAYOUTS: dict = {}
@@ -237,8 +244,10 @@ def from_timm_state_dict(model_name: str, state_dict: Mapping[str, np.ndarray], 
 
   Args:
     model_name: registry name of a family timm also has (``vit_*``, ``pit_*``, ``swin_*``).
-    state_dict: timm parameter/buffer names → arrays (``{k: v.numpy() for k, v in sd.items()}``).
-    num_classes: inferred from ``head.weight`` (Swin: ``head.fc.weight``) when omitted.
+    state_dict: timm parameter/buffer names → arrays (``{k: v.numpy() for k, v in sd.items()}``),
+      in timm 1.0.31's layout or timm 0.5.4's (HV's pin; detected from its keys).
+    num_classes: inferred from ``head.weight`` (Swin in timm 1.0.31: ``head.fc.weight``) when
+      omitted.
     image_shape: (H, W, 3) of the checkpoint's images (default: the stem's, 32×32 or 224×224),
       which the position embeddings follow.
     **overrides: model options; ``TIMM_LAYOUTS[model_name]`` (the layout of HV's checkpoints) is
@@ -261,6 +270,11 @@ def from_timm_state_dict(model_name: str, state_dict: Mapping[str, np.ndarray], 
   if key_fn is None:
     raise ValueError(f"No timm mapping for {model_name!r} ({type(model).__name__}); timm "
                      f"checkpoints load into {sorted(c.__name__ for c in _TIMM_KEYS)} models.")
+  layout = "timm 1.0.31 keys"
+  old_keys, rename = _TIMM_0_5_LAYOUTS.get(type(model), (None, None))
+  if old_keys is not None and any(old_keys.search(k) for k in state_dict):
+    state_dict = {rename(k): v for k, v in state_dict.items()}
+    layout = "timm 0.5.4 keys, named below as timm 1.0.31's"
   flat = traverse_util.flatten_dict(dict(_abstract_variables(model, image_shape)))
   converted, missing, mismatched, used = {}, [], [], set()
   for path, abstract in flat.items():
@@ -279,7 +293,7 @@ def from_timm_state_dict(model_name: str, state_dict: Mapping[str, np.ndarray], 
   unexpected = [k for k in state_dict
                 if k not in used and not any(b.search(k) for b in buffers)]
   _raise_on_mismatch(f"timm state_dict does not match {model_name!r} "
-                     f"(num_classes={num_classes}, options={overrides})",
+                     f"({layout}; num_classes={num_classes}, options={overrides})",
                      missing, unexpected, mismatched)
   return traverse_util.unflatten_dict(converted)
 
@@ -302,6 +316,13 @@ _TIMM_BLOCK_KEYS = {
 }
 _SWIN_TOP_KEYS = {"embedding": "patch_embed.proj", "embedding_norm": "patch_embed.norm",
                   "head_norm": "norm", "head": "head.fc"}
+
+
+def _next_stage(key: str, stages: str, module: str) -> str:
+  """``key`` with ``<stages>.<i>.<module>.`` moved to stage i + 1: timm 0.5.4 downsamples at the end
+  of a stage (``layers.0.downsample``), timm 1.0.31 at the start of the next (``layers.1``)."""
+  return re.sub(rf"^{stages}\.(\d+)\.{module}\.",
+                lambda m: f"{stages}.{int(m.group(1)) + 1}.{module}.", key)
 
 
 def _timm_swin_table(table: np.ndarray) -> np.ndarray:
@@ -331,6 +352,17 @@ def _timm_swin_key(path) -> tuple:
 
 
 _TIMM_KEYS[Swin] = _timm_swin_key
+
+
+def _timm_0_5_swin_key(key: str) -> str:
+  """timm 0.5.4 Swin key → timm 1.0.31's: patch merging ``layers.<i>.downsample`` →
+  ``layers.<i+1>.downsample``, classifier ``head`` → ``head.fc``."""
+  return re.sub(r"^head\.(weight|bias)$", r"head.fc.\1", _next_stage(key, "layers", "downsample"))
+
+
+# Only timm 0.5.4 has ``head.weight`` (with stages: ``layers.0.downsample``).
+_TIMM_0_5_LAYOUTS[Swin] = (re.compile(r"^(head\.(weight|bias)$|layers\.0\.downsample\.)"),
+                           _timm_0_5_swin_key)
 # Non-persistent in timm 1.0.31, persistent in older checkpoints.
 _TIMM_BUFFERS[Swin] = (r"relative_position_index$", r"attn_mask$")
 # HV README: SwinTransformer(num_classes=100, img_size=32, patch_size=1, window_size=4,
@@ -381,6 +413,10 @@ def _timm_pit_key(path) -> tuple:
 
 
 _TIMM_KEYS[PiT] = _timm_pit_key
+# timm 0.5.4 pools at the end of stage i (``transformers.<i>.pool``; 1.0.31 at the start of stage
+# i + 1): only it has ``transformers.0.pool``.
+_TIMM_0_5_LAYOUTS[PiT] = (re.compile(r"^transformers\.0\.pool\."),
+                          lambda k: _next_stage(k, "transformers", "pool"))
 # HV README: PoolingVisionTransformer(num_classes=100, img_size=32, patch_size=2, stride=1,
 # base_dims=[32, 32, 32], depth=[2, 6, 4], heads=[2, 4, 8], mlp_ratio=4) (4,582,436 parameters;
 # timm's base_dims is our head_dim); PiT-S (no released checkpoint) takes the same CIFAR flags.
@@ -484,7 +520,8 @@ def read_torch_checkpoint(path) -> dict:
 
 
 def is_timm_state_dict(state_dict: Mapping[str, np.ndarray]) -> bool:
-  """Whether a state_dict has timm's layout (its ViT, PiT and Swin all have ``patch_embed``)."""
+  """Whether a state_dict has timm's layout (its ViT, PiT and Swin, in timm 0.5.4 as in 1.0.31,
+  all have ``patch_embed``)."""
   return any(k.startswith("patch_embed.") for k in state_dict)
 
 
