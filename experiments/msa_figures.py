@@ -66,7 +66,7 @@ def run_figure(name: str, models: dict, sizes: dict, out: str) -> dict:
       r = trained.hessian_spectrum_study(m, num_batches=sizes["hessian_batches"],
                                          batch_size=sizes["hessian_batch_size"],
                                          k=sizes["hessian_k"], max_iters=sizes["hessian_iters"],
-                                         negative=True)
+                                         negative=True, regularizer="sum_of_l2_norms")
       summary[label] = {
           "mean_positive_max_eigenvalue": r["mean_positive_max_eigenvalue"],
           "negative_fraction": r["negative_fraction"],

@@ -1,8 +1,9 @@
 """Hessian max-eigenvalue spectrum (paper Appendix A.3, Algorithm 1; HV slides).
 
 For each training mini-batch (as augmented for training), the top-k eigenvalues
-of the Hessian of the training objective NLL + (weight_decay / 2)·‖θ‖² — the
-coupled L2 the optimiser uses — with BatchNorm in inference mode and a fixed
+of the Hessian of the training objective NLL + weight_decay · R(θ) — R the coupled L2 the
+optimiser uses, ½‖θ‖², or HV's Σᵢ‖θᵢ‖₂ (:func:`regularization`) — with BatchNorm in inference
+mode and a fixed
 dropout key, so each batch defines a fixed symmetric operator.  Eigenvalues of
 all batches are pooled into a histogram; the slides' criteria are the mean of
 the positive max eigenvalues and the proportion of negative ones.
@@ -22,13 +23,34 @@ from smoothing_jax.analysis.hessian import top_and_min_eigenvalues
 from smoothing_jax.inference import sample_rngs
 
 
-def training_loss(model, weight_decay, batch_stats, dropout_key, images, labels, params):
-  """NLL + (weight_decay/2)·‖θ‖² of one batch, BatchNorm with running statistics, fixed
-  dropout key."""
+REGULARIZERS = ("half_squared_l2", "sum_of_l2_norms")
+
+
+def regularization(params, regularizer: str = "half_squared_l2"):
+  """The weight-decay term R(θ) that multiplies ``weight_decay`` in the objective:
+
+  * ``"half_squared_l2"``: ½‖θ‖², whose gradient is the coupled weight decay of PyTorch's SGD
+    that the papers (and our optimiser) train with;
+  * ``"sum_of_l2_norms"``: Σᵢ‖θᵢ‖₂, the sum of each parameter tensor's (unsquared) L2 norm, the
+    term HV adds to the NLL in its loss landscapes (``ops/norm.l2`` over
+    ``model.parameters()``, ``losslandscape.ipynb``).
+  """
+  if regularizer == "half_squared_l2":
+    return 0.5 * optax.tree_utils.tree_l2_norm(params, squared=True)
+  if regularizer == "sum_of_l2_norms":
+    return sum(jnp.sqrt(jnp.sum(jnp.square(p.astype(jnp.float32))))
+               for p in jax.tree.leaves(params))
+  raise ValueError(f"Unknown regularizer {regularizer!r}; choose one of {REGULARIZERS}.")
+
+
+def training_loss(model, weight_decay, batch_stats, dropout_key, images, labels, params,
+                  regularizer: str = "half_squared_l2"):
+  """NLL + weight_decay · R(θ) (:func:`regularization`) of one batch, BatchNorm with running
+  statistics, fixed dropout key."""
   logits = model.apply({"params": params, "batch_stats": batch_stats}, images, train=False,
                        rngs=sample_rngs(dropout_key))
   nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
-  return nll + 0.5 * weight_decay * optax.tree_utils.tree_l2_norm(params, squared=True)
+  return nll + weight_decay * regularization(params, regularizer)
 
 
 def max_eigenvalue_spectrum(model,
@@ -41,7 +63,8 @@ def max_eigenvalue_spectrum(model,
                             tol: float = 1e-3,
                             rng: Optional[jax.Array] = None,
                             negative: bool = False,
-                            method: str = "lanczos") -> dict:
+                            method: str = "lanczos",
+                            regularizer: str = "half_squared_l2") -> dict:
   """Top-``k`` (largest-magnitude) eigenvalues for every batch ``{"image", "label"}``; the
   linearisation and the solver step compile once for all batches.
 
@@ -51,10 +74,13 @@ def max_eigenvalue_spectrum(model,
   ``max_iters`` ran out).  ``negative=True`` adds ``"min_eigenvalues"`` and
   ``"min_relative_residuals"`` [num_batches], the most negative eigenvalue of each batch
   (with Lanczos from the same Krylov space), for the negative side of HV's spectra.
+  ``regularizer``: the weight-decay term R of the objective (:func:`regularization`).
   """
   rng = jax.random.key(0) if rng is None else rng
   top, low = [], []
-  static_loss = functools.partial(training_loss, model, weight_decay)  # one function: compiled once
+  regularization(jnp.zeros(()), regularizer)  # an unknown name fails before any work
+  static_loss = functools.partial(training_loss, model, weight_decay,  # compiled once
+                                  regularizer=regularizer)
   for i, batch in enumerate(batches):
     dropout_key, solver_key = jax.random.split(jax.random.fold_in(rng, i))
     loss_fn = Partial(static_loss, variables.get("batch_stats", {}), dropout_key,

@@ -206,10 +206,12 @@ def hessian_spectrum_study(trained: TrainedModel,
                            tol: float = 1e-3,
                            seed: int = 0,
                            negative: bool = False,
-                           method: str = "lanczos") -> dict:
-  """Top-``k`` Hessian eigenvalues of NLL + L2 on each of ``num_batches`` training batches
-  (``negative``: also the most negative eigenvalue of each batch), with their residuals and
-  the solver (``analysis.spectrum.max_eigenvalue_spectrum``)."""
+                           method: str = "lanczos",
+                           regularizer: str = "half_squared_l2") -> dict:
+  """Top-``k`` Hessian eigenvalues of NLL + weight decay · R(θ) on each of ``num_batches``
+  training batches (``negative``: also the most negative eigenvalue of each batch), with their
+  residuals and the solver (``analysis.spectrum.max_eigenvalue_spectrum``); R is
+  ``regularizer`` (``analysis.spectrum.regularization``: ½‖θ‖², or HV's Σᵢ‖θᵢ‖₂)."""
   return max_eigenvalue_spectrum(trained.model,
                                  trained.variables,
                                  train_batches(trained, num_batches, batch_size),
@@ -219,7 +221,8 @@ def hessian_spectrum_study(trained: TrainedModel,
                                  tol=tol,
                                  rng=jax.random.key(seed),
                                  negative=negative,
-                                 method=method)
+                                 method=method,
+                                 regularizer=regularizer)
 
 
 def fourier_study(trained: TrainedModel, *, num_images: int = 256, seed: int = 0) -> dict:
@@ -271,9 +274,11 @@ def similarity_study(trained: TrainedModel,
 
 
 def landscape_study(trained: TrainedModel, *, num_points: int = 21, scale: float = 1.0,
-                    normalization: str = "filter", batch_size: int = 512, seed: int = 0) -> dict:
-  """Training loss (NLL and NLL+L2) on a ``num_points²`` grid over [−scale, scale]² (one
-  augmented batch, one fixed dropout key)."""
+                    normalization: str = "filter", batch_size: int = 512, seed: int = 0,
+                    regularizer: str = "half_squared_l2") -> dict:
+  """Training loss (NLL, and NLL + weight decay · R(θ) with R the ``regularizer`` of
+  ``analysis.spectrum.regularization``: ½‖θ‖², or HV's Σᵢ‖θᵢ‖₂) on a ``num_points²`` grid over
+  [−scale, scale]² (one augmented batch, one fixed dropout key)."""
   batch = train_batches(trained, 1, batch_size)[0]
   key_d1, key_d2, dropout_key = jax.random.split(jax.random.key(seed), 3)
   params = trained.variables["params"]
@@ -283,7 +288,7 @@ def landscape_study(trained: TrainedModel, *, num_points: int = 21, scale: float
   axis = np.linspace(-scale, scale, num_points)
   return loss_surface(loss_fn, params, random_direction(params, key_d1, normalization),
                       random_direction(params, key_d2, normalization), axis, axis,
-                      weight_decay=trained.config.weight_decay)
+                      weight_decay=trained.config.weight_decay, regularizer=regularizer)
 
 
 def frequency_noise_study(trained: TrainedModel,
