@@ -80,10 +80,13 @@ def compute(name: str, model, sizes: dict) -> dict:
 
 def stage_ends(by_tap: dict) -> list:
   """Values of the last tap of every stage (taps are named ``layer<s>_<j>`` / ``smooth<s>_0``):
-  what each stage hands to the next, with or without a smoothing layer at its end."""
+  what each stage hands to the next, with or without a smoothing layer at its end.  The stem
+  (tap ``stem``, depth 0) ends no stage."""
   last = {}
   for tap, value in by_tap.items():
-    last[re.search(r"\d+", tap).group()] = value
+    stage = re.search(r"\d+", tap)
+    if stage:
+      last[stage.group()] = value
   return list(last.values())
 
 

@@ -95,7 +95,7 @@ def test_feature_taps_follow_execution_order_and_smoothing_sizes(tiny_mcdo, imag
   model, variables = tiny_mcdo
   maps = feature_maps(model, variables, images)
   names = list(maps)
-  assert names[:3] == ["layer1_0", "layer1_1", "smooth1_0"] and names[-1] == "smooth4_0"
+  assert names[:4] == ["stem", "layer1_0", "layer1_1", "smooth1_0"] and names[-1] == "smooth4_0"
   assert maps["layer1_1"].shape[1] == 16 and maps["smooth1_0"].shape[1] == 17
   curves = fourier_by_depth(model, variables, images)
   assert list(curves) == names and curves["smooth1_0"].shape == (17 - 17 // 2,)
@@ -321,10 +321,10 @@ def test_feature_taps_of_vit_are_token_maps_with_kinds(micro_vit):
   from smoothing_jax.analysis.features import block_kinds, feature_maps, feature_variance
   model, variables, x, _ = micro_vit
   maps = feature_maps(model, variables, x)
-  assert list(maps) == ["block0_msa", "block0_mlp", "block1_msa", "block1_mlp"]
+  assert list(maps) == ["patch_embedding", "block0_msa", "block0_mlp", "block1_msa", "block1_mlp"]
   assert all(m.shape == (6, 2, 2, 8) for m in maps.values())  # CLS dropped, 2×2 patch grid
-  assert block_kinds(model, maps) == {"block0_msa": "msa", "block0_mlp": "mlp", "block1_msa": "msa",
-                                      "block1_mlp": "mlp"}
+  assert block_kinds(model, maps) == {"patch_embedding": "embedding", "block0_msa": "msa",
+                                      "block0_mlp": "mlp", "block1_msa": "msa", "block1_mlp": "mlp"}
   # HV feature-map variance: spatial variance per (example, channel), averaged.
   _, state = model.apply(variables, x, capture_intermediates=True, mutable=["intermediates"])
   tokens = np.asarray(state["intermediates"]["block1_msa"]["__call__"][0])[:, 1:]

@@ -69,7 +69,8 @@ def test_consistency_study_on_a_trained_model(analysis_workdirs):
 
 
 def test_stage_end_summaries_and_orderings_by_hand():
-  taps = {"layer1_0": 4.0, "layer1_1": 3.0, "smooth1_0": 1.0, "layer2_0": 5.0, "layer2_1": 2.0}
+  taps = {"stem": 7.0, "layer1_0": 4.0, "layer1_1": 3.0, "smooth1_0": 1.0, "layer2_0": 5.0,
+          "layer2_1": 2.0}
   assert smoothing_figures.stage_ends(taps) == [1.0, 2.0]
   plain = {"layer1_0": {"data": 2.0, "model": 0.2}, "layer2_0": {"data": 4.0, "model": 0.4}}
   smooth = {"layer1_0": {"data": 9.0, "model": 0.9}, "smooth1_0": {"data": 1.0, "model": 0.1},
@@ -106,11 +107,11 @@ def test_msa_figures_on_an_alternet_trained_with_the_vit_recipe(msa_workdirs, tm
   trajectory = json.load(open(tmp_path / "trajectory.json"))["AlterNet"]
   assert list(trajectory["steps"]) == [0, 2, 4] and abs(trajectory["angle"][0]) < 1e-3
   similarity = json.load(open(tmp_path / "similarity.json"))["AlterNet"]
-  assert similarity["rows"]["kinds"] == ["conv", "conv", "conv", "msa", "conv", "msa"]
-  assert similarity["rows"]["resolution_changes"] == [1, 2, 4]  # the strided stage starts
+  assert similarity["rows"]["kinds"] == ["stem", "conv", "conv", "conv", "msa", "conv", "msa"]
+  assert similarity["rows"]["resolution_changes"] == [2, 3, 5]  # the strided stage starts
   assert similarity["num_examples"] == 16
   cross = json.load(open(tmp_path / "similarity_cross.json"))["backbone vs AlterNet"]
-  assert np.shape(cross["cka"]) == (6, 6) and cross["cols"] == similarity["rows"]
+  assert np.shape(cross["cka"]) == (7, 7) and cross["cols"] == similarity["rows"]
   assert "msa_lowers_high_frequencies" not in report["orderings"]["backbone"]
   spectra = json.load(open(tmp_path / "spectra.json"))["AlterNet"]
   assert len(spectra["min_eigenvalues"]) == 2

@@ -165,13 +165,13 @@ def test_lesion_of_a_zero_unit_changes_nothing(tiny_pit):
 def test_analyses_run_on_pit(tiny_pit):
   model, variables, x, y = tiny_pit
   names = [n for n, _ in model.units()]
-  taps = names[:2] + ["stage2_pool"] + names[2:]
+  taps = ["patch_embedding"] + names[:2] + ["stage2_pool"] + names[2:]
   maps = feature_maps(model, variables, x)
   assert list(maps) == taps
   # Tokens become maps without the CLS token: 8×8 in stage 1, pooled to 4×4.
   assert [maps[n].shape for n in ("stage1_block0_mlp", "stage2_pool", "stage2_block0_mlp")] == [
       (6, 8, 8, 4), (6, 4, 4, 8), (6, 4, 4, 8)]
-  assert block_kinds(model, taps)["stage2_pool"] == "conv"
+  assert block_kinds(model, taps)["stage2_pool"] == "pool"
   curves = fourier_by_depth(model, variables, x)
   assert list(curves) == taps and all(np.all(np.isfinite(c)) for c in curves.values())
   variance = feature_variance(model, variables, x, num_samples=2)

@@ -96,8 +96,9 @@ def test_feature_similarity_of_a_micro_vit_matches_the_tuple_sum(micro_vit):
   result = feature_similarity(model, variables, batches)
   names = [name for name, _ in model.units()]
   assert result["rows"] == result["cols"]
-  assert result["rows"] == {"blocks": names, "kinds": ["msa", "mlp"] * 2,
-                            "spatial_sizes": [(2, 2)] * 4, "resolution_changes": [0]}
+  assert result["rows"] == {"blocks": ["patch_embedding"] + names,
+                            "kinds": ["embedding"] + ["msa", "mlp"] * 2,
+                            "spatial_sizes": [(2, 2)] * 5, "resolution_changes": [0]}
   assert (result["num_batches"], result["num_examples"]) == (2, 12)
   cka = result["cka"]
   np.testing.assert_allclose(cka, cka.T, rtol=1e-6)
@@ -119,10 +120,10 @@ def test_resolution_changes_of_a_smoothing_resnet_are_its_strided_stage_starts(t
   result = feature_similarity(model, variables, batches)
   axis = result["rows"]
   # Blur layers grow maps by one pixel (16 → 17); only sub-sampling counts as a change.
-  assert axis["blocks"][2:4] == ["smooth1_0", "layer2_0"]
-  assert axis["spatial_sizes"][1:4] == [(16, 16), (17, 17), (9, 9)]
-  assert axis["resolution_changes"] == [3, 6, 9]
-  assert axis["kinds"][:3] == ["conv", "conv", "smooth"]
+  assert axis["blocks"][3:5] == ["smooth1_0", "layer2_0"]
+  assert axis["spatial_sizes"][:5] == [(16, 16)] * 3 + [(17, 17), (9, 9)]  # the stem keeps 16
+  assert axis["resolution_changes"] == [4, 7, 10]
+  assert axis["kinds"][:4] == ["stem", "conv", "conv", "smooth"]
   cka = result["cka"]
   np.testing.assert_allclose(cka, cka.T, rtol=1e-6)
   np.testing.assert_array_equal(np.diagonal(cka), 1.0)

@@ -1,16 +1,20 @@
 """Feature-map probes by depth: Fourier Δlog-amplitude and feature-map variance (paper Fig. 5,
 HV Fig. 2/9).
 
-Feature maps are tapped with Flax ``capture_intermediates`` (no model copies):
-by default the outputs of every block (residual, VGG, AlexNet, WRN blocks; ViT
-MSA/MLP units; PiT MSA/MLP units and pooling layers; AlterNet Conv/MSA blocks; Swin MSA/MLP
-units, NHWC maps already) and smoothing layer of the network, in execution order; stem
-convolutions, BatchNorm layers and patch merging on their own are not taps.
-ViT and PiT token outputs [B, N, D] become maps [B, h, w, D] (CLS token dropped), as in HV.
+Each model declares its taps, ``model.feature_taps() -> [(name, kind)]`` in execution order: at
+depth 0 the stem ("stem") or patch embedding ("embedding") output, as HV's curves start there;
+then every block ("conv", "msa", "mlp"), smoothing layer ("smooth"), PiT pooling ("pool") and
+Swin patch merging ("merge").  A tap is the ``__call__`` output of the top-level submodule of that
+name, or what the model sows into ``"intermediates"`` under it (stems and embeddings that are no
+single submodule).  Both are read with Flax ``capture_intermediates`` (no model copies).
+Token outputs [B, N, D] become maps [B, h, w, D] (CLS token dropped), as in HV.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+import functools
+import math
+from collections.abc import Mapping
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -18,71 +22,72 @@ import numpy as np
 
 from smoothing_jax.analysis.fourier import delta_log_amplitude
 from smoothing_jax.inference import sample_rngs
-from smoothing_jax.layers import Smooth
-from smoothing_jax.models.alternet import AttentionBlock
-from smoothing_jax.models.common import CNN
-from smoothing_jax.models.pit import Pooling
-from smoothing_jax.models.swin import SwinUnit
-from smoothing_jax.models.vit import TransformerUnit, tokens_to_map
-
-TAPPED = (CNN, Smooth, TransformerUnit, AttentionBlock, SwinUnit, Pooling)
 
 
-def _is_block(module, method_name: str) -> bool:
-  path = module.scope.path if module.scope is not None else ()
-  return method_name == "__call__" and len(path) == 1 and isinstance(module, TAPPED)
+def _taps(model) -> list:
+  if not hasattr(model, "feature_taps"):
+    raise TypeError(f"{type(model).__name__} declares no feature taps (feature_taps()).")
+  return model.feature_taps()
 
 
 def block_kinds(model, names) -> dict:
-  """``{block: kind}``: "msa", "mlp" or "conv" from ``model.units()`` (ViT, AlterNet), "smooth" for
-  smoothing layers, "conv" for the other CNN blocks (and PiT's pooling layers, depth-wise convs)."""
-  units = dict(model.units()) if hasattr(model, "units") else {}
-  return {n: units.get(n, "smooth" if n.startswith("smooth") else "conv") for n in names}
+  """``{tap: kind}`` of the ``names`` from ``model.feature_taps()``: "stem" / "embedding" (depth
+  0), "conv", "msa", "mlp", "smooth", "pool" (PiT) or "merge" (Swin)."""
+  kinds = dict(_taps(model))
+  unknown = [n for n in names if n not in kinds]
+  if unknown:
+    raise ValueError(f"{unknown} are not feature taps of {type(model).__name__}; its taps are "
+                     f"{list(kinds)}.")
+  return {n: kinds[n] for n in names}
 
 
-def _captured(model, filter_fn, variables, images, rng) -> dict:
+def tokens_to_map(tokens):
+  """``[B, N, D]`` tokens → ``[B, h, w, D]`` (drops a CLS token when N = h·w + 1; square
+  grids)."""
+  n = tokens.shape[1]
+  side = math.isqrt(n)
+  if side * side != n:
+    tokens, side = tokens[:, 1:], math.isqrt(n - 1)
+  return tokens.reshape(tokens.shape[0], side, side, tokens.shape[-1])
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def _captured(model, variables, images, rng) -> dict:
+  names = {name for name, _ in _taps(model)}
+
+  def tapped(module, method_name: str) -> bool:
+    path = module.scope.path if module.scope is not None else ()
+    return method_name == "__call__" and len(path) == 1 and path[0] in names
+
   _, state = model.apply(variables,
                          images,
                          train=False,
                          rngs=sample_rngs(rng),
-                         capture_intermediates=filter_fn,
+                         capture_intermediates=tapped,
                          mutable=["intermediates"])
+  # A tapped submodule's entry is {"__call__": (output,), ...}; a sown tap's is (value,).
   return {
-      name: out["__call__"][0] for name, out in state["intermediates"].items() if "__call__" in out
+      name: out["__call__"][0] if isinstance(out, Mapping) else out[0]
+      for name, out in state["intermediates"].items() if name in names
   }
 
 
-_captured_jit = jax.jit(_captured, static_argnums=(0, 1))
-_ORDER: dict = {}
-
-
-def _execution_order(model, filter_fn, variables, images, rng) -> list:
-  """Tap names in execution order (jit returns dicts sorted by key), traced once per model and
-  shape."""
-  key = (model, filter_fn, images.shape)
-  if key not in _ORDER:
-    names = []
-
-    def trace(v, x, r):
-      maps = _captured(model, filter_fn, v, x, r)
-      names.extend(maps)  # insertion order of capture_intermediates = execution order
-      return maps
-    jax.eval_shape(trace, variables, images, rng)
-    _ORDER[key] = names
-  return _ORDER[key]
-
-
-def feature_maps(model, variables, images, rng=None, filter_fn: Callable = _is_block) -> dict:
-  """``{block name: NHWC output}`` in execution order for one forward pass (eval mode, dropout key
-  ``rng``)."""
+def feature_maps(model, variables, images, rng=None) -> dict:
+  """``{tap name: NHWC output}`` in execution order (``model.feature_taps()``) for one forward
+  pass (eval mode, dropout key ``rng``)."""
   rng = jax.random.key(0) if rng is None else rng
-  maps = _captured_jit(model, filter_fn, variables, images, rng)
+  maps = _captured(model, variables, images, rng)
+  names = [name for name, _ in _taps(model)]
+  missing = [name for name in names if name not in maps]
+  if missing:
+    raise ValueError(f"{type(model).__name__}.feature_taps() declares {missing}, which the forward "
+                     "pass did not produce.")
   return {name: tokens_to_map(maps[name]) if maps[name].ndim == 3 else maps[name]
-          for name in _execution_order(model, filter_fn, variables, images, rng)}
+          for name in names}
 
 
 def fourier_by_depth(model, variables, images, rng=None) -> dict:
-  """``{block: Δlog-amplitude curve}`` for every tapped block (square maps)."""
+  """``{tap: Δlog-amplitude curve}`` for every tap (square maps)."""
   return {
       name: np.asarray(delta_log_amplitude(x))
       for name, x in feature_maps(model, variables, images, rng).items()
@@ -99,7 +104,7 @@ def feature_variance(model,
 
   data: spatial variance of each map per sample and channel, averaged (over the
   first pass); model: variance over ``num_samples`` stochastic passes of every
-  element, averaged.  Returns ``{block: {"data": float, "model": float}}``.
+  element, averaged.  Returns ``{tap: {"data": float, "model": float}}``.
   """
   rng = jax.random.key(0) if rng is None else rng
   passes = [

@@ -34,6 +34,17 @@ class AlexNet(CNN):
   """AlexNet.  ``__call__(images [B,H,W,3], train) -> logits``."""
   width: int = 64
 
+  def feature_taps(self) -> list:
+    """``[(name, kind)]`` of the feature-map taps in order (:mod:`smoothing_jax.analysis.features`):
+    the blocks (the stem conv block ``layer0_0`` is depth 0) and the smoothing layers."""
+    taps = []
+    for stage, blocks in enumerate((("layer0_0",), ("layer1_1",),
+                                    ("layer2_1", "layer2_2", "layer2_3"))):
+      taps += [(name, "conv") for name in blocks]
+      if self.smoothing:
+        taps.append((f"smooth{stage}_0", "smooth"))
+    return taps
+
   @nn.compact
   def __call__(self, x, train: bool = False):
     check_images(x)

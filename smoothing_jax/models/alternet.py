@@ -91,6 +91,11 @@ class AlterNet(nn.Module):
       out += [(f"layer{stage}_{j}", kind) for j, kind in enumerate(kinds)]
     return out
 
+  def feature_taps(self) -> list:
+    """``[(name, kind)]`` of the feature-map taps in order (:mod:`smoothing_jax.analysis.features`):
+    the stem output at depth 0, then the blocks."""
+    return [("stem", "stem")] + self.units()
+
   def _check_structure(self):
     if not len(self.stage_sizes) == len(self.msa_blocks) == len(self.num_heads):
       raise ValueError(
@@ -115,6 +120,7 @@ class AlterNet(nn.Module):
       x = max_pool(conv(self.width, 7, 2, 3, dtype=self.dtype, name="layer0_0")(x), 3, 2, 1)
     else:
       x = conv(self.width, 3, 1, 1, dtype=self.dtype, name="layer0_0")(x)
+    self.sow("intermediates", "stem", x)  # depth 0 of the feature taps
 
     i = 0
     for stage, num_blocks in enumerate(self.stage_sizes, start=1):

@@ -45,6 +45,19 @@ def staged_units(depths) -> list:
           for j in range(depth) for kind in ("msa", "mlp")]
 
 
+def staged_taps(depths, transition: str) -> list:
+  """``[(name, kind)]`` feature taps of a staged model (Swin, PiT) in order: the sown
+  ``patch_embedding`` (depth 0), then each stage's units, stages after the first starting with
+  their down-sampling submodule ``stage{s}_{transition}`` (kind ``transition``)."""
+  units = staged_units(depths)
+  taps = [("patch_embedding", "embedding")]
+  for s in range(1, len(depths) + 1):
+    if s > 1:
+      taps.append((f"stage{s}_{transition}", transition))
+    taps += [(name, kind) for name, kind in units if name.startswith(f"stage{s}_")]
+  return taps
+
+
 def drop_path(branch, rate: float, train: bool, keep=None):
   """A residual branch under stochastic depth and lesioning: call inside a compact module.
 

@@ -34,8 +34,8 @@ Linear on (channel, row, col)-ordered patches is that conv.
 
 Lesion studies: ``block_mask`` [2·Σ depths] scales the residual branch of each unit
 (``units()`` names them, MSA then MLP of each block), so ``block_mask = 1 − e_i`` removes unit i.
-Feature taps: the units (``vit.TransformerUnit``, global MSA) and the pooling layers output
-tokens [B, 1 + h·w, D] (``vit.tokens_to_map`` drops the CLS token).
+Feature taps (``feature_taps()``): the embedded tokens, the units (``vit.TransformerUnit``, global
+MSA) and the pooling layers, all tokens [B, 1 + h·w, D] (the analyses drop the CLS token).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from smoothing_jax.layers.attention import dense_init
-from smoothing_jax.models.common import STEMS, check_images, staged_units
+from smoothing_jax.models.common import STEMS, check_images, staged_taps, staged_units
 from smoothing_jax.models.vit import TransformerUnit
 
 PATCH_SIZES = {"cifar": 2, "imagenet": 16}
@@ -108,6 +108,11 @@ class PiT(nn.Module):
     """``[(name, kind)]`` of the residual units in order; kind is "msa" or "mlp"."""
     return staged_units(self.depths)
 
+  def feature_taps(self) -> list:
+    """``[(name, kind)]`` of the feature-map taps in order (:mod:`smoothing_jax.analysis.features`):
+    the embedded tokens at depth 0, the units and the pooling layers ("pool")."""
+    return staged_taps(self.depths, "pool")
+
   def _check(self, x) -> tuple:
     """Validates the options against images ``x``; returns (patch size, stride, widths)."""
     check_images(x)
@@ -153,6 +158,7 @@ class PiT(nn.Module):
          x.reshape(b, -1, widths[0])], axis=1)
     if self.position_embedding == "tokens":
       tokens = tokens + position((1,) + tokens.shape[1:])
+    self.sow("intermediates", "patch_embedding", tokens)  # depth 0 of the feature taps
 
     grid = (height, width)
     units = iter(enumerate(self.units()))

@@ -100,6 +100,20 @@ class ResNet(CNN):
   preact: bool = False
   width: int = 64
 
+  def feature_taps(self) -> list:
+    """``[(name, kind)]`` of the feature-map taps in order (:mod:`smoothing_jax.analysis.features`):
+    the stem output at depth 0, the blocks and the smoothing layers."""
+    taps = [("stem", "stem")]
+    for stage, num_blocks in enumerate(self.stage_sizes, start=1):
+      taps += [(f"layer{stage}_{j}", "conv") for j in range(num_blocks)]
+      if self.smoothing and self._smooths(stage):
+        taps.append((f"smooth{stage}_0", "smooth"))
+    return taps
+
+  def _smooths(self, stage: int) -> bool:
+    # Pre-activation networks do not smooth the last stage (reference num_sblocks [1, 1, 1, 0]).
+    return not (self.preact and stage == len(self.stage_sizes))
+
   @nn.compact
   def __call__(self, x, train: bool = False):
     check_images(x)
@@ -116,6 +130,7 @@ class ResNet(CNN):
       x = nn.relu(self.bn(train, "layer0_1")(x))
     if self.stem == "imagenet":
       x = max_pool(x, 3, 2, 1)
+    self.sow("intermediates", "stem", x)  # depth 0 of the feature taps
 
     block_cls = PreActBlock if self.preact else ResNetBlock
     shared = {f: getattr(self, f) for f in ("dropout_rate", "dtype")}
@@ -129,8 +144,7 @@ class ResNet(CNN):
                       width_per_group=self.width_per_group,
                       name=f"layer{stage}_{j}",
                       **shared)(x, train)
-      # Pre-activation networks do not smooth the last stage (reference num_sblocks [1, 1, 1, 0]).
-      if not (self.preact and stage == len(self.stage_sizes)):
+      if self._smooths(stage):
         x = self.smooth(x, f"smooth{stage}_0")
 
     if classifier == "mlp":

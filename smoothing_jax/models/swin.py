@@ -50,7 +50,8 @@ import numpy as np
 from smoothing_jax.layers.attention import (MultiHeadAttention, dense_init,
                                             relative_position_index, window_merge,
                                             window_partition)
-from smoothing_jax.models.common import STEMS, check_images, conv, drop_path, staged_units
+from smoothing_jax.models.common import (STEMS, check_images, conv, drop_path, staged_taps,
+                                         staged_units)
 
 PATCH_SIZES = {"cifar": 1, "imagenet": 4}
 WINDOW_SIZES = {"cifar": 4, "imagenet": 7}
@@ -175,6 +176,11 @@ class Swin(nn.Module):
     """``[(name, kind)]`` of the residual units in order; kind is "msa" or "mlp"."""
     return staged_units(self.depths)
 
+  def feature_taps(self) -> list:
+    """``[(name, kind)]`` of the feature-map taps in order (:mod:`smoothing_jax.analysis.features`):
+    the embedded map at depth 0, the units and the patch mergings ("merge")."""
+    return staged_taps(self.depths, "merge")
+
   def _check(self, x) -> int:
     check_images(x)
     for field, value, choices in (("stem", self.stem, STEMS), ("merge", self.merge, MERGES),
@@ -212,6 +218,7 @@ class Swin(nn.Module):
     x = conv(self.embed_dim, p, p, bias=True, dtype=self.dtype, name="embedding")(x)
     if self.patch_norm:
       x = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype, name="embedding_norm")(x)
+    self.sow("intermediates", "patch_embedding", x)  # depth 0 of the feature taps
     units = iter(enumerate(self.units()))
     num_blocks = sum(self.depths)
     block = 0

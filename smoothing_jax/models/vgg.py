@@ -50,6 +50,17 @@ class VGG(CNN):
   batch_norm: bool = True
   width: int = 64
 
+  def feature_taps(self) -> list:
+    """``[(name, kind)]`` of the feature-map taps in order (:mod:`smoothing_jax.analysis.features`):
+    the blocks (the first is depth 0: VGG has no stem) and the smoothing layers."""
+    taps = []
+    for stage, num_blocks in enumerate(self.stage_sizes):
+      offset = 1 if stage else 0  # index 0 of a later group is its max-pool
+      taps += [(f"layer{stage}_{j + offset}", "conv") for j in range(num_blocks)]
+      if self.smoothing:
+        taps.append((f"smooth{stage}_0", "smooth"))
+    return taps
+
   @nn.compact
   def __call__(self, x, train: bool = False, components=None):
     check_images(x)

@@ -24,7 +24,6 @@ Lesion studies: ``block_mask`` [2·depth] scales the residual branch of each uni
 """
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar, Optional
 
 import flax.linen as nn
@@ -125,6 +124,11 @@ class ViT(nn.Module):
     """``[(name, kind)]`` of the residual units in order; kind is "msa" or "mlp"."""
     return [(f"block{i}_{kind}", kind) for i in range(self.depth) for kind in ("msa", "mlp")]
 
+  def feature_taps(self) -> list:
+    """``[(name, kind)]`` of the feature-map taps in order (:mod:`smoothing_jax.analysis.features`):
+    the embedded tokens at depth 0, then the units."""
+    return [("patch_embedding", "embedding")] + self.units()
+
   def _check(self, x):
     check_images(x)
     if self.stem not in STEMS:
@@ -163,6 +167,8 @@ class ViT(nn.Module):
     tokens = tokens + self.param("pos_embedding", nn.initializers.normal(0.02),
                                  (1,) + tokens.shape[1:])
     tokens = nn.Dropout(self.embedding_dropout_rate, deterministic=not train)(tokens)
+    # Depth 0 of the feature taps: what the first unit sees (HV's ``PatchEmbed``).
+    self.sow("intermediates", "patch_embedding", tokens)
 
     for i, (name, kind) in enumerate(self.units()):
       rate = self.stochastic_depth * (i // 2) / max(self.depth - 1, 1)
@@ -186,12 +192,3 @@ class ViT(nn.Module):
                           name="head_norm")(pooled)
     return nn.Dense(self.num_classes, kernel_init=dense_init, dtype=self.dtype, name="head")(pooled)
 
-
-def tokens_to_map(tokens):
-  """``[B, N, D]`` unit output → ``[B, h, w, D]`` (drops a CLS token when N = h·w + 1;
-  square grids)."""
-  n = tokens.shape[1]
-  side = math.isqrt(n)
-  if side * side != n:
-    tokens, side = tokens[:, 1:], math.isqrt(n - 1)
-  return tokens.reshape(tokens.shape[0], side, side, tokens.shape[-1])

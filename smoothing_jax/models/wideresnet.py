@@ -52,6 +52,16 @@ class WideResNet(CNN):
   widen_factor: int = 10
   width: int = 16
 
+  def feature_taps(self) -> list:
+    """``[(name, kind)]`` of the feature-map taps in order (:mod:`smoothing_jax.analysis.features`):
+    the stem conv output at depth 0, the blocks and the smoothing layers (stages 1 and 2)."""
+    taps = [("stem", "stem")]
+    for stage in range(1, 4):
+      taps += [(f"layer{stage}_{j}", "conv") for j in range((self.depth - 4) // 6)]
+      if self.smoothing and stage < 3:
+        taps.append((f"smooth{stage}_0", "smooth"))
+    return taps
+
   @nn.compact
   def __call__(self, x, train: bool = False, components=None):
     check_images(x)
@@ -62,6 +72,7 @@ class WideResNet(CNN):
       raise ValueError("WRN-28-10 is defined for CIFAR inputs with a GAP classifier only.")
     n = (self.depth - 4) // 6
     x = self.conv(x, components, self.width, 3, 1, 1, bias=True, name="conv1")
+    self.sow("intermediates", "stem", x)  # depth 0 of the feature taps
     for stage in range(1, 4):
       features = self.width * self.widen_factor * 2 ** (stage - 1)
       for j in range(n):
