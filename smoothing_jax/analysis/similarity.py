@@ -192,8 +192,9 @@ def feature_similarity(model,
     ``{"cka": [A, A] float64, "rows": axis, "cols": axis, "num_batches", "num_examples"}``, with
     ``axis = {"blocks": names in execution order, "kinds": "stem"/"embedding"/"msa"/"mlp"/
     "conv"/"smooth"/"pool"/"merge" (features.block_kinds), "spatial_sizes": [(h, w)],
-    "resolution_changes": indices of the blocks whose output is smaller than the previous block's (block 0: than the image) — the stem or
-    patch embedding, pooling, patch merging and strided stage starts}``.
+    "resolution_changes": indices of the blocks whose output is smaller than the previous
+    block's (block 0: than the image) — the stem or patch embedding, pooling, patch merging and
+    strided stage starts}``.
   """
   return _similarity([(model, variables)], batches, rng)
 
