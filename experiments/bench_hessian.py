@@ -10,7 +10,7 @@ For k = 1 (``--seeds`` random starts each, medians compared) and k = 5 (one star
 it reports time (compiled; the linearisation included), HVPs, eigenvalues and
 relative residuals ‖Hv − λv‖/|λ| of:
 
-* ours, ``method="lanczos"``: stops at a relative residual of ``--tol``;
+* ours, ``method="lanczos"``: block Lanczos (block k), stops at a relative residual of ``--tol``;
 * ours, ``method="power"``: PyHessian's rule (relative change < ``--tol``);
 * PyHessian 0.1 ``hessian(...).eigenvalues(maxIter=100, tol=--tol, top_n=k)`` (needs
   ``pip install pyhessian`` next to torch; omitted without it).  Its residuals are

@@ -3,7 +3,10 @@
 Two operators: a 115-parameter net with BatchNorm at a non-convex point, and a
 crowded, indefinite one (the same kind of net plus a quadratic that puts eight
 eigenvalues of alternating sign at |λ| ≈ 10 within 2% of each other), where
-PyHessian's power iteration with deflation stops early and Lanczos does not.
+PyHessian's power iteration with deflation stops early and Lanczos does not.  Then
+50-parameter quadratics with clustered and repeated top eigenvalues (issue 24.1), where
+single-vector Lanczos stops converged-looking at the wrong values and block Lanczos does not,
+and a tiny MLP.
 """
 import jax
 import jax.numpy as jnp
@@ -150,7 +153,7 @@ def test_crowded_spectrum_power_iteration_stops_off_and_lanczos_converges(crowde
 
   Measured: power iteration with deflation uses 318 HVPs and is off by 19–184%
   (its iterate mixes +10 and −9.98 and the estimate barely moves between steps);
-  Lanczos uses 15 HVPs and is within 1e-6.  The assertions leave margin on both.
+  Lanczos (block 5) uses 25 HVPs and is within 1e-6.  The assertions leave margin on both.
   """
   loss_fn, params, hessian, true_top = crowded
   power = top_eigenvalues(loss_fn, params, k=5, tol=1e-3, rng=jax.random.key(3), method="power")
@@ -179,9 +182,13 @@ def test_top_and_min_share_one_krylov_space(crowded):
   assert alone.residuals <= 1e-4 * abs(float(alone.eigenvalues))
 
 
-def test_lanczos_breakdown_in_a_low_rank_hessian_continues_in_a_fresh_direction():
-  """H = Q diag(3, −2, 1) Qᵀ on 20 parameters: the Krylov space of any start vector has
-  dimension ≤ 4, so Lanczos must restart to return five pairs (two of them λ = 0)."""
+@pytest.mark.parametrize("block_size, max_hvps", [(1, 5), (None, 10)])
+def test_lanczos_breakdown_in_a_low_rank_hessian_continues_in_a_fresh_direction(block_size,
+                                                                                  max_hvps):
+  """H = Q diag(3, −2, 1) Qᵀ on 20 parameters: the Krylov space of one start vector has
+  dimension ≤ 4, so single-vector Lanczos must restart to return five pairs (two of them
+  λ = 0), after 5 HVPs; a block of 5 (the default for k = 5) spans an invariant space after two
+  blocks (10 HVPs) and replaces the rows that broke down."""
   directions, _ = np.linalg.qr(np.random.default_rng(1).normal(size=(20, 3)))
   directions = jnp.asarray(directions, jnp.float32)
   scales = jnp.array([3.0, -2.0, 1.0])
@@ -189,11 +196,93 @@ def test_lanczos_breakdown_in_a_low_rank_hessian_continues_in_a_fresh_direction(
   def loss_fn(p):
     return 0.5 * jnp.sum(scales * (directions.T @ p["w"])**2)
 
-  result = top_eigenvalues(loss_fn, {"w": jnp.zeros(20)}, k=5, rng=jax.random.key(0))
+  result = top_eigenvalues(loss_fn, {"w": jnp.zeros(20)}, k=5, rng=jax.random.key(0),
+                           block_size=block_size)
   np.testing.assert_allclose(result.eigenvalues, [3.0, -2.0, 1.0, 0.0, 0.0], atol=1e-5)
   vectors = np.stack([np.asarray(v["w"]) for v in result.eigenvectors])
   np.testing.assert_allclose(vectors @ vectors.T, np.eye(5), atol=1e-5)
-  assert result.hvps <= 8
+  assert result.hvps <= max_hvps and result.block_size == (block_size or 5)
+
+
+def quadratic(eigenvalues, seed):
+  """½ θᵀHθ on len(eigenvalues) parameters, H = Q diag(eigenvalues) Qᵀ with Q a random
+  orthogonal basis: ``(loss_fn, params, the eigenvalues in decreasing order)``."""
+  n = len(eigenvalues)
+  basis, _ = np.linalg.qr(np.random.default_rng(seed).normal(size=(n, n)))
+  hessian = jnp.asarray((basis * eigenvalues) @ basis.T, jnp.float32)
+
+  def loss_fn(p):
+    return 0.5 * p["w"] @ (hessian @ p["w"])
+
+  return loss_fn, {"w": jnp.zeros(n)}, np.sort(eigenvalues)[::-1]
+
+
+def below(top, seed):
+  """``top`` and the rest of 50 eigenvalues uniform in [0, 9]."""
+  return np.concatenate([top, np.random.default_rng(seed).uniform(0, 9, 50 - len(top))])
+
+
+# Ten clusters of five eigenvalues each 1e-5 wide, at 10, 7, 4, 1 and six in [0, 1e-3].
+TEN_CLUSTERS = np.concatenate([c + np.linspace(0, 1e-5, 5)
+                               for c in np.concatenate([[10, 7, 4, 1], np.linspace(1e-3, 0, 6)])])
+CLUSTERED = {
+    # name: (eigenvalues, k, seed, HVPs at most: measured + a block).  Single-vector Lanczos
+    # (the previous default) at tol 1e-3 stopped on each with every residual ≤ tol·|λ|:
+    # 32 HVPs, [9.99991, 9.99, 9.9, 9.8, 9.7] (9.999 and 9.95 missed, 2% off at rank 5);
+    "near_equal": (below([10, 9.999, 9.99, 9.95, 9.9, 9.8, 9.7], 14), 5, 14, 50),
+    # 34 HVPs, [10, 10, 8.857];
+    "triple": (below([10, 10, 10], 4), 3, 4, 42),
+    # 5 HVPs, [10, 7, 4].
+    "ten_clusters": (TEN_CLUSTERS, 3, 0, 18),
+}
+
+
+@pytest.mark.parametrize("name", list(CLUSTERED))
+def test_top_k_of_clustered_and_repeated_eigenvalues_at_default_settings(name):
+  """Issue 24.1: block Lanczos (block k) returns the true top k within 1e-4 at the default
+  tol 1e-3.  Measured: near_equal 50 HVPs (the whole 50-dimensional space: 9.9 vs 9.8 and the
+  rest up to 9 need it at this tolerance), triple 39, ten_clusters 15."""
+  eigenvalues, k, seed, max_hvps = CLUSTERED[name]
+  loss_fn, params, true = quadratic(eigenvalues, seed)
+  result = top_eigenvalues(loss_fn, params, k=k)
+  np.testing.assert_allclose(result.eigenvalues, true[:k], rtol=1e-4)
+  assert result.hvps <= max_hvps and result.block_size == k
+  assert np.all(result.relative_residuals <= 1e-3)
+  # Certificate: the k values within residual_bound of k eigenvalues counted with multiplicity
+  # (here the true top k), and the next Ritz value below them.
+  assert np.max(np.abs(np.asarray(result.eigenvalues) - true[:k])) <= result.residual_bound + 1e-5
+  assert result.gap >= 0 and abs(result.next_eigenvalue) <= abs(float(result.eigenvalues[-1]))
+
+
+@pytest.mark.parametrize("k, max_hvps", [(1, 12), (5, 40)])
+def test_tiny_mlp_top_k_and_certificate_match_eigh_at_default_settings(k, max_hvps):
+  """A 4–6–3 tanh MLP (51 parameters), cross-entropy on 16 points, default settings (block k,
+  tol 1e-3) against ``jax.hessian`` + ``eigh``.  Measured: 11 HVPs for k = 1, 35 for k = 5."""
+  keys = jax.random.split(jax.random.key(0), 3)
+  x, y = jax.random.normal(keys[0], (16, 4)), jnp.arange(16) % 3
+  params = {"w1": jax.random.normal(keys[1], (4, 6)), "b1": jnp.zeros(6),
+            "w2": jax.random.normal(keys[2], (6, 3)), "b2": jnp.zeros(3)}
+
+  def loss_fn(p):
+    return cross_entropy(jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"], y)
+
+  hessian = explicit_hessian(loss_fn, params)
+  values = np.linalg.eigvalsh(hessian)
+  true = values[np.argsort(-np.abs(values))]
+  result = top_eigenvalues(loss_fn, params, k=k)
+  np.testing.assert_allclose(result.eigenvalues, true[:k], rtol=1e-4)
+  assert result.hvps <= max_hvps and result.block_size == k
+  # The certificate against the explicit Hessian: ‖HV − VΛ‖₂, the next Ritz value near λ_{k+1},
+  # and the quadratic residual bound ‖R‖²/(gap − next_residual) on the errors.
+  vectors = np.stack([np.asarray(ravel_pytree(v)[0], np.float64) for v in result.eigenvectors], 1)
+  found = np.asarray(result.eigenvalues, np.float64)
+  np.testing.assert_allclose(result.residual_bound,
+                             np.linalg.norm(hessian @ vectors - vectors * found, 2), rtol=1e-2)
+  assert abs(result.next_eigenvalue - true[k]) <= result.next_residual
+  assert result.gap == pytest.approx(abs(found[-1]) - abs(result.next_eigenvalue), abs=1e-6)
+  separation = result.gap - result.next_residual
+  assert separation > result.residual_bound
+  assert np.max(np.abs(found - true[:k])) <= result.residual_bound**2 / separation
 
 
 def test_invalid_arguments_are_named():
@@ -205,6 +294,10 @@ def test_invalid_arguments_are_named():
     top_eigenvalues(loss_fn, params, k=4)
   with pytest.raises(ValueError, match="tol must be > 0"):
     top_eigenvalues(loss_fn, params, tol=0.0)
+  with pytest.raises(ValueError, match="block_size must be a positive integer"):
+    top_eigenvalues(loss_fn, params, block_size=0)
+  with pytest.raises(ValueError, match="block_size=4 exceeds the number of parameters"):
+    top_eigenvalues(loss_fn, params, block_size=4)
 
 
 def test_hutchinson_trace_within_its_standard_error(problem):
