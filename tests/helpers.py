@@ -100,6 +100,17 @@ class SmallNet(nn.Module):
     return nn.Dense(3)(jnp.tanh(x))
 
 
+def npz_dataset(root, image_size: int) -> str:
+  """``npz:`` arrays in ``root``: random uint8 images [size, size, 3] with labels in [0, 10),
+  40 in ``train.npz`` and 13 in ``test.npz``; returns ``str(root)``."""
+  rng = np.random.default_rng(0)
+  for split, n in (("train", 40), ("test", 13)):
+    np.savez(root / f"{split}.npz",
+             images=rng.integers(0, 256, (n, image_size, image_size, 3), dtype=np.uint8),
+             labels=rng.integers(0, 10, n))
+  return str(root)
+
+
 def small_net_problem():
   """``(loss_fn, params)``: cross-entropy of :class:`SmallNet` on a fixed batch of 32, with
   perturbed parameters and BatchNorm statistics (a non-convex point)."""

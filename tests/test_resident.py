@@ -8,16 +8,12 @@ from smoothing_jax.data import create_pipeline, parse_dataset
 from smoothing_jax.data.resident import (PADDING, ResidentPipeline, augment_example,
                                          check_fits_on_devices)
 from smoothing_jax.parallel import create_mesh
+from tests.helpers import npz_dataset
 
 
 @pytest.fixture(scope="module")
 def npz_dir(tmp_path_factory):
-  root = tmp_path_factory.mktemp("npz")
-  rng = np.random.default_rng(0)
-  for split, n in (("train", 40), ("test", 13)):
-    np.savez(root / f"{split}.npz", images=rng.integers(0, 256, (n, 16, 16, 3), dtype=np.uint8),
-             labels=rng.integers(0, 10, n))
-  return str(root)
+  return npz_dataset(tmp_path_factory.mktemp("npz"), 16)
 
 
 @pytest.fixture(scope="module")

@@ -14,18 +14,14 @@ tfds = pytest.importorskip("tensorflow_datasets")
 from smoothing_jax.data import pipeline as pipeline_lib
 from smoothing_jax.data.datasets import hide_accelerators_from_tensorflow
 from smoothing_jax.data.tfdata import TFDataPipeline
+from tests.helpers import npz_dataset
 
 create_pipeline = functools.partial(pipeline_lib.create_pipeline, data_pipeline="tfdata")
 
 
 @pytest.fixture(scope="module")
 def npz_dir(tmp_path_factory):
-  root = tmp_path_factory.mktemp("npz")
-  rng = np.random.default_rng(0)
-  for split, n in (("train", 40), ("test", 13)):
-    np.savez(root / f"{split}.npz", images=rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8),
-             labels=rng.integers(0, 10, n))
-  return str(root)
+  return npz_dataset(tmp_path_factory.mktemp("npz"), 32)
 
 
 def test_npz_source_batches_and_normalisation(npz_dir):

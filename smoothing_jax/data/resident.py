@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from smoothing_jax.data import device_randaugment
 from smoothing_jax.data.datasets import load_arrays, parse_dataset
 from smoothing_jax.data.pipeline import Pipeline
+from smoothing_jax.parallel import create_mesh, shardings
 
 MAX_DEVICE_FRACTION = 0.25  # of one device's memory; the rest is the model's
 DATA_STREAM = 0x5EED        # separates the data's random draws from the model's (init, dropout)
@@ -101,7 +102,6 @@ class ResidentPipeline(Pipeline):
 
   def put_on_devices(self, mesh: Optional[Mesh] = None):
     """Copy the training and evaluation splits to every device of ``mesh`` (default: all)."""
-    from smoothing_jax.parallel import create_mesh
     self.mesh = mesh or create_mesh()
     held = (self.train_images, self.train_labels, self.eval_images, self.eval_labels)
     check_fits_on_devices(self.spec.name, sum(a.nbytes for a in held), self.mesh.devices.flat)
@@ -109,7 +109,7 @@ class ResidentPipeline(Pipeline):
     self.eval_arrays = self._put(self.eval_images, self.eval_labels)
 
   def _put(self, images, labels) -> dict:
-    replicated = NamedSharding(self.mesh, P())
+    replicated, _ = shardings(self.mesh)
     return {"images": replicate(images, replicated), "labels": replicate(labels, replicated)}
 
   def _data_sharding(self, batch_size: int) -> NamedSharding:
@@ -124,7 +124,7 @@ class ResidentPipeline(Pipeline):
     """:meth:`epoch_order` of ``epoch`` on the devices (int32, replicated; the last one kept)."""
     if self._order[0] != epoch:
       order = self.epoch_order(epoch).astype(np.int32)
-      self._order = (epoch, replicate(order, NamedSharding(self.mesh, P())))
+      self._order = (epoch, replicate(order, shardings(self.mesh)[0]))
     return self._order[1]
 
   def train_batch(self, arrays: dict, order: jax.Array, step, sharding=None) -> dict:
