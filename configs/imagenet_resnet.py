@@ -31,7 +31,6 @@ def get_config(arg: str = ""):
   config.lr_schedule = "multistep"
   config.lr_milestones = (30, 60, 80)
   config.lr_decay = 0.1
-  config.lr_final_ratio = 0.01      # unused by multistep (the value this config has recorded)
   config.eval_every_epochs = 5
   config.checkpoint_every_steps = 5000
   config.eval_batch_size = 250

@@ -33,7 +33,6 @@ def get_config(arg: str = ""):
   config.lr_schedule = "multistep"
   config.lr_milestones = (6, 9)
   config.lr_decay = 0.2
-  config.lr_final_ratio = 0.01      # unused by multistep (the value this config has recorded)
   config.log_every_steps = 20
   config.eval_every_epochs = 4
   config.checkpoint_every_steps = 100

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import statistics
@@ -44,7 +43,11 @@ import time
 import jax
 import numpy as np
 
+from smoothing_jax import config as config_lib
 from smoothing_jax import train
+from smoothing_jax.losses import make_loss
+from smoothing_jax.optim import create_learning_rate_schedule
+from smoothing_jax.steps import compile_steps, create_train_state
 from smoothing_jax.parallel import create_mesh, shard_batch, shardings
 from smoothing_jax.data import create_pipeline
 from smoothing_jax.models import get_model
@@ -53,12 +56,9 @@ DEFAULT_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "da
 
 
 def recipe_config(recipe: str, arg: str):
-  """``configs/<recipe>.py``'s ``get_config(arg)`` (``configs/`` is not a package)."""
+  """``configs/<recipe>.py``'s ``get_config(arg)``, wherever the benchmark runs from."""
   path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", f"{recipe}.py")
-  spec = importlib.util.spec_from_file_location(recipe, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+  return config_lib.from_file(os.path.normpath(path), arg)
 
 
 def time_train_steps(name, overrides, config, batch, steps):
@@ -66,12 +66,12 @@ def time_train_steps(name, overrides, config, batch, steps):
   model = get_model(name, 10, **{k: v for k, v in overrides.items() if k in fields})
   mesh = create_mesh()
   replicated, data = shardings(mesh)
-  schedule = train.create_learning_rate_schedule(config, steps_per_epoch=100)
+  schedule = create_learning_rate_schedule(config, steps_per_epoch=100)
   state = jax.device_put(
-      train.create_train_state(config, model, jax.random.key(0), batch["image"].shape[1:],
-                               schedule), replicated)
-  loss_fn = train.make_loss(config, model, num_train=50000, steps_per_epoch=100)
-  step_fn, _ = train.compile_steps(model, schedule, mesh, 10, loss_fn)
+      create_train_state(config, model, jax.random.key(0), batch["image"].shape[1:], schedule),
+      replicated)
+  loss_fn = make_loss(config, model, num_train=50000, steps_per_epoch=100)
+  step_fn, _ = compile_steps(model, schedule, mesh, 10, loss_fn)
   batch = shard_batch(batch, data)
   rng = jax.random.key(1)
   flops = step_fn.lower(state, batch, rng).compile().cost_analysis()

@@ -57,6 +57,9 @@ def base_config() -> ml_collections.ConfigDict:
   # class keeping round(fraction × its count), seeded by ``seed`` (in-memory splits only; the
   # number of examples used is recorded as ``model_spec.num_train_examples`` in config.json).
   config.train_fraction = 1.0
+  # A class-balanced part of the training split held out (seeded by ``seed``, never trained on):
+  # the examples the ``calibration`` evaluator fits its temperature on (0: none).
+  config.holdout_fraction = 0.0
   config.num_devices = -1           # -1: all devices of all hosts
   config.half_precision = False     # compute in bfloat16 (parameters and statistics stay float32)
   config.prefetch_batches = 2       # tf.data: global batches put on the devices ahead of the step
@@ -115,7 +118,14 @@ def base_config() -> ml_collections.ConfigDict:
   # ``<workdir>/trajectory.npz`` (``smoothing_jax.analysis.trajectory``; 0: off).
   config.trajectory_every_steps = 0
   config.trajectory_dims = 256
-  # Final evaluation: MC ensemble sizes (deterministic models use N = 1).
+  # Evaluators run after training, by name (``smoothing_jax.evaluators.REGISTRY``: e.g.
+  # "ensemble_sizes", "corruptions", "temporal"); ``--mode=<name>`` runs one on a trained workdir.
+  config.evals = ("ensemble_sizes",)
+  # The ``ood`` evaluator's out-of-distribution sets: dataset names (TFDS, "npz:<dir>", ...) and
+  # "corruptions" (every corruption of the dataset at severity 5); empty: the standard pairs
+  # (CIFAR-10: SVHN and CIFAR-100; CIFAR-100: SVHN and CIFAR-10).
+  config.ood_datasets = ()
+  # MC ensemble sizes evaluated (deterministic models use N = 1).
   config.ensemble_sizes = (1, 2, 3, 4, 5, 10, 20, 50)
   # Samples evaluated together (None: inference.default_chunk_size, 1 on CPU, 10 on GPU/TPU).
   config.eval_chunk_size = placeholder(int)
@@ -175,6 +185,19 @@ def shrink_for_cpu(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
   config.checkpoint_every_steps = 10
   config.eval_batch_size = 256
   config.ensemble_sizes = (1, 2, 5)
+  return config
+
+
+UNCERTAINTY_EVALS = ("ensemble_sizes", "ood", "calibration", "selective")
+
+
+def with_uncertainty_evals(config: ml_collections.ConfigDict,
+                           holdout_fraction: float = 0.1) -> ml_collections.ConfigDict:
+  """The preset of the ``uncertainty`` config flag: after training, the ensemble sizes, then OOD
+  detection, temperature scaling (fitted on ``holdout_fraction`` of the training split, held out
+  of training) and selective prediction."""
+  config.evals = UNCERTAINTY_EVALS
+  config.holdout_fraction = holdout_fraction
   return config
 
 

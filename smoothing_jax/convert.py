@@ -5,14 +5,17 @@ returns Flax variables ``{"params": ..., "batch_stats": ...}``.  Our submodule
 names mirror the reference ``state_dict`` keys (``layer1_0/conv1`` ↔
 ``layer1.0.conv1``), so the mapping is by name: conv kernels OIHW → HWIO, dense
 weights transposed, BatchNorm ``weight/bias/running_mean/running_var`` →
-``scale/bias`` (params) and ``mean/var`` (batch_stats).  torch is not needed.
+``scale/bias`` (params) and ``mean/var`` (batch_stats).  timm names ours otherwise: a table of
+rules per family (ViT, PiT, Swin) names each of our variables' timm key
+(``from_timm_state_dict``).  Both are converted and checked by one loop (``_convert``).  torch is
+not needed.
 """
 from __future__ import annotations
 
+import functools
 import re
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, NamedTuple, Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from etils import epath
@@ -23,6 +26,9 @@ from smoothing_jax.models import get_model
 from smoothing_jax.models.pit import PiT
 from smoothing_jax.models.swin import Swin
 from smoothing_jax.models.vit import ViT
+from smoothing_jax.variables import abstract_variables, classifier_paths, raise_on_mismatch
+# Re-exported: a converted checkpoint is loaded onto a model through it.
+from smoothing_jax.variables import transfer_variables  # noqa: F401
 
 _LEAF_NAMES = {
     ("params", "kernel"): "weight",
@@ -31,6 +37,9 @@ _LEAF_NAMES = {
     ("batch_stats", "mean"): "running_mean",
     ("batch_stats", "var"): "running_var"
 }
+# Kernels by rank: the axes of the reference array in our order (conv OIHW → HWIO, dense
+# (out, in) → (in, out)).
+_KERNEL_AXES = {4: (2, 3, 1, 0), 2: (1, 0)}
 _BLUR_FILTER = re.compile(r"^smooth\d+\.\d+\.layer1\.filter$")
 
 
@@ -41,30 +50,75 @@ def torch_key(path) -> str:
                   [_LEAF_NAMES[(collection, leaf)]])
 
 
-def _to_flax(array: np.ndarray, leaf: str) -> np.ndarray:
-  if leaf == "kernel" and array.ndim == 4:
-    return np.transpose(array, (2, 3, 1, 0))  # OIHW -> HWIO
-  if leaf == "kernel" and array.ndim == 2:
-    return array.T  # (out, in) -> (in, out)
-  return array
+def _reference_axes(array, leaf: str, inverse: bool = False) -> np.ndarray:
+  """A reference array of our variable ``leaf`` in our axis order (``inverse``: ours in the
+  reference's); only kernels differ (``_KERNEL_AXES``)."""
+  axes = _KERNEL_AXES.get(np.ndim(array)) if leaf == "kernel" else None
+  if axes is None:
+    return np.asarray(array)
+  return np.transpose(array, np.argsort(axes) if inverse else axes)
 
 
-def _abstract_variables(model, image_shape: Optional[tuple] = None):
-  """``jax.eval_shape`` of ``model``'s variables on images of ``image_shape`` (H, W, 3) (default:
-  the stem's, 32×32 or 224×224; a ViT's position embedding follows it)."""
-  size = 224 if model.stem == "imagenet" else 32
-  shape = (1,) + tuple(image_shape or (size, size, 3))
-  rngs = {"params": jax.random.key(0), "dropout": jax.random.key(0)}
-  return jax.eval_shape(lambda: model.init(rngs, jnp.zeros(shape, jnp.float32)))
+def _convert(title: str, source: str, abstract, state_dict: Mapping[str, np.ndarray],
+             key_fn: Callable, buffer: Callable) -> dict:
+  """Variables of the model whose :func:`abstract_variables` are ``abstract`` from
+  ``state_dict``: each path ``(collection, module..., leaf)`` from the key that
+  ``key_fn(path) -> (key, to_flax)`` names, ``to_flax(array, our shape)``.
+
+  Args:
+    title: the error's first line.
+    source: the checkpoint's kind in shape mismatches ("reference", "timm").
+    buffer: ``(key, array)`` of a key no path reads → None where it is unexpected, else (a
+      buffer without parameters) the mismatch it shows, "" for none.
+
+  Raises:
+    ValueError: naming every missing key, unexpected key and shape mismatch.
+  """
+  converted, missing, mismatched, used = {}, [], [], set()
+  for path, leaf in traverse_util.flatten_dict(dict(abstract)).items():
+    key, to_flax = key_fn(path)
+    used.add(key)
+    if key not in state_dict:
+      missing.append(key)
+      continue
+    value = to_flax(state_dict[key], leaf.shape)
+    if value.shape != leaf.shape:
+      mismatched.append(f"{key}: {source} {state_dict[key].shape} -> {value.shape}, "
+                        f"expected {leaf.shape}")
+      continue
+    converted[path] = jnp.asarray(value, leaf.dtype)
+  unexpected = []
+  for key, value in state_dict.items():
+    if key in used:
+      continue
+    problem = buffer(key, value)
+    if problem is None:
+      unexpected.append(key)
+    elif problem:
+      mismatched.append(problem)
+  raise_on_mismatch(title, missing, unexpected, mismatched)
+  return traverse_util.unflatten_dict(converted)
 
 
-def classifier_paths(model, image_shape: Optional[tuple] = None) -> list:
-  """Flattened variable paths ``(collection, module..., leaf)`` whose shape follows
-  ``model.num_classes`` (the output layer's), on images of ``image_shape`` (default: the
-  stem's)."""
-  one, two = (traverse_util.flatten_dict(
-      dict(_abstract_variables(model.clone(num_classes=n), image_shape))) for n in (1, 2))
-  return [p for p in one if one[p].shape != two[p].shape]
+# ---------------------------------------------------------------------------------------------
+# Reference state dicts (SS, HV CNNs): keys by ``torch_key``, kernels by ``_KERNEL_AXES``.
+
+def _reference_key(path) -> tuple:
+  """(reference key, (reference array, our shape) → ours) of one of our variable paths."""
+  return torch_key(path), lambda array, _: _reference_axes(array, path[-1])
+
+
+def _reference_buffer(model, key: str, value: np.ndarray) -> Optional[str]:
+  """The mismatch an unread reference key shows ("" none), None where it is unexpected: BN's
+  ``num_batches_tracked`` and the blur filters of spatial smoothing hold no parameters."""
+  if key.endswith("num_batches_tracked"):
+    return ""
+  if not (_BLUR_FILTER.match(key) and model.smoothing):
+    return None
+  expected = blur_kernel(model.blur_size)
+  matches = (value.ndim == 4 and value.shape[-2:] == expected.shape and
+             np.allclose(value[:, 0], expected))
+  return "" if matches else f"{key}: blur filter does not match blur_size={model.blur_size}"
 
 
 def _infer_num_classes(model_name, state_dict, overrides) -> int:
@@ -96,138 +150,91 @@ def from_torch_state_dict(model_name: str, state_dict: Mapping[str, np.ndarray],
   if num_classes is None:
     num_classes = _infer_num_classes(model_name, state_dict, overrides)
   model = get_model(model_name, num_classes, **overrides)
-  flat = traverse_util.flatten_dict(dict(_abstract_variables(model)))
-
-  converted, missing, mismatched = {}, [], []
-  for path, abstract in flat.items():
-    key = torch_key(path)
-    if key not in state_dict:
-      missing.append(key)
-      continue
-    value = _to_flax(state_dict[key], path[-1])
-    if value.shape != abstract.shape:
-      mismatched.append(
-          f"{key}: reference {state_dict[key].shape} -> {value.shape}, expected {abstract.shape}")
-      continue
-    converted[path] = jnp.asarray(value, abstract.dtype)
-
-  used = {torch_key(p) for p in flat}
-  unexpected = []
-  for key, value in state_dict.items():
-    if key in used or key.endswith("num_batches_tracked"):
-      continue
-    if _BLUR_FILTER.match(key) and model.smoothing:
-      expected = blur_kernel(model.blur_size)
-      if value.ndim != 4 or value.shape[-2:] != expected.shape or not np.allclose(
-          value[:, 0], expected):
-        mismatched.append(f"{key}: blur filter does not match blur_size={model.blur_size}")
-      continue
-    unexpected.append(key)
-
-  _raise_on_mismatch(f"state_dict does not match {model_name!r} (num_classes={num_classes})",
-                     missing, unexpected, mismatched)
-  return traverse_util.unflatten_dict(converted)
-
-
-def _raise_on_mismatch(title: str, missing, unexpected, mismatched) -> None:
-  """ValueError listing the missing keys, unexpected keys and shape mismatches, if any."""
-  if missing or unexpected or mismatched:
-    lines = [f"{title}:"]
-    for heading, items in (("missing keys", missing), ("unexpected keys", unexpected),
-                           ("shape mismatches", mismatched)):
-      if items:
-        lines.append(f"  {heading} ({len(items)}): " + ", ".join(items[:20]) +
-                     (" ..." if len(items) > 20 else ""))
-    raise ValueError("\n".join(lines))
+  return _convert(f"state_dict does not match {model_name!r} (num_classes={num_classes})",
+                  "reference", abstract_variables(model), state_dict, _reference_key,
+                  functools.partial(_reference_buffer, model))
 
 
 def to_torch_state_dict(variables) -> dict:
-  """Inverse mapping: Flax variables → reference ``state_dict`` of numpy arrays."""
-  out = {}
-  for path, value in traverse_util.flatten_dict(dict(variables)).items():
-    value = np.asarray(value)
-    if path[-1] == "kernel" and value.ndim == 4:
-      value = np.transpose(value, (3, 2, 0, 1))
-    elif path[-1] == "kernel" and value.ndim == 2:
-      value = value.T
-    out[torch_key(path)] = value
-  return out
-
-
-def transfer_variables(target, source, *, keep_fresh: Optional[Callable] = None,
-                       title: str = "variables do not match the model") -> tuple:
-  """``target`` with every leaf replaced by the leaf of ``source`` at the same path (cast to the
-  target's dtype), except the leaves ``keep_fresh(path, target_leaf, source_leaf)`` selects
-  (``source_leaf`` None where ``source`` lacks the path).
-
-  Args:
-    target: the variables (or their ``jax.eval_shape``) of the model to start, e.g. a fresh
-      initialisation.
-    source: variables of the same architecture, e.g. a checkpoint's.
-    keep_fresh: e.g. the output layer when fine-tuning to another class count, iBNN's
-      variational parameters when starting from a deterministic run.
-    title: the first line of the error.
-
-  Returns:
-    ``(variables, kept)``: the merged variables and the sorted "/"-joined paths kept from
-    ``target``.
-
-  Raises:
-    ValueError: naming every other path missing from ``source``, only in ``source``, or whose
-      shape differs.
-  """
-  flat_target = traverse_util.flatten_dict(dict(target))
-  flat_source = traverse_util.flatten_dict(dict(source))
-  merged, kept, missing, mismatched = {}, [], [], []
-  for path, leaf in flat_target.items():
-    value = flat_source.get(path)
-    name = "/".join(path)
-    if keep_fresh is not None and keep_fresh(path, leaf, value):
-      merged[path] = leaf
-      kept.append(name)
-    elif value is None:
-      missing.append(name)
-    elif np.shape(value) != leaf.shape:
-      mismatched.append(f"{name}: {np.shape(value)}, expected {leaf.shape}")
-    else:
-      merged[path] = jnp.asarray(value, leaf.dtype)
-  unexpected = ["/".join(p) for p in flat_source if p not in flat_target]
-  _raise_on_mismatch(title, missing, unexpected, mismatched)
-  # Empty collections (a ViT's batch_stats) stay.
-  return {**{k: {} for k in target}, **traverse_util.unflatten_dict(merged)}, sorted(kept)
+  """Inverse of :func:`from_torch_state_dict`: Flax variables → reference ``state_dict`` of numpy
+  arrays (no ``num_batches_tracked``, no blur filters)."""
+  return {torch_key(path): _reference_axes(value, path[-1], inverse=True)
+          for path, value in traverse_util.flatten_dict(dict(variables)).items()}
 
 
 # ---------------------------------------------------------------------------------------------
 # timm state dicts (HV's released ViT / PiT / Swin CIFAR-100 checkpoints are timm models).
 #
-# Each family maps one of our flattened variable paths ``(collection, module..., leaf)`` to the
-# timm key it comes from and the function that turns that array into ours:
-# ``key_fn(path) -> (timm_key, to_flax)``.  ``from_timm_state_dict`` checks the whole mapping
-# (missing, unexpected, mismatched keys) in one place.  ``to_flax`` may leave axes fused that
-# ours split (timm's heads axis h·d): ``_split_fused_axes`` splits them by our shape.
+# Each family's table of ``_TimmRule``s names the timm key of each of our flattened variable
+# paths, and how that array becomes ours; ``from_timm_state_dict`` checks the whole mapping
+# (missing, unexpected, mismatched keys) in ``_convert``.  A rule's ``to_flax`` may leave axes
+# fused that ours split (timm's heads axis h·d): ``_split_fused_axes`` splits them by our shape.
 #
 # Key names are timm 1.0.31's.  HV's notebooks pin timm 0.5.4, whose Swin and PiT name some keys
 # otherwise (``tests/fixtures/timm_0_5_4_keys.json``): a state_dict with a key only that layout
-# has is renamed to 1.0.31's first (``_TIMM_0_5_LAYOUTS``).
+# has is renamed to 1.0.31's first (``_TimmFamily.old_keys``, ``renames``).
 
-TimmKeyFn = Callable[[tuple], tuple]
 
-# Model class -> key function; filled in below by each family's section.
-_TIMM_KEYS: dict = {}
-# Model class -> regular expressions of timm buffers that carry no parameters (e.g. Swin's
-# ``relative_position_index``, ``attn_mask``): ignored when checking for unexpected keys.
-_TIMM_BUFFERS: dict = {}
-# Model class -> (regular expression of keys that only timm 0.5.4's layout has, its key -> timm
-# 1.0.31's); ViT's keys are the same in both.
-_TIMM_0_5_LAYOUTS: dict = {}
+class _TimmRule(NamedTuple):
+  """Our variables whose "/"-joined path (without the collection) ``ours`` (a regular expression)
+  matches whole come from timm's ``timm`` key; or, where it matches all but the leaf (kernel,
+  bias, scale), from ``timm`` + ``.weight`` / ``.bias``.  ``timm`` is formatted with the named
+  groups of ``ours``, ``stage`` counted from 0 (ours from 1)."""
+  ours: str
+  timm: str
+  to_flax: Optional[Callable] = None  # timm's array → ours; default: as a reference array's
+
+
+class _TimmFamily(NamedTuple):
+  """timm's names of one of our model classes."""
+  rules: tuple                    # ``_TimmRule``s; the first that matches a path names it
+  buffers: Optional[str] = None   # timm buffers that carry no parameters (a regular expression)
+  old_keys: Optional[str] = None  # keys only timm 0.5.4's layout has (a regular expression)
+  renames: tuple = ()             # ``re.sub`` (pattern, replacement)s: timm 0.5.4 key → 1.0.31's
+
+  def buffer(self, key: str, _) -> Optional[str]:
+    """The mismatch an unread ``key`` shows: "" (none) where it is a buffer, None where it is
+    unexpected."""
+    return "" if self.buffers and re.search(self.buffers, key) else None
+
+  def new_key(self, key: str) -> str:
+    """timm 1.0.31's name of a timm 0.5.4 key."""
+    return functools.reduce(lambda k, rename: re.sub(*rename, k), self.renames, key)
+
+
+# Model class -> its ``_TimmFamily``; filled in below by each family's section.
+_TIMM_FAMILIES: dict = {}
 # Registry name -> ``get_model`` overrides that reproduce the timm constructor of HV's released
 # CIFAR-100 checkpoint (HV README), e.g. ``TIMM_LAYOUTS["vit_ti"]``.
 TIMM_LAYOUTS: dict = {}
+# timm's transformer blocks (ViT and PiT ``Block``, ``SwinTransformerBlock``): the module of our
+# unit (``<block>_msa``, ``<block>_mlp``) → timm's within the block.
+_TIMM_BLOCK_KEYS = {
+    "msa/norm": "norm1",
+    "msa/attention/qkv": "attn.qkv",
+    "msa/attention/out": "attn.proj",
+    "mlp/norm": "norm2",
+    "mlp/fc1": "mlp.fc1",
+    "mlp/fc2": "mlp.fc2",
+}
+
+
+def _block_rules(ours: str, timm: str) -> list:
+  """The rules of the transformer blocks ``ours`` (a pattern of our block's name, e.g.
+  ``block(?P<block>\\d+)``) whose timm key is ``timm`` (e.g. ``blocks.{block}``)."""
+  return [_TimmRule(f"{ours}_{unit}", f"{timm}.{key}") for unit, key in _TIMM_BLOCK_KEYS.items()]
+
+
+def _next_stage(stages: str, module: str) -> tuple:
+  """The rename of ``<stages>.<i>.<module>.`` to stage i + 1: timm 0.5.4 downsamples at the end
+  of a stage (``layers.0.downsample``), timm 1.0.31 at the start of the next (``layers.1``)."""
+  return (rf"^{stages}\.(\d+)\.{module}\.",
+          lambda m: f"{stages}.{int(m.group(1)) + 1}.{module}.")
 
 
 def _split_fused_axes(value: np.ndarray, shape: tuple) -> np.ndarray:
   """``value`` reshaped to ``shape`` where ``shape`` only splits axes of ``value`` (e.g. timm's
-  fused heads axis h·d into our (h, d): a key function need not know h); else ``value``."""
+  fused heads axis h·d into our (h, d): a rule need not know h); else ``value``."""
   groups, dims = [], list(shape)
   for size in value.shape:
     product = 1
@@ -235,6 +242,23 @@ def _split_fused_axes(value: np.ndarray, shape: tuple) -> np.ndarray:
       product *= dims.pop(0)
     groups.append(product)
   return value.reshape(shape) if groups == list(value.shape) and not dims else value
+
+
+def _timm_key(rules: tuple, path) -> tuple:
+  """(timm key, (timm array, our shape) → ours) of one of our variable paths, by the first of
+  ``rules`` that matches it."""
+  name = "/".join(path[1:])
+  for rule in rules:
+    match = re.fullmatch(rf"(?:{rule.ours})(?:/(?P<leaf>kernel|bias|scale))?", name)
+    if match is None:
+      continue
+    fields = {k: int(v) - 1 if k == "stage" else v for k, v in match.groupdict().items()}
+    key = rule.timm.format(**fields)
+    if fields["leaf"] is not None:
+      key += "." + _LEAF_NAMES[(path[0], fields["leaf"])]
+    to_flax = rule.to_flax or functools.partial(_reference_axes, leaf=path[-1])
+    return key, lambda array, shape: _split_fused_axes(np.asarray(to_flax(array)), shape)
+  raise ValueError(f"No timm key for our variable {'/'.join(path)}.")
 
 
 def from_timm_state_dict(model_name: str, state_dict: Mapping[str, np.ndarray], *,
@@ -266,36 +290,18 @@ def from_timm_state_dict(model_name: str, state_dict: Mapping[str, np.ndarray], 
                        "missing from the state_dict.")
     num_classes = int(state_dict[heads[0]].shape[0])
   model = get_model(model_name, num_classes, **overrides)
-  key_fn = _TIMM_KEYS.get(type(model))
-  if key_fn is None:
+  family = _TIMM_FAMILIES.get(type(model))
+  if family is None:
     raise ValueError(f"No timm mapping for {model_name!r} ({type(model).__name__}); timm "
-                     f"checkpoints load into {sorted(c.__name__ for c in _TIMM_KEYS)} models.")
+                     f"checkpoints load into {sorted(c.__name__ for c in _TIMM_FAMILIES)} models.")
   layout = "timm 1.0.31 keys"
-  old_keys, rename = _TIMM_0_5_LAYOUTS.get(type(model), (None, None))
-  if old_keys is not None and any(old_keys.search(k) for k in state_dict):
-    state_dict = {rename(k): v for k, v in state_dict.items()}
+  if family.old_keys and any(re.search(family.old_keys, k) for k in state_dict):
+    state_dict = {family.new_key(k): v for k, v in state_dict.items()}
     layout = "timm 0.5.4 keys, named below as timm 1.0.31's"
-  flat = traverse_util.flatten_dict(dict(_abstract_variables(model, image_shape)))
-  converted, missing, mismatched, used = {}, [], [], set()
-  for path, abstract in flat.items():
-    key, to_flax = key_fn(path)
-    used.add(key)
-    if key not in state_dict:
-      missing.append(key)
-      continue
-    value = _split_fused_axes(np.asarray(to_flax(state_dict[key])), abstract.shape)
-    if value.shape != abstract.shape:
-      mismatched.append(
-          f"{key}: timm {state_dict[key].shape} -> {value.shape}, expected {abstract.shape}")
-      continue
-    converted[path] = jnp.asarray(value, abstract.dtype)
-  buffers = [re.compile(b) for b in _TIMM_BUFFERS.get(type(model), ())]
-  unexpected = [k for k in state_dict
-                if k not in used and not any(b.search(k) for b in buffers)]
-  _raise_on_mismatch(f"timm state_dict does not match {model_name!r} "
-                     f"({layout}; num_classes={num_classes}, options={overrides})",
-                     missing, unexpected, mismatched)
-  return traverse_util.unflatten_dict(converted)
+  return _convert(f"timm state_dict does not match {model_name!r} "
+                  f"({layout}; num_classes={num_classes}, options={overrides})",
+                  "timm", abstract_variables(model, image_shape), state_dict,
+                  functools.partial(_timm_key, family.rules), family.buffer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,67 +310,32 @@ def from_timm_state_dict(model_name: str, state_dict: Mapping[str, np.ndarray], 
 # ``layers.<i>.downsample.{norm,reduction}``, ``layers.<i>.blocks.<j>.{norm1,attn,norm2,mlp}``,
 # ``norm``, ``head.fc``.  Needs the timm layout (``TIMM_LAYOUTS["swin_t"]``).
 
-_SWIN_STAGE_MODULE = re.compile(r"^stage(\d+)_(merge|block(\d+)_(msa|mlp))$")
-# Unit sub-keys of timm's transformer blocks (ViT and PiT ``Block``, ``SwinTransformerBlock``).
-_TIMM_BLOCK_KEYS = {
-    ("msa", "norm"): "norm1",
-    ("msa", "attention", "qkv"): "attn.qkv",
-    ("msa", "attention", "out"): "attn.proj",
-    ("mlp", "norm"): "norm2",
-    ("mlp", "fc1"): "mlp.fc1",
-    ("mlp", "fc2"): "mlp.fc2",
-}
-_SWIN_TOP_KEYS = {"embedding": "patch_embed.proj", "embedding_norm": "patch_embed.norm",
-                  "head_norm": "norm", "head": "head.fc"}
-
-
-def _next_stage(key: str, stages: str, module: str) -> str:
-  """``key`` with ``<stages>.<i>.<module>.`` moved to stage i + 1: timm 0.5.4 downsamples at the end
-  of a stage (``layers.0.downsample``), timm 1.0.31 at the start of the next (``layers.1``)."""
-  return re.sub(rf"^{stages}\.(\d+)\.{module}\.",
-                lambda m: f"{stages}.{int(m.group(1)) + 1}.{module}.", key)
-
 
 def _timm_swin_table(table: np.ndarray) -> np.ndarray:
   """timm's ``relative_position_bias_table`` [(2w−1)², heads], indexed by query − key, → ours
-  [2w−1, 2w−1, heads], indexed by key − query (as ``layers.attention.relative_position_index``).
-  """
+  [2w−1, 2w−1, heads], indexed by key − query (as
+  ``layers.attention.relative_position_index``)."""
   side = int(round(np.sqrt(table.shape[0])))
   return table.reshape(side, side, -1)[::-1, ::-1]
 
 
-def _timm_swin_key(path) -> tuple:
-  """(timm key, timm array → ours) of one Swin variable path."""
-  _, module, *inner, leaf = path
-  match = _SWIN_STAGE_MODULE.match(module)
-  if leaf == "relative_position":
-    return (f"layers.{int(match.group(1)) - 1}.blocks.{match.group(3)}.attn."
-            "relative_position_bias_table", _timm_swin_table)
-  to_flax = lambda a: _to_flax(a, leaf)  # noqa: E731
-  torch_leaf = _LEAF_NAMES[("params", leaf)]
-  if match is None:
-    return f"{_SWIN_TOP_KEYS[module]}.{torch_leaf}", to_flax
-  stage = int(match.group(1)) - 1
-  if match.group(2) == "merge":
-    return f"layers.{stage}.downsample.{inner[0]}.{torch_leaf}", to_flax
-  prefix = f"layers.{stage}.blocks.{match.group(3)}"
-  return f"{prefix}.{_TIMM_BLOCK_KEYS[(match.group(4), *inner)]}.{torch_leaf}", to_flax
-
-
-_TIMM_KEYS[Swin] = _timm_swin_key
-
-
-def _timm_0_5_swin_key(key: str) -> str:
-  """timm 0.5.4 Swin key → timm 1.0.31's: patch merging ``layers.<i>.downsample`` →
-  ``layers.<i+1>.downsample``, classifier ``head`` → ``head.fc``."""
-  return re.sub(r"^head\.(weight|bias)$", r"head.fc.\1", _next_stage(key, "layers", "downsample"))
-
-
-# Only timm 0.5.4 has ``head.weight`` (with stages: ``layers.0.downsample``).
-_TIMM_0_5_LAYOUTS[Swin] = (re.compile(r"^(head\.(weight|bias)$|layers\.0\.downsample\.)"),
-                           _timm_0_5_swin_key)
-# Non-persistent in timm 1.0.31, persistent in older checkpoints.
-_TIMM_BUFFERS[Swin] = (r"relative_position_index$", r"attn_mask$")
+_SWIN_BLOCK = r"stage(?P<stage>\d+)_block(?P<block>\d+)"
+_TIMM_FAMILIES[Swin] = _TimmFamily(
+    rules=(_TimmRule("embedding", "patch_embed.proj"),
+           _TimmRule("embedding_norm", "patch_embed.norm"),
+           _TimmRule(r"stage(?P<stage>\d+)_merge/(?P<module>norm|reduction)",
+                     "layers.{stage}.downsample.{module}"),
+           _TimmRule(rf"{_SWIN_BLOCK}_msa/relative_position",
+                     "layers.{stage}.blocks.{block}.attn.relative_position_bias_table",
+                     _timm_swin_table),
+           *_block_rules(_SWIN_BLOCK, "layers.{stage}.blocks.{block}"),
+           _TimmRule("head_norm", "norm"),
+           _TimmRule("head", "head.fc")),
+    # Non-persistent in timm 1.0.31, persistent in older checkpoints.
+    buffers=r"(relative_position_index|attn_mask)$",
+    # Only timm 0.5.4 has ``head.weight`` (with stages: ``layers.0.downsample``).
+    old_keys=r"^(head\.(weight|bias)$|layers\.0\.downsample\.)",
+    renames=(_next_stage("layers", "downsample"), (r"^head\.(weight|bias)$", r"head.fc.\1")))
 # HV README: SwinTransformer(num_classes=100, img_size=32, patch_size=1, window_size=4,
 # embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), qkv_bias=False) (head width
 # 96 / 3 = 32 as ours); Swin-S (no released checkpoint) takes the same CIFAR flags.
@@ -385,38 +356,21 @@ TIMM_LAYOUTS["swin_s"] = dict(TIMM_LAYOUTS["swin_t"])
 # norm2,mlp}`` (timm's ViT ``Block``, as Swin's: ``_TIMM_BLOCK_KEYS``), ``norm``, ``head``.  Needs
 # the timm layout (``TIMM_LAYOUTS["pit_ti"]``); distilled PiTs (``head_dist``) are not mapped.
 
-_PIT_STAGE_MODULE = re.compile(r"^stage(\d+)_(pool|block(\d+)_(msa|mlp))$")
-_PIT_TOP_KEYS = {"embedding": "patch_embed.conv", "head_norm": "norm", "head": "head"}
-_PIT_POOL_KEYS = {"conv": "conv", "cls_dense": "fc"}
-_PIT_TOKENS = {
-    "cls_token": ("cls_token", np.asarray),
-    # timm's [1, D, h, w] map → ours [1, h, w, D].
-    "pos_embedding": ("pos_embed", lambda a: np.transpose(a, (0, 2, 3, 1))),
-}
-
-
-def _timm_pit_key(path) -> tuple:
-  """(timm key, timm array → ours) of one PiT variable path."""
-  if len(path) == 2:
-    return _PIT_TOKENS[path[1]]
-  _, module, *inner, leaf = path
-  to_flax = lambda a: _to_flax(a, leaf)  # noqa: E731
-  torch_leaf = _LEAF_NAMES[("params", leaf)]
-  match = _PIT_STAGE_MODULE.match(module)
-  if match is None:
-    return f"{_PIT_TOP_KEYS[module]}.{torch_leaf}", to_flax
-  prefix = f"transformers.{int(match.group(1)) - 1}"
-  if match.group(2) == "pool":
-    return f"{prefix}.pool.{_PIT_POOL_KEYS[inner[0]]}.{torch_leaf}", to_flax
-  unit_key = _TIMM_BLOCK_KEYS[(match.group(4), *inner)]
-  return f"{prefix}.blocks.{match.group(3)}.{unit_key}.{torch_leaf}", to_flax
-
-
-_TIMM_KEYS[PiT] = _timm_pit_key
-# timm 0.5.4 pools at the end of stage i (``transformers.<i>.pool``; 1.0.31 at the start of stage
-# i + 1): only it has ``transformers.0.pool``.
-_TIMM_0_5_LAYOUTS[PiT] = (re.compile(r"^transformers\.0\.pool\."),
-                          lambda k: _next_stage(k, "transformers", "pool"))
+_TIMM_FAMILIES[PiT] = _TimmFamily(
+    rules=(_TimmRule("cls_token", "cls_token"),
+           # timm's [1, D, h, w] map → ours [1, h, w, D].
+           _TimmRule("pos_embedding", "pos_embed", lambda a: np.transpose(a, (0, 2, 3, 1))),
+           _TimmRule("embedding", "patch_embed.conv"),
+           _TimmRule(r"stage(?P<stage>\d+)_pool/conv", "transformers.{stage}.pool.conv"),
+           _TimmRule(r"stage(?P<stage>\d+)_pool/cls_dense", "transformers.{stage}.pool.fc"),
+           *_block_rules(r"stage(?P<stage>\d+)_block(?P<block>\d+)",
+                         "transformers.{stage}.blocks.{block}"),
+           _TimmRule("head_norm", "norm"),
+           _TimmRule("head", "head")),
+    # timm 0.5.4 pools at the end of stage i (``transformers.<i>.pool``; 1.0.31 at the start of
+    # stage i + 1): only it has ``transformers.0.pool``.
+    old_keys=r"^transformers\.0\.pool\.",
+    renames=(_next_stage("transformers", "pool"),))
 # HV README: PoolingVisionTransformer(num_classes=100, img_size=32, patch_size=2, stride=1,
 # base_dims=[32, 32, 32], depth=[2, 6, 4], heads=[2, 4, 8], mlp_ratio=4) (4,582,436 parameters;
 # timm's base_dims is our head_dim); PiT-S (no released checkpoint) takes the same CIFAR flags.
@@ -434,10 +388,7 @@ TIMM_LAYOUTS["pit_s"] = dict(TIMM_LAYOUTS["pit_ti"])
 # ``patch_embed.proj`` (a p×p conv of stride p), ``blocks.<i>.{norm1,attn,norm2,mlp}`` (as
 # Swin's units: ``_TIMM_BLOCK_KEYS``), ``norm``, ``head``.  Only the CLS-token classifier (timm's
 # ``global_pool="token"``, HV's) is mapped; timm's average pooling normalises with ``fc_norm``.
-
-_VIT_UNIT_MODULE = re.compile(r"^block(\d+)_(msa|mlp)$")
-_VIT_TOP_KEYS = {"head_norm": "norm", "head": "head"}
-_VIT_TOKENS = {"cls_token": ("cls_token", np.asarray), "pos_embedding": ("pos_embed", np.asarray)}
+# Its keys are the same in timm 0.5.4.
 
 
 def _timm_patch_embedding(weight: np.ndarray) -> np.ndarray:
@@ -446,24 +397,14 @@ def _timm_patch_embedding(weight: np.ndarray) -> np.ndarray:
   return np.transpose(weight, (2, 3, 1, 0)).reshape(-1, weight.shape[0])
 
 
-def _timm_vit_key(path) -> tuple:
-  """(timm key, timm array → ours) of one ViT variable path."""
-  if len(path) == 2:
-    return _VIT_TOKENS[path[1]]
-  _, module, *inner, leaf = path
-  torch_leaf = _LEAF_NAMES[("params", leaf)]
-  if module == "embedding":
-    return f"patch_embed.proj.{torch_leaf}", (_timm_patch_embedding
-                                              if leaf == "kernel" else np.asarray)
-  to_flax = lambda a: _to_flax(a, leaf)  # noqa: E731
-  match = _VIT_UNIT_MODULE.match(module)
-  if match is None:
-    return f"{_VIT_TOP_KEYS[module]}.{torch_leaf}", to_flax
-  unit_key = _TIMM_BLOCK_KEYS[(match.group(2), *inner)]
-  return f"blocks.{match.group(1)}.{unit_key}.{torch_leaf}", to_flax
-
-
-_TIMM_KEYS[ViT] = _timm_vit_key
+_TIMM_FAMILIES[ViT] = _TimmFamily(
+    rules=(_TimmRule("cls_token", "cls_token"),
+           _TimmRule("pos_embedding", "pos_embed"),
+           _TimmRule("embedding/kernel", "patch_embed.proj.weight", _timm_patch_embedding),
+           _TimmRule("embedding", "patch_embed.proj"),
+           *_block_rules(r"block(?P<block>\d+)", "blocks.{block}"),
+           _TimmRule("head_norm", "norm"),
+           _TimmRule("head", "head")))
 # HV README: VisionTransformer(num_classes=100, img_size=32, patch_size=2, embed_dim=192,
 # depth=12, num_heads=3, qkv_bias=False) (5,403,172 parameters; head width 192 / 3 = 64 as ours);
 # ViT-S/B (no released checkpoints) take the same CIFAR flags.

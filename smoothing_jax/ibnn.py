@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from smoothing_jax.convert import transfer_variables
+from smoothing_jax.variables import transfer_variables
 from smoothing_jax.inference import Prediction, log_probs, map_in_chunks, mean_probs, sample_rngs
 from smoothing_jax.layers.node_noise import VARIATIONAL_PARAMS
 from smoothing_jax.models import is_ibnn
@@ -152,7 +152,7 @@ def create_optimizer(det_schedule,
 
 def load_deterministic(params, det_params):
   """``params`` with every deterministic weight replaced by the same path of ``det_params``
-  (``convert.transfer_variables``; the variational parameters stay as they are).
+  (``variables.transfer_variables``; the variational parameters stay as they are).
 
   Raises a ValueError naming every path whose presence or shape differs.
   """

@@ -1,15 +1,19 @@
 """Command line: ``python -m smoothing_jax.main --config=configs/<file>.py[:args] --workdir=<dir>``.
 
 Modes:
-  train (default)  train (resuming from ``workdir``), then evaluate ensemble sizes
-  evaluate         ensemble-size table of ``--workdir`` (or of several ``--ensemble_workdirs``);
-                   a workdir without checkpoints evaluates ``--config.init_from`` (another
-                   workdir, or a torch checkpoint file such as HV's released CIFAR-100 models)
-  corruptions      corruption robustness (``--baseline_csv`` for mCE / mCNLL / mCECE)
-  streams          segmentation on CamVid video clips: one pass, MC dropout (N = the largest
+  train (default)  train (resuming from ``workdir``), then the evaluators ``config.evals`` names
+  <evaluator>      one evaluator of ``smoothing_jax.evaluators`` on ``--workdir``:
+    ensemble_sizes (alias ``evaluate``)  the ensemble-size table (or of several
+                   ``--ensemble_workdirs``); a workdir without checkpoints evaluates
+                   ``--config.init_from`` (another workdir, or a torch checkpoint file such as
+                   HV's released CIFAR-100 models)
+    corruptions    corruption robustness (``--baseline_csv`` for mCE / mCNLL / mCECE)
+    streams        segmentation on CamVid video clips: one pass, MC dropout (N = the largest
                    ``config.ensemble_sizes``) and temporal smoothing (VQ-BNN), with consistency
+    temporal       the same on shifted streams of test images (classifiers)
+
+``main`` only dispatches: each evaluator writes its tables and figures and says what to print.
 """
-import importlib.util
 import logging as std_logging
 import os
 import re
@@ -21,9 +25,12 @@ import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from smoothing_jax import evaluate, train  # noqa: E402
+from smoothing_jax import config as config_lib  # noqa: E402
+from smoothing_jax import evaluators  # noqa: E402
 from smoothing_jax import workdir as workdir_lib  # noqa: E402
 from smoothing_jax.data import DatasetUnavailableError  # noqa: E402
+from smoothing_jax.run import Run  # noqa: E402
+from smoothing_jax.train import train  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config",
@@ -31,11 +38,13 @@ config_flags.DEFINE_config_file("config",
                                 "Experiment config file (ml_collections get_config()).",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and results.")
-flags.DEFINE_enum("mode", "train", ["train", "evaluate", "corruptions", "streams"], "What to run.")
-flags.DEFINE_list("ensemble_workdirs", [], "evaluate: workdirs of deep-ensemble members.")
+flags.DEFINE_enum("mode", "train", ["train", *evaluators.REGISTRY, *evaluators.ALIASES],
+                  "train, or the evaluator to run on --workdir.")
+flags.DEFINE_list("ensemble_workdirs", [], "ensemble_sizes: workdirs of deep-ensemble members.")
 flags.DEFINE_string("baseline_csv", None, "corruptions: baseline table (reference layout or ours); "
                     "default: the shipped AlexNet results on CIFAR-100-C / ImageNet-C.")
-flags.DEFINE_integer("num_samples", 1, "corruptions: MC dropout samples per prediction.")
+flags.DEFINE_integer("num_samples", None, "MC dropout samples per prediction (corruptions: default "
+                     "1; streams, temporal: default the largest config.ensemble_sizes).")
 flags.DEFINE_bool("multihost", False,
                   "Call jax.distributed.initialize() (multi-host TPU/GPU jobs; CPU processes use "
                   "gloo collectives).")
@@ -76,25 +85,16 @@ def _unknown_config_key(argv) -> str:
   config_args = [a[len("--config="):] for a in argv if a.startswith("--config=")]
   if not config_args:
     return ""
-  path, _, config_arg = config_args[-1].partition(":")  # the config file alone, without overrides
   try:
-    spec = importlib.util.spec_from_file_location("_config_file", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(config_arg) if config_arg else module.get_config()
+    config = config_lib.load(config_args[-1])  # the config file alone, without overrides
   except Exception:  # noqa: BLE001  (the flag error itself is reported instead)
     return ""
   for arg in argv:
-    if not arg.startswith("--config."):
-      continue
-    path = arg[len("--config."):].split("=", 1)[0].split(".")
-    node = config
-    for i, key in enumerate(path):
-      if node is None or not hasattr(node, "keys") or key not in node.keys():
-        known = sorted(node.keys()) if hasattr(node, "keys") else []
-        return (f"unknown config key {'.'.join(path[:i + 1])!r} in {arg!r}; keys there: "
-                f"{', '.join(known)}")
-      node = node[key]
+    if arg.startswith("--config."):
+      try:
+        config_lib.check_key(config, arg[len("--config."):].split("=", 1)[0])
+      except KeyError as error:
+        return f"{error.args[0]} in {arg!r}"
   return ""
 
 
@@ -132,7 +132,10 @@ def main(argv):
   if FLAGS.verbosity < 1:  # --verbosity=1 shows every library's INFO lines too
     logging.get_absl_handler().addFilter(_OurInfoLines())
   try:
-    run(FLAGS.config, FLAGS.workdir, FLAGS.mode)  # the other flags are read where they are used
+    run(FLAGS.config, FLAGS.workdir, FLAGS.mode, ensemble_workdirs=FLAGS.ensemble_workdirs,
+        baseline_csv=FLAGS.baseline_csv, num_samples=FLAGS.num_samples,
+        multihost=FLAGS.multihost, coordinator_address=FLAGS.coordinator_address,
+        num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
   except USER_ERRORS as e:
     if _show_tracebacks():
       raise
@@ -147,44 +150,35 @@ def initialize_multihost(coordinator_address=None, num_processes=None, process_i
   jax.distributed.initialize(coordinator_address, num_processes, process_id)
 
 
-def run(config, workdir: str, mode: str):
-  """The job ``--mode`` names, on ``config`` and ``workdir``."""
-  if FLAGS.multihost:
-    initialize_multihost(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-  results_dir = workdir_lib.workdir_path(workdir) / "results"
+def run(config, workdir: str, mode: str = "train", *, ensemble_workdirs=(), baseline_csv=None,
+        num_samples=None, multihost: bool = False, coordinator_address=None,
+        num_processes=None, process_id=None) -> dict:
+  """The job ``mode`` names on ``config`` and ``workdir``: ``train`` (then ``config.evals``) or
+  one evaluator; prints each evaluator's summary and returns ``{name: result}``."""
+  if multihost:
+    initialize_multihost(coordinator_address, num_processes, process_id)
   logging.info("JAX devices: %d (%s), processes: %d", jax.device_count(), jax.devices()[0].platform,
                jax.process_count())
+  options = {k: v for k, v in (("members", list(ensemble_workdirs[1:])),
+                                ("baseline_csv", baseline_csv), ("num_samples", num_samples))
+             if v is not None}  # unset: each evaluator's default
   if mode == "train":
-    train.train_and_evaluate(config, workdir)
-    rows = evaluate.evaluate_ensemble_sizes([workdir], results_dir, config)
-  elif mode == "streams":
-    rows = evaluate.evaluate_streams(workdir,
-                                     results_dir,
-                                     config,
-                                     num_samples=max(config.ensemble_sizes))
-    print("\nmethod   | passes | NLL    | Acc (%) | ECE (%) | mIoU (%) | Cons (%)")
-    for r in rows:
-      print(
-          f"{r['method']:8s} | {r['passes_per_frame']:6d} | {r['nll']:.4f} | "
-          f"{100 * r['acc']:7.2f} | {100 * r['ece']:7.2f} | {100 * r['iou']:8.2f} | "
-          f"{100 * r['consistency']:8.2f}")
-    print(f"\nResults: {results_dir}/streams.{{json,csv,png}}, {results_dir}/stream_examples.png")
-    return
-  elif mode == "evaluate":
-    rows = evaluate.evaluate_ensemble_sizes(FLAGS.ensemble_workdirs or [workdir], results_dir,
-                                            config)
+    names, opened = config.get("evals", ("ensemble_sizes",)), Run.from_config(config, workdir)
   else:
-    aggregates = evaluate.evaluate_corruptions(workdir, results_dir, FLAGS.baseline_csv,
-                                               FLAGS.num_samples, config)
-    print(f"Corruption robustness: {aggregates}\nTables in {results_dir}/corruptions.{{json,csv}}")
-    return
-  print("\nensemble size | NLL    | Acc (%) | ECE (%)")
-  for r in rows:
-    print(
-        f"{r['ensemble_size']:13d} | {r['nll']:.4f} | {100 * r['acc']:7.2f} | {100 * r['ece']:7.2f}"
-    )
-  print(f"\nResults: {results_dir}/ensemble_sizes.{{json,csv,png}}, {results_dir}/reliability.png; "
-        f"TensorBoard: tensorboard --logdir {workdir}")
+    names = [mode]
+    opened = Run.for_evaluation(ensemble_workdirs[0] if ensemble_workdirs else workdir, config)
+  results_dir = workdir_lib.workdir_path(workdir) / "results"
+  results = {}
+  with opened as the_run:
+    if mode == "train":
+      train(the_run)
+    for name, (result, summary) in evaluators.run_evaluators(names, the_run, results_dir,
+                                                              options).items():
+      print(f"\n{summary}")
+      results[name] = result
+  if mode == "train":
+    print(f"TensorBoard: tensorboard --logdir {workdir}")
+  return results
 
 
 if __name__ == "__main__":

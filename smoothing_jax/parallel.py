@@ -6,6 +6,7 @@ reductions (BatchNorm statistics and metrics over the *global* batch).
 """
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from typing import Callable, Iterable, Iterator
@@ -24,6 +25,21 @@ def create_mesh(num_devices: int = -1) -> Mesh:
 def shardings(mesh: Mesh) -> tuple:
   """``(replicated, batch-sharded)`` shardings of ``mesh``."""
   return NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+
+@functools.lru_cache(maxsize=64)
+def sharded_eval_step(fn: Callable, mesh: Mesh, *static) -> Callable:
+  """``jit(partial(fn, *static))`` as an evaluation step ``(variables, batch, rng) -> outputs``
+  on ``mesh``: variables and key replicated, the batch sharded on ``data``, outputs replicated.
+
+  Built once per ``(fn, mesh, *static)`` (all hashable: a module-level function, the mesh, and
+  e.g. the model and sizes), so training's periodic evaluation and every evaluator share the
+  compiled step.
+  """
+  replicated, data_sharding = shardings(mesh)
+  return jax.jit(functools.partial(fn, *static),
+                 in_shardings=(replicated, data_sharding, replicated),
+                 out_shardings=replicated)
 
 
 def eval_batch_size(config, mesh: Mesh) -> int:
@@ -97,21 +113,29 @@ def _mergeable(x) -> bool:
   return hasattr(x, "merge")
 
 
-def evaluate_batches(step_fn: Callable, variables, batches: Iterable[dict], sharding, rng):
+def evaluate_batches(step_fn: Callable, variables, batches: Iterable[dict], sharding, rng, *,
+                     concatenate: bool = False):
   """``step_fn(variables, batch, fold_in(rng, i))`` over ``batches``, merged exactly.
 
   Batches are assembled as global arrays on ``sharding`` (None: passed as they are).
 
   The outputs' mergeable leaves (clu/metrics statistics with ``merge``) are merged over
   all batches; any other leaf keeps the first batch's value (e.g. example predictions).
+  With ``concatenate`` the outputs are arrays, joined on the first axis instead (numpy).
   Returns the merged output pytree; ValueError when there are no batches.
   """
-  total = None
+  total, parts = None, []
   for i, batch in enumerate(batches):
     batch = batch if sharding is None else shard_batch(batch, sharding)
     out = step_fn(variables, batch, jax.random.fold_in(rng, i))
-    total = out if total is None else jax.tree.map(
-        lambda a, b: a.merge(b) if _mergeable(a) else a, total, out, is_leaf=_mergeable)
+    if concatenate:
+      parts.append(out)
+    elif total is not None:
+      out = jax.tree.map(lambda a, b: a.merge(b) if _mergeable(a) else a, total, out,
+                         is_leaf=_mergeable)
+    total = out
   if total is None:
     raise ValueError("No evaluation batches: the evaluation set is empty.")
+  if concatenate:
+    return jax.tree.map(lambda *xs: np.concatenate(jax.device_get(xs)), *parts)
   return total

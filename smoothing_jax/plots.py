@@ -156,6 +156,47 @@ def plot_ood_curves(curves: dict, title: str = ""):
 
 # ----------------------------------------------------------------------------- analyses
 
+def close(fig) -> None:
+  """Free a figure that was only saved (an evaluator's): pyplot keeps every figure it made, and a
+  notebook would show them all."""
+  _pyplot().close(fig)
+
+
+def _curve_style(label: str) -> dict:
+  """The line style of a score in a curve's label (MSP solid, entropy dashed, MI dotted)."""
+  for score, style in (("mutual_information", ":"), ("entropy", "--")):
+    if score in label:
+      return {"linestyle": style}
+  return {"linestyle": "-"}
+
+
+def plot_detection_curves(curves: dict, title: str = ""):
+  """OOD detection: ROC (left) and precision-recall with in-distribution positive (right) of
+  each ``{label: {"fpr", "tpr", "recall", "precision"}}`` (``ranking.roc_curve`` /
+  ``precision_recall_curve``)."""
+  fig, (roc, pr) = _pyplot().subplots(1, 2, figsize=(10, 4))
+  for label, c in curves.items():
+    roc.plot(c["fpr"], c["tpr"], label=label, **_curve_style(label))
+    pr.plot(c["recall"], c["precision"], label=label, **_curve_style(label))
+  roc.plot([0, 1], [0, 1], color="0.7", linewidth=0.8)
+  roc.set(xlabel="False-positive rate (OOD accepted)", ylabel="True-positive rate (in accepted)",
+          title="ROC")
+  pr.set(xlabel="Recall (in-distribution)", ylabel="Precision", title="Precision-recall (In)")
+  pr.legend(fontsize=7)
+  return _with_suptitle(fig, title)
+
+
+def plot_accuracy_rejection(curves: dict, title: str = ""):
+  """Selective prediction: accuracy of the kept predictions against the rejected share, for each
+  ``{label: (coverage, accuracy)}`` (``ranking.selective_curve``)."""
+  fig, ax = _axes((6, 4))
+  for label, (coverage, accuracy) in curves.items():
+    ax.plot(1 - np.asarray(coverage), 100 * np.asarray(accuracy), label=label,
+            **_curve_style(label))
+  return _finish(fig, ax, "Rejected share", "Accuracy of the kept predictions (%)", title,
+                 fontsize=7)
+
+
 def plot_spectra(spectra: dict, bins: int = 40, caption: Optional[str] = None):
   """Overlaid histograms of pooled eigenvalues, ``{label: eigenvalues array}``; ``caption``
   (e.g. ``analysis.spectrum.spectrum_caption``) names the solver; returns the Figure."""

@@ -18,7 +18,8 @@ same result.  Works with any registered model: predictions are ``[B, C]`` for
 classifiers and ``[B, H, W, C]`` for segmentation models.
 
 :func:`stream_predictions` and :func:`stream_statistics` compare one pass per
-frame, MC dropout and temporal smoothing on clips (paper Table E.4).
+frame, MC dropout and temporal smoothing on clips (paper Table E.4); :func:`translate_sequences`
+makes such clips from still images.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from typing import NamedTuple, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from smoothing_jax.inference import check_rng, log_probs, mc_predict
 from smoothing_jax.metrics import TemporalConsistency, UncertaintyMetrics, label_mask
@@ -231,3 +233,36 @@ def statistics_rows(totals: dict, num_samples: int) -> list:
           **consistency.compute()
       })
   return rows
+
+
+def translate_sequences(images: np.ndarray,
+                        length: int = 31,
+                        max_shift: int = 3,
+                        seed: int = 0) -> np.ndarray:
+  """Shift-translated sequences ``[N, length, H, W, C]`` from images ``[N, H, W, C]``.
+
+  Frame t shifts its image by s_t pixels, s_t going linearly from −max_shift to
+  +max_shift, along a direction drawn per image from the 8 compass directions;
+  borders are filled by reflection (CIFAR-10-P ``translate`` shifts up to a few
+  pixels per video the same way).  Integer shifts make consecutive frames
+  differ by at most one pixel of translation.
+  """
+  images = np.asarray(images)
+  if images.ndim != 4:
+    raise ValueError(f"translate_sequences expects images [N, H, W, C], got shape {images.shape}.")
+  if length < 2:
+    raise ValueError(f"A sequence needs at least 2 frames, got length={length}.")
+  n, h, w, _ = images.shape
+  if not 0 < max_shift < min(h, w):
+    raise ValueError(f"max_shift must lie in (0, {min(h, w)}), got {max_shift}.")
+  directions = np.array([(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1) if (dy, dx) != (0, 0)])
+  direction = directions[np.random.default_rng(seed).integers(len(directions), size=n)]
+  shifts = np.rint(np.linspace(-max_shift, max_shift, length)).astype(int)
+  p = max_shift
+  padded = np.pad(images, ((0, 0), (p, p), (p, p), (0, 0)), mode="reflect")
+  frames = np.empty((n, length, h, w, images.shape[-1]), images.dtype)
+  for t, s in enumerate(shifts):
+    for i in range(n):
+      dy, dx = direction[i] * s
+      frames[i, t] = padded[i, p - dy:p - dy + h, p - dx:p - dx + w]
+  return frames

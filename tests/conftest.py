@@ -124,19 +124,16 @@ def _initialised_workdir(config, workdir, **model_kwargs) -> str:
   """What ``train.train_and_evaluate(config, workdir)`` leaves at step 0 (``model_kwargs``
   overriding the model's options): ``config.json`` with the model spec, and an orbax checkpoint
   of the initial train state.  No train or eval step is compiled."""
-  from smoothing_jax import train
-  from smoothing_jax import workdir as workdir_lib
-  from smoothing_jax.data.pipeline import create_pipeline
+  from smoothing_jax.optim import create_learning_rate_schedule
+  from smoothing_jax.run import Run
+  from smoothing_jax.steps import create_train_state
   override(config, **model_options(**model_kwargs))
-  pipeline = create_pipeline(config.dataset, config.batch_size, config.seed)
-  spec = train.model_spec(config, pipeline)
-  model = train.create_model(config, pipeline, spec)
-  schedule = train.create_learning_rate_schedule(config, pipeline.steps_per_epoch)
-  init_rng = jax.random.split(jax.random.key(config.seed), 3)[0]  # as train_and_evaluate
-  state = train.create_train_state(config, model, init_rng, pipeline.image_shape, schedule)
-  workdir_lib.write_config(workdir, config, spec)
-  with workdir_lib.checkpoint_manager(str(workdir)) as manager:
-    manager.save(0, args=ocp.args.StandardSave(state))
+  with Run.from_config(config, str(workdir)) as run:
+    schedule = create_learning_rate_schedule(config, run.pipeline.steps_per_epoch)
+    init_rng = jax.random.split(jax.random.key(config.seed), 3)[0]  # as train.train
+    state = create_train_state(config, run.model, init_rng, run.model_spec.image_shape, schedule)
+    run.record()
+    run.manager.save(0, args=ocp.args.StandardSave(state))
   return str(workdir)
 
 
@@ -160,6 +157,28 @@ def _quadrant_npz(root):
       images[i, 8 * (c // 2):8 * (c // 2) + 8, 8 * (c % 2):8 * (c % 2) + 8] += 128
     np.savez(root / f"{split}.npz", images=images.astype(np.uint8), labels=labels)
   return root
+
+
+@pytest.fixture(scope="session")
+def mock_cifar10_workdir(tmp_path_factory):
+  """``tiny_config`` (CIFAR-10) at step 0 under TFDS mock data (16 examples), as training records
+  it; the evaluators' tests read it under mock data of their own."""
+  tfds = pytest.importorskip("tensorflow_datasets")
+  from tests.helpers import tiny_config
+  with tfds.testing.mock_data(num_examples=16):
+    return _initialised_workdir(tiny_config(), tmp_path_factory.mktemp("mock_cifar10"))
+
+
+@pytest.fixture(scope="session")
+def small_npz_run(tmp_path_factory):
+  """``(data_dir, workdir, final variables)`` of ``small_npz_config``: 4 steps on 8 devices
+  (checkpoints 2 and 4).  Tests copy the workdir before changing anything."""
+  from smoothing_jax import train
+  from tests.helpers import small_npz, small_npz_config
+  data = small_npz(tmp_path_factory.mktemp("npz_data"))
+  workdir = str(tmp_path_factory.mktemp("npz_run"))
+  state = train.train_and_evaluate(small_npz_config(data), workdir)
+  return data, workdir, jax.device_get({"params": state.params, "batch_stats": state.batch_stats})
 
 
 @pytest.fixture(scope="session")
@@ -190,7 +209,7 @@ def msa_workdirs(tmp_path_factory):
 # The test files that take longest (measured on 2 cores), in that order.  They start first, and
 # the many short files fill the end of the run, so that both workers finish together.
 LONGEST_FILES = ("test_colabs.py", "test_experiments.py", "test_train.py", "test_analysis.py",
-                 "test_ibnn.py", "test_main.py", "test_models.py", "test_workdir.py",
+                 "test_ibnn.py", "test_main.py", "test_models.py", "test_checkpoints.py",
                  "test_landscape.py", "test_hessian.py", "test_features.py")
 
 

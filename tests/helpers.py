@@ -6,6 +6,7 @@ import functools
 import gc
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import types
 
@@ -46,9 +47,10 @@ def init_variables(model, x, seed: int = 0):
 
 
 def abstract_variables(model, x=(1, 32, 32, 3)):
-  """Shapes and dtypes of ``model``'s variables on ``x`` (a batch or its shape), nothing
-  computed."""
-  return jax.eval_shape(lambda: model.init(rngs(), _input(x)))
+  """Shapes and dtypes of ``model``'s variables on ``x`` (a batch or its shape), nothing computed
+  (``smoothing_jax.variables.abstract_variables``)."""
+  from smoothing_jax import variables
+  return variables.abstract_variables(model, tuple(x if isinstance(x, tuple) else np.shape(x))[1:])
 
 
 def num_params(model, x=(1, 32, 32, 3)) -> int:
@@ -100,15 +102,45 @@ class SmallNet(nn.Module):
     return nn.Dense(3)(jnp.tanh(x))
 
 
-def npz_dataset(root, image_size: int) -> str:
-  """``npz:`` arrays in ``root``: random uint8 images [size, size, 3] with labels in [0, 10),
-  40 in ``train.npz`` and 13 in ``test.npz``; returns ``str(root)``."""
+def npz_dataset(root, image_size: int, num_train: int = 40, num_test: int = 13,
+                num_classes: int = 10) -> str:
+  """``npz:`` arrays in ``root``: random uint8 images [size, size, 3] with labels in
+  [0, num_classes), ``num_train`` in ``train.npz`` and ``num_test`` in ``test.npz``; returns
+  ``str(root)``."""
   rng = np.random.default_rng(0)
-  for split, n in (("train", 40), ("test", 13)):
-    np.savez(root / f"{split}.npz",
+  for split, n in (("train", num_train), ("test", num_test)):
+    np.savez(os.path.join(root, f"{split}.npz"),
              images=rng.integers(0, 256, (n, image_size, image_size, 3), dtype=np.uint8),
-             labels=rng.integers(0, 10, n))
+             labels=rng.integers(0, num_classes, n))
   return str(root)
+
+
+def small_npz(root) -> str:
+  """The 16×16 four-class ``npz:`` set of :func:`small_npz_config`: 32 training and 16 test
+  images."""
+  return npz_dataset(root, 16, 32, 16, 4)
+
+
+def small_npz_config(data_dir, **overrides):
+  """``resnet_dnn_18`` cut to one stage of width 4 on :func:`small_npz` (the cheapest run to
+  compile: seconds on CPU), 4 steps with checkpoints at 2 and 4; then ``overrides``."""
+  from configs import cifar_resnet
+  return override(cifar_resnet.get_config(f"resnet_dnn_18,npz:{data_dir},runlocal"), **{
+      "model_kwargs.width": 4,
+      "model_kwargs.stage_sizes": (1,),
+      "batch_size": 8,
+      "eval_batch_size": 16,
+      "num_train_steps": 4,
+      "checkpoint_every_steps": 2,
+      "ensemble_sizes": (1,),
+      **overrides
+  })
+
+
+def flat_variables(variables) -> dict:
+  """``{"params/a/b": numpy array}`` of a variables pytree."""
+  from flax.traverse_util import flatten_dict
+  return {k: np.asarray(v) for k, v in flatten_dict(jax.device_get(variables), sep="/").items()}
 
 
 def small_net_problem():
@@ -216,3 +248,16 @@ def release_compiled_executables():
   """
   jax.clear_caches()
   gc.collect()
+
+
+def initialised_run(root, **overrides):
+  """A ``Run`` of :func:`small_npz_config` (``overrides`` applied) on a fresh :func:`small_npz` in
+  ``root``, with initial variables and no training: what the evaluators' tests evaluate."""
+  from smoothing_jax.parallel import shardings
+  from smoothing_jax.run import Run
+  os.makedirs(os.path.join(root, "data"), exist_ok=True)
+  data = small_npz(os.path.join(root, "data"))
+  run = Run.from_config(small_npz_config(data, **overrides), os.path.join(root, "run"))
+  variables = init_variables(run.model, (1,) + run.model_spec.image_shape)
+  run.variables = jax.device_put(variables, shardings(run.mesh)[0])
+  return run

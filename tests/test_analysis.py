@@ -385,7 +385,8 @@ def test_spectrum_with_negative_eigenvalues_matches_the_explicit_hessian(micro_v
 def test_load_or_train_trains_an_empty_workdir_once_then_loads_it(tmp_path, monkeypatch):
   from pathlib import Path
 
-  from smoothing_jax import workdir as workdir_lib
+  from smoothing_jax.checkpoints import load_variables
+  from smoothing_jax.parallel import create_mesh
   from smoothing_jax.analysis import trained
   from tests.conftest import _quadrant_npz
   monkeypatch.chdir(Path(__file__).parents[1])  # config paths are relative to the current directory
@@ -400,7 +401,7 @@ def test_load_or_train_trains_an_empty_workdir_once_then_loads_it(tmp_path, monk
     trained.load_or_train(workdir, "configs/nope.py:runlocal")
 
   first = trained.load_or_train(workdir, config, overrides=tiny)
-  _, step, variables = workdir_lib.load_checkpoint(workdir)
+  step, variables = load_variables(workdir, create_mesh())
   assert first.step == step == 1 and first.config.model_kwargs.depth == 1
   assert first.config.dataset.startswith("npz:") and first.config.model == "vit_ti"
   recorded = (tmp_path / "run" / "config.json").read_text()

@@ -55,7 +55,7 @@ MSA_TINY = "NUM_BATCHES = 2\nBATCH_SIZE = 16\nMAX_ITERS = 3\nNUM_IMAGES = 8\nLES
 
 def test_every_notebook_is_covered():
   names = sorted(f[:-6] for f in os.listdir(COLABS) if f.endswith(".ipynb"))
-  assert names == sorted([*TINY, "loss_landscape", "quickstart", "msa_analysis"])
+  assert names == sorted([*TINY, "loss_landscape", "quickstart", "msa_analysis", "uncertainty"])
 
 
 @pytest.mark.slow
@@ -103,3 +103,25 @@ def test_msa_notebook_runs_on_alternet_workdirs(msa_workdirs):
                     for out in c.outputs)
   assert "layer3_1 | msa" in printed
   assert "AlterNet: 3 snapshots, path / distance" in printed
+
+
+@pytest.mark.slow
+def test_uncertainty_notebook_trains_and_runs_the_three_evaluators(analysis_workdirs, tmp_path):
+  """From nothing: the fixture's quadrant images split into classes 0–1 (in) and 2–3 (out), two
+  tiny models trained 2 steps each with a quarter of the training split held out, then OOD
+  detection, temperature scaling and selective prediction for N = 1 and 2."""
+  quadrants = os.path.dirname(next(iter(analysis_workdirs.values())))
+  parameters = (
+      'MODELS = {"MC dropout": {"model": "resnet_mcdo_18"}, '
+      '"MC dropout + smoothing": {"model": "resnet_mcdo_smoothing_18"}}\n'
+      f"SOURCE = 'npz:{quadrants}'\n"
+      f"CONFIG = 'configs/cifar_resnet.py:dataset=npz:{quadrants},runlocal'\n"
+      "OVERRIDES = {'model_kwargs.width': 4, 'model_kwargs.stage_sizes': (1, 1, 1, 1), "
+      "'batch_size': 8, 'num_train_steps': 2, 'eval_batch_size': 16}\n"
+      f"IN_CLASSES = (0, 1)\nSIZES = (1, 2)\nHOLDOUT_FRACTION = 0.25\nROOT = {str(tmp_path)!r}\n")
+  book = execute("uncertainty", parameters)
+  assert images_in(book) == 4  # ROC/PR, reliability before and after, accuracy-rejection
+  for model in ("resnet_mcdo_18", "resnet_mcdo_smoothing_18"):
+    results = tmp_path / model / "results"
+    for name in ("ood.json", "calibration.json", "selective.json"):
+      assert (results / name).stat().st_size > 0, (model, name)

@@ -158,3 +158,40 @@ def test_model_options_are_set_from_the_command_line_and_checked():
   config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)
   values(argv)
   assert values.config.model_kwargs.widen_factor == 2 and values.config.model_kwargs.depth is None
+
+
+def test_configs_are_locked():
+  from configs import cifar_resnet
+  config = cifar_resnet.get_config()
+  with pytest.raises(AttributeError):
+    config.learning_rte = 0.2
+
+
+
+def test_vit_config_sets_hv_dropout_and_lets_the_command_line_change_it():
+  from configs import cifar_vit
+  from smoothing_jax.models import get_model
+  kwargs = cifar_vit.get_config("vit_ti,cifar100").model_kwargs
+  assert (kwargs.dropout_rate_train, kwargs.embedding_dropout_rate) == (0.0, 0.0)  # HV
+  argv = ["prog", f"--config={cifar_vit.__file__}:vit_ti,cifar100",
+          "--config.model_kwargs.dropout_rate_train=0.1",
+          "--config.model_kwargs.embedding_dropout_rate=0.2"]
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)  # locked, as in main
+  values(argv)
+  given = {k: v for k, v in values.config.model_kwargs.items() if v is not None}  # as create_model
+  model = get_model("vit_ti", 10, **given)
+  assert (model.dropout_rate_train, model.embedding_dropout_rate) == (0.1, 0.2)
+  # AlterNet has no such options: the keys are absent, so its model still builds.
+  kwargs = cifar_vit.get_config("alternet_50,cifar100").model_kwargs
+  assert "dropout_rate_train" not in kwargs and "embedding_dropout_rate" not in kwargs
+  get_model("alternet_50", 10, **{k: v for k, v in kwargs.items() if v is not None})
+
+
+def test_the_uncertainty_flag_adds_the_evaluators_and_a_held_out_split():
+  from configs import cifar_resnet
+  plain = cifar_resnet.get_config("resnet_mcdo_18,cifar10")
+  assert (plain.evals, plain.holdout_fraction) == (("ensemble_sizes",), 0.0)
+  config = cifar_resnet.get_config("resnet_mcdo_18,cifar10,uncertainty,runlocal")
+  assert config.evals == ("ensemble_sizes", "ood", "calibration", "selective")
+  assert config.holdout_fraction == 0.1 and config.num_train_steps == 20

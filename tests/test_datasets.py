@@ -4,8 +4,8 @@ import pytest
 
 tfds = pytest.importorskip("tensorflow_datasets")  # TFDS sources under mock data
 
-from smoothing_jax.data import (DatasetUnavailableError, NORMALIZATION, create_pipeline,
-                                parse_dataset)
+from smoothing_jax.data import (CORRUPTIONS, DatasetUnavailableError, NORMALIZATION,
+                                corruption_dataset, create_pipeline, parse_dataset)
 
 
 def test_parse_dataset():
@@ -73,3 +73,21 @@ def test_class_balanced_subset_rejects_a_fraction_that_empties_a_class():
   from smoothing_jax.data.datasets import class_balanced_subset
   with pytest.raises(ValueError, match="keeps none of the 2 training examples of class 1"):
     class_balanced_subset(np.array([0] * 10 + [1] * 2), 0.2, seed=0)
+
+
+@pytest.mark.parametrize("base,builder", [("cifar10", "cifar10_corrupted"),
+                                          ("cifar100", "cifar100_corrupted"),
+                                          ("imagenet2012", "imagenet2012_corrupted")])
+def test_every_requested_corruption_is_a_config_of_its_builder(base, builder):
+  """TFDS calls CIFAR-10-C's glass blur ``frosted_glass_blur`` and its elastic ``elastic``."""
+  pytest.importorskip("tensorflow_datasets")
+  from smoothing_jax.data.datasets import import_tfds
+  tfds = import_tfds(base)  # registers cifar100_corrupted
+  configs = {c.name for c in tfds.builder_cls(builder).BUILDER_CONFIGS}
+  for corruption in CORRUPTIONS:
+    for severity in range(1, 6):
+      spec = parse_dataset(corruption_dataset(base, corruption, severity))
+      name, _, config = spec.tfds_name.partition("/")
+      assert name == builder and config in configs, (corruption, severity, spec.tfds_name)
+      assert spec.corruption == (corruption, severity)
+  assert parse_dataset("cifar10_corrupted/elastic_2").corruption == ("elastic_transform", 2)

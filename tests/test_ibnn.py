@@ -192,7 +192,8 @@ def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(tmp_path):
 
   from configs import cifar_ibnn, cifar_resnet
   from smoothing_jax import evaluate, train
-  from smoothing_jax import workdir as workdir_lib
+  from smoothing_jax.checkpoints import load_variables
+  from smoothing_jax.parallel import create_mesh
 
   one_block_a_stage = (1, 1, 1, 1, 1)  # compiles in half the time of VGG-16's (2, 2, 3, 3, 3)
   det = tiny_run(cifar_resnet.get_config("vgg_dnn_16,cifar10,runlocal"),
@@ -211,7 +212,7 @@ def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(tmp_path):
     state = train.train_and_evaluate(config, str(tmp_path / "ibnn"))
     rows = evaluate.evaluate_ensemble_sizes([str(tmp_path / "ibnn")], str(tmp_path / "results"),
                                             config)
-  _, _, det_variables = workdir_lib.load_checkpoint(str(tmp_path / "det"))
+  _, det_variables = load_variables(str(tmp_path / "det"), create_mesh())
   kernel = state.params["layer0_0"]["conv"]["kernel"]
   np.testing.assert_array_equal(kernel,
                                 det_variables["params"]["layer0_0"]["conv"]["kernel"])  # frozen U

@@ -110,3 +110,70 @@ def test_a_tfds_dataset_without_tensorflow_is_one_line_naming_what_to_install(tm
   assert result.returncode == 1, result.stderr[-3000:]
   lines = [line for line in result.stderr.splitlines() if "tensorflow" in line.lower()]
   assert len(lines) == 1 and "pip install tensorflow-cpu tensorflow-datasets" in lines[0], lines
+
+
+def _lint_imports(root):
+  """import-linter's contracts of ``root``'s pyproject.toml on ``root``'s smoothing_jax."""
+  code = ("import sys\nsys.path.insert(0, '.')\nfrom importlinter.cli import lint_imports\n"
+          "sys.exit(lint_imports(no_cache=True, no_logo=True))\n")
+  import subprocess
+  return subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                        timeout=240)
+
+
+def test_layers_point_down(tmp_path):
+  """The contracts of pyproject.toml hold, and break on an upward import (even one inside a
+  function, as import-linter counts those too)."""
+  import shutil
+  import pytest
+  pytest.importorskip("importlinter")
+  result = _lint_imports(ROOT)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  assert "3 kept, 0 broken" in result.stdout
+  shutil.copytree(ROOT / "smoothing_jax", tmp_path / "smoothing_jax",
+                  ignore=shutil.ignore_patterns("__pycache__"))
+  shutil.copy(ROOT / "pyproject.toml", tmp_path)
+  with open(tmp_path / "smoothing_jax" / "models" / "vgg.py", "a") as f:
+    f.write("\n\ndef _upward():\n  from smoothing_jax import train  # noqa: F401\n")
+  result = _lint_imports(tmp_path)
+  assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout[-3000:]
+  assert "smoothing_jax.models.vgg -> smoothing_jax.train" in result.stdout
+
+
+def _private_imports(path) -> list:
+  """``from smoothing_jax... import _name`` and ``alias._name`` (alias: a smoothing_jax module
+  imported by ``from smoothing_jax[.x] import y [as z]`` or ``import smoothing_jax.x as z``)."""
+  tree = ast.parse(path.read_text())
+  found, aliases = [], set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("smoothing_jax"):
+      for alias in node.names:
+        if alias.name.startswith("_"):
+          found.append(f"{path.name}:{node.lineno} imports {node.module}.{alias.name}")
+        aliases.add(alias.asname or alias.name)
+    elif isinstance(node, ast.Import):
+      aliases.update(a.asname for a in node.names
+                     if a.name.startswith("smoothing_jax.") and a.asname)
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.value.id in aliases and node.attr.startswith("_")
+        and not node.attr.startswith("__")):
+      found.append(f"{path.name}:{node.lineno} uses {node.value.id}.{node.attr}")
+  return found
+
+
+def test_no_private_name_is_used_across_modules():
+  paths = [*(ROOT / "smoothing_jax").rglob("*.py"), *(ROOT / "experiments").glob("*.py")]
+  found = [line for path in paths for line in _private_imports(path)]
+  assert not found, found
+
+
+def test_loading_a_workdir_imports_neither_torch_nor_the_checkpoint_conversions(
+    analysis_workdirs):
+  workdir = next(iter(analysis_workdirs.values()))
+  code = ("import sys\nfrom smoothing_jax import main\nfrom smoothing_jax.analysis import trained\n"
+          f"run = trained.load_trained({workdir!r})\nassert run.step == 0\n"
+          "loaded = [m for m in ('smoothing_jax.convert', 'smoothing_jax.torch_reference', 'torch',"
+          " 'timm') if m in sys.modules]\nassert not loaded, loaded\n")
+  result = _run_python(code)
+  assert result.returncode == 0, result.stderr[-3000:]

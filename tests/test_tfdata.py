@@ -169,7 +169,12 @@ def test_segmentation_crop_and_flip_keep_labels_on_their_pixels(tmp_path):
     create_pipeline(f"npz:{tmp_path}", 2, 0, randaugment=(2, 9.0, 0.0))
   # Void is a label value, so the number of classes must be given for npz label maps.
   from configs import camvid_unet
-  from smoothing_jax.train import create_model
+  from smoothing_jax.spec import build_model, check_model_fits, model_spec
+
+  def create_model(config, pipeline):  # as Run.from_config
+    model = build_model(config, model_spec(config, pipeline))
+    check_model_fits(config, model, pipeline)
+    return model
   config = camvid_unet.get_config(f"unet_dnn,npz:{tmp_path},runlocal")
   with pytest.raises(ValueError, match="num_classes"):
     create_model(config, pipeline)

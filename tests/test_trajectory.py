@@ -1,5 +1,6 @@
-"""smoothing_jax.analysis.trajectory: polar coordinates on hand-made trajectories, the random
-projection against numpy, its distance estimates, the record's resume, the polar plot.
+"""smoothing_jax.trajectory (the record training keeps: the random projection against numpy, its
+distance estimates, the record's resume) and smoothing_jax.analysis.trajectory (polar coordinates
+on hand-made trajectories, the polar plot).
 
 (The record written by training, and its resume, are tested in ``tests/test_train.py``.)"""
 import jax
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from smoothing_jax import plots
+from smoothing_jax import trajectory as recording
 from smoothing_jax.analysis import trajectory
 
 
@@ -53,7 +55,7 @@ def test_projection_equals_numpy_dot_products_with_the_documented_directions():
   float64 numpy, leaf by leaf, against the jitted projection, whole and in chunks (24 numbers at
   once: 2 of the 12-number leaf's directions, 4 of the 5-number leaf's, with a remainder)."""
   dims, params = 6, _tree()
-  key = trajectory.direction_key(3)
+  key = recording.direction_key(3)
   leaves = jax.tree.leaves(params)
   directions = np.concatenate([
       np.stack([np.asarray(jax.random.normal(jax.random.fold_in(jax.random.fold_in(key, i), d),
@@ -61,13 +63,13 @@ def test_projection_equals_numpy_dot_products_with_the_documented_directions():
       for i, leaf in enumerate(leaves)], axis=1).astype(np.float64)      # [D, n]
   theta = np.concatenate([np.ravel(leaf) for leaf in leaves]).astype(np.float64)
   expected = directions @ theta / np.sqrt(dims)
-  project = jax.jit(trajectory.random_projection, static_argnums=(2, 3))
-  for chunk in (trajectory.CHUNK_ELEMENTS, 24):
+  project = jax.jit(recording.random_projection, static_argnums=(2, 3))
+  for chunk in (recording.CHUNK_ELEMENTS, 24):
     np.testing.assert_allclose(project(params, key, dims, chunk), expected, rtol=1e-5, atol=1e-5)
-  np.testing.assert_array_equal(project(params, trajectory.direction_key(3), dims, 24),
+  np.testing.assert_array_equal(project(params, recording.direction_key(3), dims, 24),
                                 project(params, key, dims, 24))  # same seed, same directions
-  assert not np.allclose(project(params, trajectory.direction_key(4), dims, 24), expected)
-  assert float(trajectory.squared_norm(params)) == pytest.approx(theta @ theta)
+  assert not np.allclose(project(params, recording.direction_key(4), dims, 24), expected)
+  assert float(recording.squared_norm(params)) == pytest.approx(theta @ theta)
 
 
 def test_projected_trajectory_estimates_distances_and_angles_within_the_stated_error():
@@ -78,7 +80,7 @@ def test_projected_trajectory_estimates_distances_and_angles_within_the_stated_e
   optimum = np.random.default_rng(2).normal(size=n)
   alphas = np.linspace(0, np.pi / 2, 5)
   points = np.array([optimum + 2.0 * plane @ [np.cos(a), np.sin(a)] for a in alphas] + [optimum])
-  project = jax.jit(jax.vmap(lambda p: trajectory.random_projection(p, trajectory.direction_key(0),
+  project = jax.jit(jax.vmap(lambda p: recording.random_projection(p, recording.direction_key(0),
                                                                     dims)))
   projected = trajectory.polar_coordinates(np.asarray(project(jnp.asarray(points, jnp.float32))))
   exact = trajectory.polar_coordinates(points)
@@ -90,12 +92,12 @@ def test_projected_trajectory_estimates_distances_and_angles_within_the_stated_e
 
 def _record_run(workdir, steps, every_steps=2, last_step=7, start=0):
   """A recorder over parameters that change with the step; written after each step."""
-  recorder = trajectory.TrajectoryRecorder(workdir, every_steps, 4, 0, last_step)
+  recorder = recording.TrajectoryRecorder(workdir, every_steps, 4, 0, last_step)
   recorder.start(start, _tree(1.0 + start))
   for step in steps:
     recorder.observe(step, _tree(1.0 + step))
     recorder.write()
-  return trajectory.load_trajectory(workdir)
+  return recording.load_trajectory(workdir)
 
 
 def test_recorder_resume_drops_rows_after_the_restored_step_and_continues_exactly(tmp_path):
@@ -115,17 +117,17 @@ def test_recorder_resume_drops_rows_after_the_restored_step_and_continues_exactl
                              np.sum(np.square(full.projections, dtype=np.float64), 1) / norm_sq - 1,
                              rtol=1e-5)
   with pytest.raises(ValueError, match="trajectory_dims 4 and seed 0, this run has 8 and 0"):
-    trajectory.TrajectoryRecorder(tmp_path / "full", 2, 8, 0, 7)
+    recording.TrajectoryRecorder(tmp_path / "full", 2, 8, 0, 7)
   for every, dims in ((-1, 4), (2, 0), (1.5, 4)):
     with pytest.raises(ValueError, match="trajectory_"):
-      trajectory.TrajectoryRecorder(tmp_path / "new", every, dims, 0, 7)
-  off = trajectory.TrajectoryRecorder(tmp_path / "off", 0, 4, 0, 7)
+      recording.TrajectoryRecorder(tmp_path / "new", every, dims, 0, 7)
+  off = recording.TrajectoryRecorder(tmp_path / "off", 0, 4, 0, 7)
   off.start(0, _tree())
   off.observe(2, _tree())
   off.write()
-  assert not (tmp_path / "off" / trajectory.TRAJECTORY_FILE).exists()
+  assert not (tmp_path / "off" / recording.TRAJECTORY_FILE).exists()
   with pytest.raises(FileNotFoundError, match="trajectory_every_steps"):
-    trajectory.load_trajectory(tmp_path / "off")
+    recording.load_trajectory(tmp_path / "off")
 
 
 def test_plot_trajectories_draws_each_run_on_one_polar_axes(tmp_path):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 
-def _normalize(image, mean, std):
+def normalize(image, mean, std):
   """``image`` (uint8 or float in [0, 255]) → float32 ``(image / 255 - mean) / std``."""
   mean, std = tf.constant(mean, tf.float32), tf.constant(std, tf.float32)
   return (tf.cast(image, tf.float32) / 255.0 - mean) / std

@@ -37,6 +37,8 @@ SOURCE_CORRUPTION_NAMES = {
     "cifar10": {"glass_blur": "frosted_glass_blur", "elastic_transform": "elastic"}}
 BASES = tuple(NORMALIZATION)
 SEGMENTATION_DATASETS = ("camvid",)  # TFDS builder in smoothing_jax.data.camvid
+# Other TFDS image sets read as they are (out-of-distribution sets of the uncertainty literature).
+OTHER_TFDS = ("svhn_cropped",)
 
 
 class DatasetUnavailableError(RuntimeError):
@@ -47,7 +49,7 @@ class DatasetUnavailableError(RuntimeError):
 class DatasetSpec:
   """What a ``dataset`` config string refers to.
 
-  ``name`` forms: ``cifar10``, ``cifar100``, ``imagenet2012``, ``camvid``,
+  ``name`` forms: ``cifar10``, ``cifar100``, ``imagenet2012``, ``camvid``, ``svhn_cropped``,
   ``<base>_corrupted/<type>_<severity>`` (test set only), ``npz:<dir>`` (uint8
   ``images`` [N,H,W,3] + ``labels`` [N], or label maps [N,H,W], in
   ``<dir>/{train,test}.npz``), ``digits`` (scikit-learn's bundled 8×8 digits,
@@ -100,7 +102,7 @@ def parse_dataset(name: str) -> DatasetSpec:
       raise ValueError(
           "dataset 'npz:' needs a directory: npz:<dir> with train.npz and test.npz.")
     return DatasetSpec(name, "npz", "npz")
-  if name in BASES + SEGMENTATION_DATASETS:
+  if name in BASES + SEGMENTATION_DATASETS + OTHER_TFDS:
     return DatasetSpec(name, "tfds", name)
   base, _, config = name.partition("_corrupted/")
   if base in BASES and config:
@@ -111,7 +113,8 @@ def parse_dataset(name: str) -> DatasetSpec:
       return DatasetSpec(corruption_dataset(base, canonical, int(severity)), "tfds", base,
                          (canonical, int(severity)))
   raise ValueError(
-      f"Unknown dataset {name!r}. Supported: {', '.join(BASES + SEGMENTATION_DATASETS)}, "
+      f"Unknown dataset {name!r}. Supported: "
+      f"{', '.join(BASES + SEGMENTATION_DATASETS + OTHER_TFDS)}, "
       "'<base>_corrupted/<type>_<1-5>' "
       f"(types: {', '.join(CORRUPTIONS)}), 'npz:<dir>' and 'digits'.")
 

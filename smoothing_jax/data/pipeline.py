@@ -32,12 +32,12 @@ class Pipeline:
   """Train/eval batches of one dataset for this process.
 
   Attributes:
-    spec: the parsed dataset.
+    dataset_spec: the parsed dataset.
     num_train: examples in the (global) training split (the ``train_fraction`` subset).
     num_eval: examples in the (global) evaluation split.
     local_batch_size / global_batch_size: per-process and global training batch.
   """
-  spec: DatasetSpec
+  dataset_spec: DatasetSpec
   global_batch_size: int
   seed: int
   mean: tuple
@@ -53,6 +53,10 @@ class Pipeline:
   randaugment: Optional[tuple] = None  # (num_layers, magnitude, magnitude_std) after crop + flip
   crop_size: Optional[tuple] = None    # segmentation: random (h, w) training crop (None: whole)
   eval_cache: str = ""  # a file prefix: preprocessed evaluation images kept there ("": off)
+  # The held-out part of the training split (``holdout_fraction``; not trained on): what
+  # post-hoc recalibration fits on.
+  holdout_images: Optional[np.ndarray] = None
+  holdout_labels: Optional[np.ndarray] = None
   resident: ClassVar[bool] = False  # batches made on the devices inside the step
 
   @property
@@ -65,8 +69,8 @@ class Pipeline:
     """Median-frequency weights ``[C]`` of the training label maps of all processes
     (segmentation only; :mod:`smoothing_jax.data.class_weights`)."""
     if not self.is_segmentation:
-      raise ValueError(f"Class balancing needs a segmentation dataset; {self.spec.name!r} has "
-                       "one label per image.")
+      raise ValueError("Class balancing needs a segmentation dataset; "
+                       f"{self.dataset_spec.name!r} has one label per image.")
     counts = class_pixel_counts(self.train_labels, num_classes)  # the whole split
     return median_frequency_weights(None, num_classes, counts)
 
@@ -74,6 +78,11 @@ class Pipeline:
     """uint8 images ``[..., 3]`` → the float32 inputs the model was trained on."""
     mean, std = np.asarray(self.mean, np.float32), np.asarray(self.std, np.float32)
     return (np.asarray(images, np.float32) / 255.0 - mean) / std
+
+  def holdout_batches(self, batch_size: Optional[int] = None):
+    """Evaluation batches of the held-out training examples (``holdout_fraction``)."""
+    raise ValueError("Held-out training examples are evaluated on the device-resident pipeline "
+                     "only: use --config.data_pipeline=resident (or auto, for in-memory sets).")
 
   @property
   def local_batch_size(self) -> int:
@@ -87,7 +96,7 @@ class Pipeline:
 
   @property
   def image_shape(self):
-    if self.spec.geometry == "imagenet":
+    if self.dataset_spec.geometry == "imagenet":
       return (224, 224, 3)
     return tuple(self.eval_images.shape[1:])
 
@@ -106,7 +115,7 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int,
                     randaugment: Optional[tuple] = None,
                     crop_size: Optional[tuple] = None, eval_cache: str = "",
                     train_fraction: float = 1.0, data_pipeline: str = "auto",
-                    mesh=None) -> Pipeline:
+                    mesh=None, holdout_fraction: float = 0.0) -> Pipeline:
   """Load (or open, for ImageNet) ``dataset``; fail early with a clear message if it is missing.
 
   ``randaugment``: ``(num_layers, magnitude, magnitude_std)`` applied to training images
@@ -120,7 +129,9 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int,
   streamed ImageNet split takes 1 only.  ``data_pipeline``: "auto" (device-resident unless the
   dataset is streamed from disk: ImageNet, CamVid), "resident" or "tfdata" (the host path, which
   also keeps TensorFlow off the accelerators); ``mesh`` (default: all devices) holds a resident
-  dataset.
+  dataset.  ``holdout_fraction`` in [0, 1): a class-balanced part of the training split, seeded
+  by ``seed``, is held out before ``train_fraction`` is drawn from the rest (never trained on;
+  ``holdout_images`` / ``holdout_labels``: what recalibration fits on).
   """
   if data_pipeline not in DATA_PIPELINES:
     raise ValueError(f"data_pipeline must be one of {', '.join(DATA_PIPELINES)}, got "
@@ -134,16 +145,21 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int,
     raise ValueError("ImageNet is streamed from disk: use data_pipeline 'tfdata' (or 'auto').")
   resident = data_pipeline == "resident"
   train_fraction = check_train_fraction(train_fraction)
+  if not 0.0 <= holdout_fraction < 1.0:
+    raise ValueError(f"holdout_fraction must lie in [0, 1), got {holdout_fraction!r}.")
   if spec.corruption:
     raise ValueError(f"{dataset!r} is an evaluation-only corruption set; train on {spec.base!r}.")
   if global_batch_size % jax.process_count():
     raise ValueError(f"Global batch size {global_batch_size} is not divisible by "
                      f"{jax.process_count()} processes.")
+  holdout_images = holdout_labels = None
   if spec.base == "imagenet2012":
-    if train_fraction < 1:
-      raise ValueError(f"train_fraction {train_fraction} needs an in-memory training split "
-                       "(CIFAR, npz:, digits); ImageNet's is streamed: prepare a subset as its "
-                       "own dataset instead.")
+    for name, value, default in (("train_fraction", train_fraction, 1.0),
+                                 ("holdout_fraction", holdout_fraction, 0.0)):
+      if value != default:
+        raise ValueError(f"{name} {value} needs an in-memory training split (CIFAR, npz:, "
+                         "digits); ImageNet's is streamed: prepare a subset as its own dataset "
+                         "instead.")
     splits = prepared_tfds_builder(spec, data_dir, download).info.splits
     eval_images = eval_labels = None
     num_train, num_eval = splits["train"].num_examples, splits["validation"].num_examples
@@ -156,6 +172,11 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int,
     eval_images, eval_labels = load_arrays(spec, spec.eval_split, data_dir, download,
                                            shard=not resident)
     mean, std = normalization(spec, train_images)
+    if holdout_fraction > 0:
+      held = class_balanced_subset(train_labels, holdout_fraction, seed)
+      rest = np.setdiff1d(np.arange(len(train_labels)), held)
+      holdout_images, holdout_labels = train_images[held], train_labels[held]
+      train_images, train_labels = train_images[rest], train_labels[rest]
     if train_fraction < 1:
       kept = class_balanced_subset(train_labels, train_fraction, seed)
       train_images, train_labels = train_images[kept], train_labels[kept]
@@ -170,7 +191,8 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int,
   pipeline = cls(spec, global_batch_size, seed, tuple(mean), tuple(std), train_images,
                  train_labels, eval_images, eval_labels, num_train, num_eval, data_dir, download,
                  tuple(randaugment) if randaugment and randaugment[0] > 0 else None,
-                 tuple(crop_size) if crop_size else None, eval_cache)
+                 tuple(crop_size) if crop_size else None, eval_cache, holdout_images,
+                 holdout_labels)
   if pipeline.is_segmentation and pipeline.randaugment:
     raise ValueError("RandAugment is not supported for segmentation datasets (it would move "
                      "pixels off their labels).")

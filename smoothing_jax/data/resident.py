@@ -104,7 +104,8 @@ class ResidentPipeline(Pipeline):
     """Copy the training and evaluation splits to every device of ``mesh`` (default: all)."""
     self.mesh = mesh or create_mesh()
     held = (self.train_images, self.train_labels, self.eval_images, self.eval_labels)
-    check_fits_on_devices(self.spec.name, sum(a.nbytes for a in held), self.mesh.devices.flat)
+    check_fits_on_devices(self.dataset_spec.name, sum(a.nbytes for a in held),
+                          self.mesh.devices.flat)
     self.arrays = self._put(self.train_images, self.train_labels)
     self.eval_arrays = self._put(self.eval_images, self.eval_labels)
 
@@ -161,8 +162,8 @@ class ResidentPipeline(Pipeline):
     dataset's evaluation split; another one, e.g. ``"cifar10_corrupted/fog_3"``, is read once and
     held on the devices while it is evaluated); the last one zero-padded, nothing dropped."""
     batch_size = batch_size or self.global_batch_size
-    spec = self.spec if dataset is None else parse_dataset(dataset)
-    if spec == self.spec:
+    spec = self.dataset_spec if dataset is None else parse_dataset(dataset)
+    if spec == self.dataset_spec:
       arrays = self.eval_arrays
     else:
       images, labels = load_arrays(spec, spec.eval_split, self.data_dir, self.download,
@@ -172,6 +173,18 @@ class ResidentPipeline(Pipeline):
                          f"model takes {tuple(self.image_shape)}.")
       check_fits_on_devices(spec.name, images.nbytes + labels.nbytes, self.mesh.devices.flat)
       arrays = self._put(images, labels)
+    yield from self._batches(arrays, batch_size)
+
+  def _batches(self, arrays: dict, batch_size: int) -> Iterator[dict]:
     count = arrays["images"].shape[0]
     for start in range(0, count, batch_size):
       yield self._eval_batch_fn(arrays["images"], arrays["labels"], start, batch_size)
+
+  def holdout_batches(self, batch_size: Optional[int] = None) -> Iterator[dict]:
+    """Global batches ``{"image", "label", "mask"}`` of the held-out training examples
+    (``holdout_fraction``), held on the devices while they are evaluated."""
+    if self.holdout_images is None or not len(self.holdout_images):
+      raise ValueError("No held-out training examples: set --config.holdout_fraction (e.g. 0.1; "
+                       "they are left out of training) and train the run with it.")
+    arrays = self._put(self.holdout_images, self.holdout_labels)
+    yield from self._batches(arrays, batch_size or self.global_batch_size)

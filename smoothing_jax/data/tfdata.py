@@ -24,8 +24,9 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from smoothing_jax.data.augment import (_normalize, cifar_train_augment, imagenet_eval_preprocess,
-                                        imagenet_train_augment, segmentation_train_augment)
+from smoothing_jax.data.augment import (cifar_train_augment, imagenet_eval_preprocess,
+                                        imagenet_train_augment, normalize,
+                                        segmentation_train_augment)
 from smoothing_jax.data.datasets import load_arrays, parse_dataset, tfds_builder, tfds_split
 from smoothing_jax.data.pipeline import Pipeline
 from smoothing_jax.data.randaugment import randaugment
@@ -62,12 +63,13 @@ class TFDataPipeline(Pipeline):
       epoch_seed = np.random.default_rng([self.seed, epoch, jax.process_index()])
       order_seed = int(epoch_seed.integers(2 ** 31))
       # JPEG bytes: imagenet_train_augment decodes only its random crop.
-      ds = tfds_split(self.spec, "train", self.data_dir, self.download, encoded_images=True)
+      ds = tfds_split(self.dataset_spec, "train", self.data_dir, self.download, encoded_images=True)
       ds = ds.map(lambda ex: (ex["image"], ex["label"]))
       ds = ds.shuffle(16 * 1024, seed=order_seed, reshuffle_each_iteration=False)
       ds = ds.take(steps * batch).skip(start_step * batch)
       ds = tf.data.Dataset.zip(tf.data.Dataset.range(start_step * batch, steps * batch), ds)
-    augment = imagenet_train_augment if self.spec.geometry == "imagenet" else cifar_train_augment
+    imagenet = self.dataset_spec.geometry == "imagenet"
+    augment = imagenet_train_augment if imagenet else cifar_train_augment
     mean, std, rand_layers = self.mean, self.std, self.randaugment
     segmentation, crop_size = self.is_segmentation, self.crop_size
 
@@ -82,7 +84,7 @@ class TFDataPipeline(Pipeline):
         if image.dtype != tf.uint8:
           image = tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8)
         image = randaugment(image, seed + 2, *rand_layers)
-      return {"image": _normalize(image, mean, std), "label": tf.cast(label, tf.int32)}
+      return {"image": normalize(image, mean, std), "label": tf.cast(label, tf.int32)}
 
     ds = ds.map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
     return _options(ds.batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
@@ -104,8 +106,8 @@ class TFDataPipeline(Pipeline):
     the shorter shards); ImageNet-sized sets are streamed, the others held in memory.
     """
     batch = (batch_size or self.global_batch_size) // jax.process_count()
-    spec = self.spec if dataset is None else parse_dataset(dataset)
-    if spec == self.spec and self.eval_images is not None:
+    spec = self.dataset_spec if dataset is None else parse_dataset(dataset)
+    if spec == self.dataset_spec and self.eval_images is not None:
       ds = tf.data.Dataset.from_tensor_slices((self.eval_images, self.eval_labels))
       num_global = self.num_eval
     elif spec.geometry == "imagenet":
@@ -119,8 +121,9 @@ class TFDataPipeline(Pipeline):
       num_global = len(images) * jax.process_count()
     num_batches = -(-(-(-num_global // jax.process_count())) // batch)
     mean, std = self.mean, self.std
-    preprocess = imagenet_eval_preprocess if self.spec.geometry == "imagenet" else (lambda x: x)
-    ds = ds.map(lambda x, y: (_normalize(preprocess(x), mean, std), tf.cast(y, tf.int32)),
+    imagenet = self.dataset_spec.geometry == "imagenet"
+    preprocess = imagenet_eval_preprocess if imagenet else (lambda x: x)
+    ds = ds.map(lambda x, y: (normalize(preprocess(x), mean, std), tf.cast(y, tf.int32)),
                 num_parallel_calls=tf.data.AUTOTUNE)
     if self.eval_cache:  # decoded once (ImageNet JPEGs), then read back on later evaluations
       ds = ds.cache(f"{self.eval_cache}.{re.sub(r'[^A-Za-z0-9_.-]', '_', spec.name)}")

@@ -1,0 +1,67 @@
+"""Loading a config: one ``load("<file>.py[:<args>]", overrides)`` for the command line, notebooks,
+benchmarks and tests.
+
+A config file is a Python file with ``get_config(<args>)`` returning a locked
+``ml_collections.ConfigDict`` (``configs/``; ``config_base.finalize``).  Overrides are dotted keys,
+as ``--config.<key>=…`` on the command line: only keys the config has, with values of their type.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+from typing import Any, Mapping, Optional, Union
+
+import ml_collections
+
+
+def from_file(path: str, arg: str = "") -> ml_collections.ConfigDict:
+  """``get_config(arg)`` of the config file at ``path`` (``get_config()`` when ``arg`` is
+  empty; ``configs/`` is not a package, so the file is loaded by path)."""
+  if not path.endswith(".py") or not os.path.isfile(path):
+    raise ValueError(f"Config {path!r} is not a config file (a .py path relative to "
+                     f"{os.getcwd()}, e.g. 'configs/quickstart.py').")
+  module_spec = importlib.util.spec_from_file_location("_config_file", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def check_key(config: ml_collections.ConfigDict, key: str) -> None:
+  """Raise ``KeyError`` naming the first unknown part of the dotted ``key`` and the keys that
+  exist there."""
+  node = config
+  path = key.split(".")
+  for i, name in enumerate(path):
+    if not hasattr(node, "keys") or name not in node.keys():
+      known = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "(none)"
+      raise KeyError(f"unknown config key {'.'.join(path[:i + 1])!r}; keys there: {known}")
+    node = node[name]
+
+
+def with_overrides(config: ml_collections.ConfigDict,
+                   overrides: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """A copy of ``config`` with ``overrides`` set: dotted keys as ``--config.<key>=…`` (e.g.
+  ``{"model_kwargs.width": 8}``); only keys the config has, with values of their type."""
+  config = copy.deepcopy(config)
+  for key, value in overrides.items():
+    try:
+      check_key(config, key)
+    except KeyError as error:
+      raise ValueError(f"Override {key!r}: {error.args[0]}.") from None
+    try:
+      config.update_from_flattened_dict({key: value})
+    except TypeError as error:
+      raise ValueError(f"Override {key}={value!r}: {error}") from None
+  return config
+
+
+def load(config: Union[str, ml_collections.ConfigDict],
+         overrides: Optional[Mapping[str, Any]] = None) -> ml_collections.ConfigDict:
+  """``config`` — ``"<file>.py[:<args>]"`` as ``--config=`` of ``smoothing_jax.main`` (the path
+  relative to the current directory, e.g. ``"configs/cifar_resnet.py:resnet_mcdo_18,cifar10"``)
+  or a ConfigDict — with ``overrides`` (:func:`with_overrides`)."""
+  if isinstance(config, str):
+    path, _, arg = config.partition(":")
+    config = from_file(path, arg)
+  return with_overrides(config, overrides or {})

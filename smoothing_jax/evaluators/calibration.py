@@ -1,0 +1,74 @@
+"""``calibration``: temperature scaling (``smoothing_jax.calibration``) fitted for each ensemble
+size N on the held-out part of the training set (``config.holdout_fraction``, seeded by
+``config.seed``, never trained on), and the test NLL, ECE and Brier score before and after.
+Writes ``calibration.{json,csv}`` and the reliability diagrams of the largest N before and after
+(``reliability_before.png``, ``reliability_after.png``).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from smoothing_jax import calibration
+from smoothing_jax import workdir as workdir_lib
+from smoothing_jax.evaluators.common import (gather, predictive, sample_log_probs_step, save_figure,
+                                             write_table)
+from smoothing_jax.metrics import UncertaintyMetrics
+from smoothing_jax.parallel import eval_batch_size, sharded_eval_step
+from smoothing_jax.plots import plot_reliability_diagram
+
+
+def _metrics(sample_log_probs, labels, temperature: float, num_bins: int) -> UncertaintyMetrics:
+  probs = np.exp(calibration.tempered_log_mean_probs(sample_log_probs, temperature))
+  return UncertaintyMetrics.from_model_output(jnp.asarray(probs, jnp.float32), jnp.asarray(labels),
+                                              num_bins=num_bins)
+
+
+def evaluate(run, output_dir, *, members: Sequence[str] = (),
+             sizes: Optional[Sequence[int]] = None, seed: int = 0) -> list:
+  """Rows ``{"ensemble_size", "temperature", "nll_before", "nll_after", "ece_before",
+  "ece_after", "brier_before", "brier_after", "accuracy", "holdout_examples",
+  "holdout_fraction", "seed"}``."""
+  config = run.config
+  pred = predictive(run, members, sizes)
+  step = sharded_eval_step(sample_log_probs_step, run.mesh, pred.kind, run.model,
+                           pred.num_samples, config.get("eval_chunk_size"))
+  held = gather(step, pred.variables, run.mesh,
+                run.pipeline.holdout_batches(eval_batch_size(config, run.mesh)), seed)
+  test = gather(step, pred.variables, run.mesh, run.eval_batches(), seed + 1)
+  held_log_probs = np.swapaxes(held["log_probs"], 0, 1)  # [N, B, C]
+  test_log_probs = np.swapaxes(test["log_probs"], 0, 1)
+  rows, diagrams = [], {}
+  for n in pred.sizes:
+    temperature = calibration.fit_temperature(held_log_probs[:n], held["label"])
+    before = _metrics(test_log_probs[:n], test["label"], 1.0, config.ece_bins)
+    after = _metrics(test_log_probs[:n], test["label"], temperature, config.ece_bins)
+    b, a = before.compute(), after.compute()
+    rows.append({"ensemble_size": n, "temperature": temperature,
+                 "nll_before": b["nll"], "nll_after": a["nll"], "ece_before": b["ece"],
+                 "ece_after": a["ece"], "brier_before": b["brier"], "brier_after": a["brier"],
+                 "accuracy": b["acc"], "holdout_examples": len(held["label"]),
+                 "holdout_fraction": config.get("holdout_fraction", 0.0), "seed": config.seed})
+    diagrams = {"before": (before, b["ece"], 1.0), "after": (after, a["ece"], temperature)}
+  if jax.process_index() == 0:
+    output_dir = workdir_lib.workdir_path(output_dir)
+    write_table(rows, output_dir, "calibration")
+    for when, (metrics, ece, temperature) in diagrams.items():
+      save_figure(
+          plot_reliability_diagram(metrics, f"{config.model}, N={pred.sizes[-1]}, T = "
+                                   f"{temperature:.3f} ({when}): ECE {100 * ece:.2f}%"),
+          output_dir / f"reliability_{when}.png")
+  return rows
+
+
+def summary(rows: list, output_dir) -> str:
+  lines = ["N  | T      | NLL before → after | ECE (%) before → after | Brier before → after"]
+  lines += [f"{r['ensemble_size']:2d} | {r['temperature']:.3f} | {r['nll_before']:.4f} → "
+            f"{r['nll_after']:.4f}    | {100 * r['ece_before']:6.2f} → {100 * r['ece_after']:6.2f}"
+            f"        | {r['brier_before']:.4f} → {r['brier_after']:.4f}" for r in rows]
+  lines.append(f"Results: {output_dir}/calibration.{{json,csv}}, "
+               f"{output_dir}/reliability_{{before,after}}.png")
+  return "\n".join(lines)

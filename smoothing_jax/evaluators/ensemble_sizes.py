@@ -1,0 +1,55 @@
+"""``ensemble_sizes``: clean test metrics against the ensemble size N (paper Fig. 3 layout).
+
+MC dropout: the first n of N_max samples drawn in one ``mc_predict`` call (nested ensembles);
+iBNN: the first n of the S·K predictions (sample-major, so n = K is one draw of every
+component), up to all K·S with S = ``config.ibnn.eval_samples``; deep ensembles: the first M of
+the run and its ``members`` (other workdirs of the same architecture).  Writes
+``ensemble_sizes.{json,csv,png}`` and ``reliability.png`` (the largest ensemble).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+
+from smoothing_jax import workdir as workdir_lib
+from smoothing_jax.evaluators.common import (METRIC_COLUMNS, ensemble_metrics_step, predictive,
+                                             save_figure, write_table)
+from smoothing_jax.parallel import evaluate_batches, sharded_eval_step, shardings
+from smoothing_jax.plots import plot_ensemble_sizes, plot_reliability_diagram
+
+
+def evaluate(run, output_dir, *, members: Sequence[str] = (), sizes: Optional[Sequence[int]] = None,
+             seed: int = 0) -> list:
+  """One row per ensemble size ``{"ensemble_size", "count", "nll", "acc", "ece", ...}`` of
+  ``run`` (MC dropout or iBNN, ``sizes`` default ``config.ensemble_sizes``), or of the deep
+  ensemble of ``run`` and the workdirs ``members``."""
+  config = run.config
+  output_dir = workdir_lib.workdir_path(output_dir)
+  pred = predictive(run, members, sizes)
+  sizes = pred.sizes
+  step = sharded_eval_step(ensemble_metrics_step, run.mesh, pred.kind, run.model, sizes,
+                           pred.num_samples, config.get("eval_chunk_size"), config.ece_bins)
+  totals = evaluate_batches(step, pred.variables, run.eval_batches(), shardings(run.mesh)[1],
+                            jax.random.key(seed))
+  rows = [{"ensemble_size": n, **{k: m[k] for k in ("count",) + METRIC_COLUMNS}}
+          for n, m in zip(sizes, (t.compute() for t in totals))]
+  if jax.process_index() == 0:  # results are replicated; one process writes them
+    write_table(rows, output_dir, "ensemble_sizes")
+    name = "deep ensemble" if pred.kind == "deep_ensemble" else config.model
+    save_figure(plot_ensemble_sizes(rows, f"{name} on {config.dataset}"),
+                            output_dir / "ensemble_sizes.png")
+    save_figure(
+        plot_reliability_diagram(totals[-1],
+                                 f"{name}, N={sizes[-1]}: ECE {100 * rows[-1]['ece']:.2f}%"),
+        output_dir / "reliability.png")
+  return rows
+
+
+def summary(rows: list, output_dir) -> str:
+  lines = ["ensemble size | NLL    | Acc (%) | ECE (%)"]
+  lines += [f"{r['ensemble_size']:13d} | {r['nll']:.4f} | {100 * r['acc']:7.2f} | "
+            f"{100 * r['ece']:7.2f}" for r in rows]
+  lines.append(f"Results: {output_dir}/ensemble_sizes.{{json,csv,png}}, "
+               f"{output_dir}/reliability.png")
+  return "\n".join(lines)

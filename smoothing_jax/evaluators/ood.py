@@ -1,0 +1,94 @@
+"""``ood``: out-of-distribution detection by each confidence score (``ranking.scores``: MSP,
+−entropy, −mutual information) for each ensemble size N: AUROC, AUPR-In, AUPR-Out and FPR@95
+(``ranking.detection_metrics``, in-distribution positive) against every OOD set.
+
+OOD sets (``config.ood_datasets``): any dataset name the data layer reads (TFDS, ``npz:<dir>``),
+``"corruptions"`` for the 15 corruptions of the run's dataset at severity 5, or nothing for the
+standard pairs (CIFAR-10: SVHN and CIFAR-100; CIFAR-100: SVHN and CIFAR-10, as
+uncertainty-baselines).  Images are normalised as the run's own; a set of another image shape is
+rejected with a message naming both.  Writes ``ood.{json,csv}`` and ``ood_<set>.png`` (ROC and
+precision-recall curves).
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional, Sequence
+
+import jax
+
+from smoothing_jax import ranking
+from smoothing_jax import workdir as workdir_lib
+from smoothing_jax.data import CORRUPTIONS, corruption_dataset
+from smoothing_jax.data.datasets import BASES
+from smoothing_jax.evaluators.common import (gather, predictive, ranking_step, save_figure,
+                                             write_table)
+from smoothing_jax.parallel import sharded_eval_step
+from smoothing_jax.plots import plot_detection_curves
+
+STANDARD_PAIRS = {"cifar10": ("svhn_cropped", "cifar100"), "cifar100": ("svhn_cropped", "cifar10")}
+
+
+def resolve_ood_datasets(base: str, names: Sequence[str]) -> list:
+  """The OOD set names of ``names`` (``"corruptions"`` expanded) for a run on ``base``; the
+  standard pairs when ``names`` is empty."""
+  names = list(names) or list(STANDARD_PAIRS.get(base, ()))
+  if not names:
+    raise ValueError(f"No standard OOD sets for {base!r}: name them with "
+                     "--config.ood_datasets='(\"npz:<dir>\",)' (any dataset name, or "
+                     "\"corruptions\").")
+  expanded = []
+  for name in names:
+    if name == "corruptions":
+      if base not in BASES:
+        raise ValueError("'corruptions' needs a dataset with corruption sets "
+                         f"({', '.join(BASES)}), not {base!r}.")
+      expanded += [corruption_dataset(base, c, 5) for c in CORRUPTIONS]
+    else:
+      expanded.append(name)
+  return expanded
+
+
+def evaluate(run, output_dir, *, members: Sequence[str] = (),
+             sizes: Optional[Sequence[int]] = None,
+             ood_datasets: Optional[Sequence[str]] = None, seed: int = 0) -> list:
+  """Rows ``{"ood_dataset", "ensemble_size", "score", "auroc", "aupr_in", "aupr_out", "fpr95",
+  "count_in", "count_out"}`` (``ood_datasets`` default ``config.ood_datasets``)."""
+  config = run.config
+  names = resolve_ood_datasets(
+      run.pipeline.dataset_spec.base,
+      config.get("ood_datasets", ()) if ood_datasets is None else ood_datasets)
+  pred = predictive(run, members, sizes)
+  step = sharded_eval_step(ranking_step, run.mesh, pred.kind, run.model, pred.sizes,
+                           pred.num_samples, config.get("eval_chunk_size"))
+  inside = gather(step, pred.variables, run.mesh, run.eval_batches(), seed)
+  output_dir = workdir_lib.workdir_path(output_dir)
+  rows = []
+  for k, name in enumerate(names):
+    outside = gather(step, pred.variables, run.mesh, run.eval_batches(name), seed + 1 + k)
+    curves = {}
+    for j, n in enumerate(pred.sizes):
+      for score in ranking.SCORES:
+        positive, negative = inside[score][:, j], outside[score][:, j]
+        rows.append({"ood_dataset": name, "ensemble_size": n, "score": score,
+                     **ranking.detection_metrics(positive, negative),
+                     "count_in": len(positive), "count_out": len(negative)})
+        fpr, tpr = ranking.roc_curve(positive, negative)
+        recall, precision = ranking.precision_recall_curve(positive, negative)
+        curves[f"{score}, N={n}"] = {"fpr": fpr, "tpr": tpr, "recall": recall,
+                                     "precision": precision}
+    if jax.process_index() == 0:
+      write_table(rows, output_dir, "ood")
+      save_figure(
+          plot_detection_curves(curves, f"{config.model} on {config.dataset} against {name}"),
+          output_dir / f"ood_{re.sub(r'[^A-Za-z0-9_.-]+', '_', name).strip('_')}.png")
+  return rows
+
+
+def summary(rows: list, output_dir) -> str:
+  lines = ["OOD set                | N  | score              | AUROC (%) | AUPR-In | AUPR-Out | "
+           "FPR@95 (%)"]
+  lines += [f"{r['ood_dataset'][-22:]:22s} | {r['ensemble_size']:2d} | {r['score']:18s} | "
+            f"{100 * r['auroc']:9.2f} | {r['aupr_in']:7.4f} | {r['aupr_out']:8.4f} | "
+            f"{100 * r['fpr95']:10.2f}" for r in rows]
+  lines.append(f"Results: {output_dir}/ood.{{json,csv}}, {output_dir}/ood_*.png")
+  return "\n".join(lines)

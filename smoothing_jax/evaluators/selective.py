@@ -1,0 +1,52 @@
+"""``selective``: selective prediction — keep the most confident test predictions by each score
+(``ranking.scores``: MSP, −entropy, −mutual information) for each ensemble size N: AURC, E-AURC
+(excess over the oracle) and the coverage at 95% and 99% accuracy
+(``ranking.selective_metrics``).  Writes ``selective.{json,csv}`` and ``selective.png`` (the
+accuracy–rejection curves).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+
+from smoothing_jax import ranking
+from smoothing_jax import workdir as workdir_lib
+from smoothing_jax.evaluators.common import (gather, predictive, ranking_step, save_figure,
+                                             write_table)
+from smoothing_jax.parallel import sharded_eval_step
+from smoothing_jax.plots import plot_accuracy_rejection
+
+
+def evaluate(run, output_dir, *, members: Sequence[str] = (),
+             sizes: Optional[Sequence[int]] = None, seed: int = 0) -> list:
+  """Rows ``{"ensemble_size", "score", "aurc", "excess_aurc", "accuracy", "coverage_at_95",
+  "coverage_at_99", "count"}``."""
+  config = run.config
+  pred = predictive(run, members, sizes)
+  step = sharded_eval_step(ranking_step, run.mesh, pred.kind, run.model, pred.sizes,
+                           pred.num_samples, config.get("eval_chunk_size"))
+  test = gather(step, pred.variables, run.mesh, run.eval_batches(), seed)
+  rows, curves = [], {}
+  for j, n in enumerate(pred.sizes):
+    for score in ranking.SCORES:
+      confidence, correct = test[score][:, j], test["correct"][:, j]
+      rows.append({"ensemble_size": n, "score": score,
+                   **ranking.selective_metrics(confidence, correct), "count": len(correct)})
+      curves[f"{score}, N={n}"] = ranking.selective_curve(confidence, correct)
+  if jax.process_index() == 0:
+    output_dir = workdir_lib.workdir_path(output_dir)
+    write_table(rows, output_dir, "selective")
+    save_figure(
+        plot_accuracy_rejection(curves, f"{config.model} on {config.dataset}"),
+        output_dir / "selective.png")
+  return rows
+
+
+def summary(rows: list, output_dir) -> str:
+  lines = ["N  | score              | AURC (%) | E-AURC (%) | Acc (%) | cov@95 (%) | cov@99 (%)"]
+  lines += [f"{r['ensemble_size']:2d} | {r['score']:18s} | {100 * r['aurc']:8.2f} | "
+            f"{100 * r['excess_aurc']:10.2f} | {100 * r['accuracy']:7.2f} | "
+            f"{100 * r['coverage_at_95']:10.2f} | {100 * r['coverage_at_99']:10.2f}" for r in rows]
+  lines.append(f"Results: {output_dir}/selective.{{json,csv,png}}")
+  return "\n".join(lines)

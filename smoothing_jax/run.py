@@ -1,0 +1,223 @@
+"""``Run``: one experiment in one process — its config, model spec, model, data, mesh, variables
+and checkpoint manager, each made once.
+
+* ``Run.from_config(config, workdir)``: a run to train (``train.train``) or, with ``init_from``
+  and no checkpoints, to stand for another run's variables (``record_init_from``);
+* ``Run.from_workdir(workdir, overrides)``: a trained run, restored (its ``config.json`` rebuilds
+  the model; ``overrides`` change evaluation settings);
+* ``Run.for_evaluation(workdir, config)``: what ``--mode=evaluate`` opens (either of the above).
+
+Training, every evaluator (``smoothing_jax.evaluators``), the analyses
+(``analysis.trained.load_trained`` / ``load_or_train``), the colabs and the benchmarks take a
+``Run``; the data is loaded the first time ``run.pipeline`` is read, and never twice.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh
+
+from smoothing_jax import checkpoints, init_from
+from smoothing_jax import workdir as workdir_lib
+from smoothing_jax.config import with_overrides
+from smoothing_jax.data import Pipeline, create_pipeline
+from smoothing_jax.inference import mc_predict
+from smoothing_jax.parallel import (create_mesh, evaluate_batches, eval_batch_size,
+                                    sharded_eval_step, shardings)
+from smoothing_jax import spec as spec_lib
+from smoothing_jax.spec import ModelSpec, build_model, check_model_fits
+from smoothing_jax.variables import abstract_variables
+
+
+# Config keys that decide which training examples a run trained on and held out.
+DATA_SPLIT_KEYS = ("seed", "train_fraction", "holdout_fraction")
+
+
+def create_run_pipeline(config, mesh: Mesh) -> Pipeline:
+  """The input pipeline ``config`` describes, on ``mesh`` (training batches augmented as in
+  training).  Configs recorded by older versions may lack the newer keys: their defaults."""
+  rand = config.get("randaugment")
+  return create_pipeline(
+      config.dataset, config.batch_size, config.seed, config.get("data_dir"),
+      config.get("download", True),
+      (rand.num_layers, rand.magnitude, rand.magnitude_std) if rand else None,
+      config.get("crop_size"), config.get("eval_cache", ""), config.get("train_fraction", 1.0),
+      config.get("data_pipeline", "auto"), mesh, config.get("holdout_fraction", 0.0))
+
+
+def _mean_probs(model, num_samples, chunk_size, variables, batch, rng):
+  """``[B, C]`` mean predictive of one batch of normalised images (``Run.predict``)."""
+  return mc_predict(model, variables, batch["image"], num_samples=num_samples, rng=rng,
+                    chunk_size=chunk_size).mean_probs
+
+
+@dataclasses.dataclass(eq=False)
+class Run:
+  """One run: ``config`` (evaluation overrides applied), ``model_spec`` and ``model`` (always from
+  the recorded config), the ``mesh``, and once trained or restored its ``variables`` at ``step``.
+  ``pipeline`` and ``manager`` are made on first use, once."""
+  config: ml_collections.ConfigDict
+  workdir: str
+  model_spec: ModelSpec
+  model: Any
+  mesh: Mesh
+  variables: Optional[dict] = None
+  step: int = 0
+  read_only: bool = False  # a restored run never writes checkpoints (nor cleans up others')
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict, workdir: str, *,
+                  mesh: Optional[Mesh] = None) -> "Run":
+    """``config.model`` on ``config.dataset`` for ``workdir``: loads the data, builds the model.
+    Resuming a run that recorded the model options of a timm ``init_from`` reads no
+    ``init_from`` file."""
+    mesh = mesh or create_mesh(config.num_devices)
+    pipeline = create_run_pipeline(config, mesh)
+    if checkpoints.has_checkpoint(workdir) and checkpoints.has_run(workdir):
+      options = workdir_lib.read_config(workdir)[1].model_options
+    else:
+      options = init_from.model_options(config)
+    spec = spec_lib.model_spec(config, pipeline, options)
+    model = build_model(config, spec)
+    check_model_fits(config, model, pipeline)
+    run = cls(config, str(workdir), spec, model, mesh)
+    run.__dict__["pipeline"] = pipeline
+    return run
+
+  @classmethod
+  def from_workdir(cls, workdir: str,
+                   overrides: Union[Mapping[str, Any], ml_collections.ConfigDict, None] = None, *,
+                   mesh: Optional[Mesh] = None) -> "Run":
+    """The run recorded in ``workdir``, with the variables of its latest intact checkpoint (or,
+    recorded to stand for its ``init_from``, those at step 0).  ``overrides``: dotted keys
+    (``config.with_overrides``) or a whole ConfigDict replacing the recorded config (evaluation
+    settings; the recorded ``DATA_SPLIT_KEYS`` are kept); the model is always the recorded one."""
+    recorded, spec = workdir_lib.read_config(workdir)
+    if isinstance(overrides, ml_collections.ConfigDict):
+      # The recorded split of the training data (the held-out examples are those never trained
+      # on), whatever the evaluation config says.
+      config = with_overrides(overrides, {k: recorded[k] for k in DATA_SPLIT_KEYS
+                                          if k in recorded and k in overrides})
+    else:
+      config = with_overrides(recorded, overrides or {})
+    mesh = mesh or create_mesh(config.get("num_devices", -1))
+    run = cls(config, str(workdir), spec, build_model(recorded, spec), mesh, read_only=True)
+    if spec.evaluates_init_from and not checkpoints.has_checkpoint(workdir):
+      run.variables = init_from.variables(recorded, spec, run.abstract_variables(), mesh)
+      run.variables = jax.device_put(run.variables, shardings(mesh)[0])
+    else:
+      run.restore()
+    return run
+
+  @classmethod
+  def for_evaluation(cls, workdir: str, config: Optional[ml_collections.ConfigDict] = None
+                     ) -> "Run":
+    """The run ``--mode=evaluate`` (and every evaluator alias) opens: ``workdir``'s, or for an
+    empty workdir and a ``config`` with ``init_from``, that ``init_from`` recorded in
+    ``workdir`` (:meth:`record_init_from`)."""
+    if (config is not None and config.get("init_from") and not checkpoints.has_checkpoint(workdir)
+        and not checkpoints.has_run(workdir)):
+      run = cls.from_config(config, workdir)
+      run.record_init_from()
+      return run
+    return cls.from_workdir(workdir, config)
+
+  @functools.cached_property
+  def pipeline(self) -> Pipeline:
+    return create_run_pipeline(self.config, self.mesh)
+
+  @functools.cached_property
+  def manager(self) -> ocp.CheckpointManager:
+    """This run's orbax manager of ``<workdir>/checkpoints`` (read-only for a restored run)."""
+    return checkpoints.checkpoint_manager(self.workdir,
+                                          max_to_keep=self.config.get("keep_checkpoints"),
+                                          read_only=self.read_only)
+
+  def abstract_variables(self):
+    """Shapes and dtypes of the model's variables (``jax.eval_shape``; nothing computed)."""
+    return abstract_variables(self.model, self.model_spec.image_shape)
+
+  def restore(self, target=None):
+    """Restore the latest intact checkpoint (``checkpoints.restore_latest``) onto this run's
+    mesh, replicated: ``target`` (an abstract tree, e.g. the train state's) or, by default, the
+    variables as saved; sets ``variables`` and ``step`` and returns the restored tree, or None
+    when there is no checkpoint (FileNotFoundError for a read-only run)."""
+    replicated, _ = shardings(self.mesh)
+    restored = checkpoints.restore_latest(
+        self.manager,
+        checkpoints.abstract_tree(target, replicated) if target is not None else
+        lambda step: checkpoints.abstract_tree(self.manager.item_metadata(step).tree, replicated))
+    if restored is None:
+      if self.read_only:
+        raise FileNotFoundError(f"No checkpoint in {workdir_lib.checkpoint_dir(self.workdir)}.")
+      return None
+    self.step, tree = restored
+    self.variables = ({"params": tree["params"], "batch_stats": tree["batch_stats"]}
+                      if isinstance(tree, Mapping) else
+                      {"params": tree.params, "batch_stats": tree.batch_stats})
+    return tree
+
+  def record(self) -> None:
+    """Write ``config.json`` (config and model spec; process 0)."""
+    workdir_lib.record_run(self.workdir, self.config, self.model_spec)
+
+  def record_init_from(self) -> None:
+    """Make this (empty) workdir stand for ``config.init_from``: record the config with
+    ``model_spec.evaluates_init_from`` and take its variables, at step 0."""
+    self.model_spec = dataclasses.replace(self.model_spec, evaluates_init_from=True)
+    self.record()
+    variables = init_from.variables(self.config, self.model_spec, self.abstract_variables(),
+                                    self.mesh)
+    self.variables, self.step = jax.device_put(variables, shardings(self.mesh)[0]), 0
+
+  def close(self) -> None:
+    """Wait for checkpoints being written, then close the manager (if one was opened)."""
+    manager = self.__dict__.pop("manager", None)
+    if manager is not None:
+      manager.wait_until_finished()
+      manager.close()
+
+  def __enter__(self) -> "Run":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  # What the analyses and notebooks use.
+  @property
+  def stochastic(self) -> bool:
+    return getattr(self.model, "dropout_rate", 0.0) > 0
+
+  def normalize(self, pixels):
+    """Pixels in [0, 1], NHWC → the model's normalised input."""
+    return (pixels - jnp.asarray(self.pipeline.mean)) / jnp.asarray(self.pipeline.std)
+
+  def predict(self, images, num_samples: int = 1, rng: Optional[jax.Array] = None,
+              batch_size: int = 500) -> np.ndarray:
+    """Mean predictive ``[B, C]`` (numpy) of normalised ``images`` over ``num_samples`` MC
+    samples, in batches of ``batch_size`` (rounded up to the mesh) through the sharded
+    evaluation loop."""
+    rng = jax.random.key(0) if rng is None else rng
+    num_samples = num_samples if self.stochastic else 1
+    size = -(-batch_size // self.mesh.size) * self.mesh.size
+    images = np.asarray(images, np.float32)
+    pad = -len(images) % size
+    padded = np.concatenate([images, np.zeros((pad,) + images.shape[1:], np.float32)])
+    step = sharded_eval_step(_mean_probs, self.mesh, self.model, num_samples,
+                             self.config.get("eval_chunk_size"))
+    batches = ({"image": padded[i:i + size]} for i in range(0, len(padded), size))
+    probs = evaluate_batches(step, self.variables, batches, shardings(self.mesh)[1], rng,
+                             concatenate=True)
+    return probs[:len(images)]
+
+  def eval_batches(self, dataset: Optional[str] = None):
+    """Padded, masked evaluation batches of ``dataset`` (default: the run's evaluation split),
+    ``config.eval_batch_size`` rounded up to the mesh."""
+    return self.pipeline.eval_batches(eval_batch_size(self.config, self.mesh), dataset)
