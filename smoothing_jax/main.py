@@ -14,7 +14,6 @@ Modes:
 
 ``main`` only dispatches: each evaluator writes its tables and figures and says what to print.
 """
-import logging as std_logging
 import os
 import re
 import sys
@@ -31,6 +30,7 @@ from smoothing_jax import workdir as workdir_lib  # noqa: E402
 from smoothing_jax.data import DatasetUnavailableError  # noqa: E402
 from smoothing_jax.run import Run  # noqa: E402
 from smoothing_jax.train import train  # noqa: E402
+from smoothing_jax.writers import show_only_our_info_lines  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config",
@@ -117,20 +117,11 @@ def parse_flags(argv):
         _unknown_config_key(argv) or f"bad config override: {type(e).__name__}: {e}", 2)
 
 
-class _OurInfoLines(std_logging.Filter):
-  """INFO lines from smoothing_jax only (libraries' warnings and errors still show): orbax, for
-  one, logs a dozen INFO lines per checkpoint."""
-
-  def filter(self, record):
-    return record.levelno >= std_logging.WARNING or f"{os.sep}smoothing_jax{os.sep}" in (
-        record.pathname)
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   if FLAGS.verbosity < 1:  # --verbosity=1 shows every library's INFO lines too
-    logging.get_absl_handler().addFilter(_OurInfoLines())
+    show_only_our_info_lines()
   try:
     run(FLAGS.config, FLAGS.workdir, FLAGS.mode, ensemble_workdirs=FLAGS.ensemble_workdirs,
         baseline_csv=FLAGS.baseline_csv, num_samples=FLAGS.num_samples,

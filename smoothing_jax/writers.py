@@ -13,6 +13,7 @@ CRC, no TensorFlow), so TensorBoard reads them as it reads clu's.
 from __future__ import annotations
 
 import contextlib
+import logging as std_logging
 import os
 import socket
 import time
@@ -97,3 +98,17 @@ class ProgressReporter:
       yield
     finally:
       self._sections[name] = self._sections.get(name, 0.0) + time.monotonic() - start
+
+
+class _OurInfoLines(std_logging.Filter):
+  def filter(self, record):
+    return record.levelno >= std_logging.WARNING or f"{os.sep}smoothing_jax{os.sep}" in (
+        record.pathname)
+
+
+def show_only_our_info_lines() -> None:
+  """The console (absl's handler) keeps smoothing_jax's INFO lines only; every library's warnings
+  and errors still show.  orbax, for one, logs a dozen INFO lines per checkpoint."""
+  handler = logging.get_absl_handler()
+  if not any(isinstance(f, _OurInfoLines) for f in handler.filters):
+    handler.addFilter(_OurInfoLines())

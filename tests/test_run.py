@@ -1,7 +1,6 @@
 """smoothing_jax.run: one Run per process — the data loaded once, the model built once, one mesh
 and one checkpoint manager — and a trained run restored without its dataset."""
 import os
-import re
 import shutil
 import sys
 
@@ -88,8 +87,5 @@ def test_a_restored_run_rebuilds_the_model_without_the_dataset(tmp_path, small_n
 
 
 def test_a_missing_run_is_a_clear_error(tmp_path):
-  missing = str(tmp_path / "never_trained")
-  message = re.escape(f"No run in {missing}: {os.path.join(missing, 'config.json')} does not "
-                      "exist (train into it first).")
-  with pytest.raises(FileNotFoundError, match=message):
-    Run.from_workdir(missing)
+  with pytest.raises(FileNotFoundError, match="No run in .*never_trained: .* does not exist"):
+    Run.from_workdir(str(tmp_path / "never_trained"))

@@ -6,16 +6,15 @@ Writes ``calibration.{json,csv}`` and the reliability diagrams of the largest N 
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from smoothing_jax import calibration
-from smoothing_jax import workdir as workdir_lib
-from smoothing_jax.evaluators.common import (gather, predictive, sample_log_probs_step, save_figure,
-                                             write_table)
+from smoothing_jax.evaluators.common import (gather, predictive, sample_log_probs_step,
+                                             write_results)
 from smoothing_jax.metrics import UncertaintyMetrics
 from smoothing_jax.parallel import eval_batch_size, sharded_eval_step
 from smoothing_jax.plots import plot_reliability_diagram
@@ -53,14 +52,11 @@ def evaluate(run, output_dir, *, members: Sequence[str] = (),
                  "accuracy": b["acc"], "holdout_examples": len(held["label"]),
                  "holdout_fraction": config.get("holdout_fraction", 0.0), "seed": config.seed})
     diagrams = {"before": (before, b["ece"], 1.0), "after": (after, a["ece"], temperature)}
-  if jax.process_index() == 0:
-    output_dir = workdir_lib.workdir_path(output_dir)
-    write_table(rows, output_dir, "calibration")
-    for when, (metrics, ece, temperature) in diagrams.items():
-      save_figure(
-          plot_reliability_diagram(metrics, f"{config.model}, N={pred.sizes[-1]}, T = "
-                                   f"{temperature:.3f} ({when}): ECE {100 * ece:.2f}%"),
-          output_dir / f"reliability_{when}.png")
+  write_results(output_dir, "calibration", rows, {
+      f"reliability_{when}.png": functools.partial(
+          plot_reliability_diagram, metrics, f"{config.model}, N={pred.sizes[-1]}, T = "
+          f"{temperature:.3f} ({when}): ECE {100 * ece:.2f}%")
+      for when, (metrics, ece, temperature) in diagrams.items()})
   return rows
 
 

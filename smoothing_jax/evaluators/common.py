@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,18 @@ def save_figure(fig, path) -> None:
   """``fig`` at ``path`` (``workdir.save_figure``: written atomically), then closed."""
   workdir_lib.save_figure(fig, path)
   plots.close(fig)
+
+
+def write_results(output_dir, name: str, rows: list,
+                  figures: Optional[Mapping[str, Callable]] = None) -> None:
+  """By process 0 (results are replicated): ``rows`` as ``<output_dir>/<name>.{json,csv}``
+  (:func:`write_table`) and each ``{file name: function drawing the figure}``."""
+  if jax.process_index() != 0:
+    return
+  output_dir = workdir_lib.workdir_path(output_dir)
+  write_table(rows, output_dir, name)
+  for file_name, draw in (figures or {}).items():
+    save_figure(draw(), output_dir / file_name)
 
 
 def write_table(rows: list, output_dir, name: str) -> None:

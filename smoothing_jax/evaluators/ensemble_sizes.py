@@ -12,9 +12,8 @@ from typing import Optional, Sequence
 
 import jax
 
-from smoothing_jax import workdir as workdir_lib
 from smoothing_jax.evaluators.common import (METRIC_COLUMNS, ensemble_metrics_step, predictive,
-                                             save_figure, write_table)
+                                             write_results)
 from smoothing_jax.parallel import evaluate_batches, sharded_eval_step, shardings
 from smoothing_jax.plots import plot_ensemble_sizes, plot_reliability_diagram
 
@@ -25,7 +24,6 @@ def evaluate(run, output_dir, *, members: Sequence[str] = (), sizes: Optional[Se
   ``run`` (MC dropout or iBNN, ``sizes`` default ``config.ensemble_sizes``), or of the deep
   ensemble of ``run`` and the workdirs ``members``."""
   config = run.config
-  output_dir = workdir_lib.workdir_path(output_dir)
   pred = predictive(run, members, sizes)
   sizes = pred.sizes
   step = sharded_eval_step(ensemble_metrics_step, run.mesh, pred.kind, run.model, sizes,
@@ -34,15 +32,11 @@ def evaluate(run, output_dir, *, members: Sequence[str] = (), sizes: Optional[Se
                             jax.random.key(seed))
   rows = [{"ensemble_size": n, **{k: m[k] for k in ("count",) + METRIC_COLUMNS}}
           for n, m in zip(sizes, (t.compute() for t in totals))]
-  if jax.process_index() == 0:  # results are replicated; one process writes them
-    write_table(rows, output_dir, "ensemble_sizes")
-    name = "deep ensemble" if pred.kind == "deep_ensemble" else config.model
-    save_figure(plot_ensemble_sizes(rows, f"{name} on {config.dataset}"),
-                            output_dir / "ensemble_sizes.png")
-    save_figure(
-        plot_reliability_diagram(totals[-1],
-                                 f"{name}, N={sizes[-1]}: ECE {100 * rows[-1]['ece']:.2f}%"),
-        output_dir / "reliability.png")
+  name = "deep ensemble" if pred.kind == "deep_ensemble" else config.model
+  write_results(output_dir, "ensemble_sizes", rows, {
+      "ensemble_sizes.png": lambda: plot_ensemble_sizes(rows, f"{name} on {config.dataset}"),
+      "reliability.png": lambda: plot_reliability_diagram(
+          totals[-1], f"{name}, N={sizes[-1]}: ECE {100 * rows[-1]['ece']:.2f}%")})
   return rows
 
 

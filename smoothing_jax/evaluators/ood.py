@@ -11,17 +11,15 @@ precision-recall curves).
 """
 from __future__ import annotations
 
+import functools
+import os
 import re
 from typing import Optional, Sequence
 
-import jax
-
 from smoothing_jax import ranking
-from smoothing_jax import workdir as workdir_lib
 from smoothing_jax.data import CORRUPTIONS, corruption_dataset
 from smoothing_jax.data.datasets import BASES
-from smoothing_jax.evaluators.common import (gather, predictive, ranking_step, save_figure,
-                                             write_table)
+from smoothing_jax.evaluators.common import gather, predictive, ranking_step, write_results
 from smoothing_jax.parallel import sharded_eval_step
 from smoothing_jax.plots import plot_detection_curves
 
@@ -61,7 +59,6 @@ def evaluate(run, output_dir, *, members: Sequence[str] = (),
   step = sharded_eval_step(ranking_step, run.mesh, pred.kind, run.model, pred.sizes,
                            pred.num_samples, config.get("eval_chunk_size"))
   inside = gather(step, pred.variables, run.mesh, run.eval_batches(), seed)
-  output_dir = workdir_lib.workdir_path(output_dir)
   rows = []
   for k, name in enumerate(names):
     outside = gather(step, pred.variables, run.mesh, run.eval_batches(name), seed + 1 + k)
@@ -76,18 +73,21 @@ def evaluate(run, output_dir, *, members: Sequence[str] = (),
         recall, precision = ranking.precision_recall_curve(positive, negative)
         curves[f"{score}, N={n}"] = {"fpr": fpr, "tpr": tpr, "recall": recall,
                                      "precision": precision}
-    if jax.process_index() == 0:
-      write_table(rows, output_dir, "ood")
-      save_figure(
-          plot_detection_curves(curves, f"{config.model} on {config.dataset} against {name}"),
-          output_dir / f"ood_{re.sub(r'[^A-Za-z0-9_.-]+', '_', name).strip('_')}.png")
+    file_name = f"ood_{re.sub(r'[^A-Za-z0-9_.-]+', '_', name).strip('_')}.png"
+    write_results(output_dir, "ood", rows, {file_name: functools.partial(
+        plot_detection_curves, curves, f"{config.model} on {config.dataset} against {name}")})
   return rows
+
+
+def _short(name: str) -> str:
+  """A dataset name for a table column: ``npz:`` folders by their last part."""
+  return f"npz:{os.path.basename(name[4:].rstrip('/'))}" if name.startswith("npz:") else name
 
 
 def summary(rows: list, output_dir) -> str:
   lines = ["OOD set                | N  | score              | AUROC (%) | AUPR-In | AUPR-Out | "
            "FPR@95 (%)"]
-  lines += [f"{r['ood_dataset'][-22:]:22s} | {r['ensemble_size']:2d} | {r['score']:18s} | "
+  lines += [f"{_short(r['ood_dataset'])[:22]:22s} | {r['ensemble_size']:2d} | {r['score']:18s} | "
             f"{100 * r['auroc']:9.2f} | {r['aupr_in']:7.4f} | {r['aupr_out']:8.4f} | "
             f"{100 * r['fpr95']:10.2f}" for r in rows]
   lines.append(f"Results: {output_dir}/ood.{{json,csv}}, {output_dir}/ood_*.png")

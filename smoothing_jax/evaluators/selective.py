@@ -8,12 +8,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import jax
-
 from smoothing_jax import ranking
-from smoothing_jax import workdir as workdir_lib
-from smoothing_jax.evaluators.common import (gather, predictive, ranking_step, save_figure,
-                                             write_table)
+from smoothing_jax.evaluators.common import gather, predictive, ranking_step, write_results
 from smoothing_jax.parallel import sharded_eval_step
 from smoothing_jax.plots import plot_accuracy_rejection
 
@@ -34,12 +30,8 @@ def evaluate(run, output_dir, *, members: Sequence[str] = (),
       rows.append({"ensemble_size": n, "score": score,
                    **ranking.selective_metrics(confidence, correct), "count": len(correct)})
       curves[f"{score}, N={n}"] = ranking.selective_curve(confidence, correct)
-  if jax.process_index() == 0:
-    output_dir = workdir_lib.workdir_path(output_dir)
-    write_table(rows, output_dir, "selective")
-    save_figure(
-        plot_accuracy_rejection(curves, f"{config.model} on {config.dataset}"),
-        output_dir / "selective.png")
+  write_results(output_dir, "selective", rows, {"selective.png": lambda: plot_accuracy_rejection(
+      curves, f"{config.model} on {config.dataset}")})
   return rows
 
 

@@ -12,9 +12,8 @@ import jax
 import numpy as np
 
 from smoothing_jax import temporal
-from smoothing_jax import workdir as workdir_lib
-from smoothing_jax.evaluators.common import (save_figure, stream_metrics_step, stream_rows,
-                                             stream_table, write_table)
+from smoothing_jax.evaluators.common import (stream_metrics_step, stream_rows, stream_table,
+                                             write_results)
 from smoothing_jax.parallel import evaluate_batches, sharded_eval_step, shardings
 from smoothing_jax.plots import plot_stream_table
 
@@ -50,12 +49,9 @@ def evaluate(run, output_dir, *, num_images: int = 1000, length: int = 6, max_sh
   totals, _ = evaluate_batches(step, run.variables, batches(), shardings(run.mesh)[1],
                                jax.random.key(seed))
   rows = stream_rows(totals, num_samples)
-  if output_dir is not None and jax.process_index() == 0:  # None: the rows only (analyses)
-    output_dir = workdir_lib.workdir_path(output_dir)
-    write_table(rows, output_dir, "temporal")
-    save_figure(
-        plot_stream_table(rows, f"{run.config.model}: shifted test-image streams"),
-        output_dir / "temporal.png")
+  if output_dir is not None:  # None: the rows only (the analyses)
+    write_results(output_dir, "temporal", rows, {"temporal.png": lambda: plot_stream_table(
+        rows, f"{run.config.model}: shifted test-image streams")})
   return rows
 
 
