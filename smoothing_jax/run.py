@@ -136,9 +136,8 @@ class Run:
   @functools.cached_property
   def manager(self) -> ocp.CheckpointManager:
     """This run's orbax manager of ``<workdir>/checkpoints`` (read-only for a restored run)."""
-    return checkpoints.checkpoint_manager(self.workdir,
-                                          max_to_keep=self.config.get("keep_checkpoints"),
-                                          read_only=self.read_only)
+    keep = None if self.read_only else self.config.get("keep_checkpoints")  # a reader deletes none
+    return checkpoints.checkpoint_manager(self.workdir, max_to_keep=keep, read_only=self.read_only)
 
   def abstract_variables(self):
     """Shapes and dtypes of the model's variables (``jax.eval_shape``; nothing computed)."""
