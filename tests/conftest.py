@@ -172,13 +172,19 @@ def mock_cifar10_workdir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def small_npz_run(tmp_path_factory):
   """``(data_dir, workdir, final variables)`` of ``small_npz_config``: 4 steps on 8 devices
-  (checkpoints 2 and 4).  Tests copy the workdir before changing anything."""
+  (checkpoints 2 and 4), made once per test run.  Tests copy the workdir before changing it."""
   from smoothing_jax import train
+  from smoothing_jax.checkpoints import load_variables
+  from smoothing_jax.parallel import create_mesh
   from tests.helpers import small_npz, small_npz_config
-  data = small_npz(tmp_path_factory.mktemp("npz_data"))
-  workdir = str(tmp_path_factory.mktemp("npz_run"))
-  state = train.train_and_evaluate(small_npz_config(data), workdir)
-  return data, workdir, jax.device_get({"params": state.params, "batch_stats": state.batch_stats})
+
+  def make(root):
+    (root / "data").mkdir()
+    data = small_npz(root / "data")
+    train.train_and_evaluate(small_npz_config(data), str(root / "run"))
+    return [data, str(root / "run")]
+  data, workdir = _once_per_run(tmp_path_factory, "small_npz_run", make)
+  return data, workdir, jax.device_get(load_variables(workdir, create_mesh())[1])
 
 
 @pytest.fixture(scope="session")
