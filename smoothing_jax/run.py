@@ -201,12 +201,12 @@ class Run:
   def predict(self, images, num_samples: int = 1, rng: Optional[jax.Array] = None,
               batch_size: int = 500) -> np.ndarray:
     """Mean predictive ``[B, C]`` (numpy) of normalised ``images`` over ``num_samples`` MC
-    samples, in batches of ``batch_size`` (rounded up to the mesh) through the sharded
-    evaluation loop."""
+    samples, in batches of ``batch_size`` (at most the number of images, rounded up to the mesh)
+    through the sharded evaluation loop."""
     rng = jax.random.key(0) if rng is None else rng
     num_samples = num_samples if self.stochastic else 1
-    size = -(-batch_size // self.mesh.size) * self.mesh.size
     images = np.asarray(images, np.float32)
+    size = -(-min(batch_size, len(images)) // self.mesh.size) * self.mesh.size
     pad = -len(images) % size
     padded = np.concatenate([images, np.zeros((pad,) + images.shape[1:], np.float32)])
     step = sharded_eval_step(_mean_probs, self.mesh, self.model, num_samples,

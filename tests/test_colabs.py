@@ -90,7 +90,8 @@ def test_landscape_notebook_trains_empty_workdirs_first(analysis_workdirs, tmp_p
 def test_quickstart_notebook_trains_and_evaluates(tmp_path):
   book = execute(
       "quickstart",
-      f"WORKDIR = {str(tmp_path / 'quickstart')!r}\nCONFIG_ARGS = 'runlocal'\nNUM_SAMPLES = 2")
+      f"WORKDIR = {str(tmp_path / 'quickstart')!r}\nCONFIG_ARGS = 'runlocal'\nNUM_SAMPLES = 2\n"
+      "OVERRIDES = {'model_kwargs.stage_sizes': (1, 1, 1, 1)}")
   assert images_in(book) >= 2
   assert os.path.exists(tmp_path / "quickstart" / "results" / "ensemble_sizes.json")
 

@@ -112,7 +112,7 @@ def test_gradient_accumulation_gives_the_full_batch_update_without_batchnorm():
 
 
 def test_half_precision_training_tracks_float32_and_keeps_float32_state():
-  """The quickstart recipe and data (digits, smoothing + MC dropout, width 8, one block a stage)
+  """The quickstart recipe and data (digits, smoothing + MC dropout, width 4, one block a stage)
   for 20 steps in float32 and with ``half_precision``, from the same initialisation, batches and
   dropout keys: every step's loss agrees within 5% (bfloat16 rounds each operation by up to
   2⁻⁹ ≈ 0.2%; the losses here measured within 1%), and parameters, BatchNorm statistics and
@@ -120,7 +120,8 @@ def test_half_precision_training_tracks_float32_and_keeps_float32_state():
   import itertools
   from configs import quickstart
   from smoothing_jax.data import create_pipeline
-  config = override(quickstart.get_config("runlocal"), **model_options(stage_sizes=(1, 1, 1, 1)))
+  config = override(quickstart.get_config("runlocal"),
+                    **model_options(width=4, stage_sizes=(1, 1, 1, 1)))
   pipeline = create_pipeline("digits", config.batch_size, 0)
   batches = list(itertools.islice(pipeline.train_iterator(), 20))
   schedule = create_learning_rate_schedule(config, pipeline.steps_per_epoch)
@@ -131,7 +132,7 @@ def test_half_precision_training_tracks_float32_and_keeps_float32_state():
     assert model.dtype == (jnp.bfloat16 if half else jnp.float32)
     state = create_train_state(config, model, jax.random.key(0), (32, 32, 3), schedule)
     loss_fn = make_loss(config, model, num_train=pipeline.num_train,
-                              steps_per_epoch=pipeline.steps_per_epoch)
+                        steps_per_epoch=pipeline.steps_per_epoch)
     step = jax.jit(functools.partial(train_step, schedule, loss_fn))
     per_step = []
     for batch in batches:

@@ -24,7 +24,8 @@ def evaluate(run, output_dir, *, num_images: int = 1000, length: int = 6, max_sh
              seed: int = 0) -> list:
   """Rows ``{"method", "passes_per_frame", "count", "nll", "acc", "ece", ..., "consistency"}`` on
   the first ``num_images`` evaluation images (``num_samples`` None: the largest
-  ``config.ensemble_sizes``); clips in batches of ``batch_size`` (rounded up to the mesh)."""
+  ``config.ensemble_sizes``); clips in batches of ``batch_size`` (at most the number of clips,
+  rounded up to the mesh)."""
   pipeline = run.pipeline
   if pipeline.eval_images is None:
     raise ValueError("The temporal evaluator needs an in-memory evaluation split (CIFAR, npz or "
@@ -33,7 +34,7 @@ def evaluate(run, output_dir, *, num_images: int = 1000, length: int = 6, max_sh
   images = np.asarray(pipeline.eval_images[:num_images])
   labels = np.asarray(pipeline.eval_labels[:num_images], np.int32)
   videos = temporal.translate_sequences(images, length, max_shift, seed)
-  size = -(-batch_size // run.mesh.size) * run.mesh.size
+  size = -(-min(batch_size, len(videos)) // run.mesh.size) * run.mesh.size
 
   def batches():  # padded to whole batches; padding is masked
     for start in range(0, len(videos), size):
