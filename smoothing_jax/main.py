@@ -30,6 +30,7 @@ from smoothing_jax import workdir as workdir_lib  # noqa: E402
 from smoothing_jax.data import DatasetUnavailableError  # noqa: E402
 from smoothing_jax.run import Run  # noqa: E402
 from smoothing_jax.train import train  # noqa: E402
+from smoothing_jax.workdir_lock import lock_workdir  # noqa: E402
 from smoothing_jax.writers import show_only_our_info_lines  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -148,6 +149,13 @@ def run(config, workdir: str, mode: str = "train", *, ensemble_workdirs=(), base
   one evaluator; prints each evaluator's summary and returns ``{name: result}``."""
   if multihost:
     initialize_multihost(coordinator_address, num_processes, process_id)
+  if mode == "train":  # one writer per workdir, refused before it reads or writes anything
+    with lock_workdir(workdir):
+      return _run(config, workdir, mode, ensemble_workdirs, baseline_csv, num_samples)
+  return _run(config, workdir, mode, ensemble_workdirs, baseline_csv, num_samples)
+
+
+def _run(config, workdir, mode, ensemble_workdirs, baseline_csv, num_samples) -> dict:
   logging.info("JAX devices: %d (%s), processes: %d", jax.device_count(), jax.devices()[0].platform,
                jax.process_count())
   options = {k: v for k, v in (("members", list(ensemble_workdirs[1:])),

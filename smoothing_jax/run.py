@@ -34,6 +34,7 @@ from smoothing_jax.parallel import (create_mesh, evaluate_batches, eval_batch_si
 from smoothing_jax import spec as spec_lib
 from smoothing_jax.spec import ModelSpec, build_model, check_model_fits
 from smoothing_jax.variables import abstract_variables
+from smoothing_jax.workdir_lock import lock_workdir
 
 
 # Config keys that decide which training examples a run trained on and held out.
@@ -164,8 +165,9 @@ class Run:
     return tree
 
   def record(self) -> None:
-    """Write ``config.json`` (config and model spec; process 0)."""
-    workdir_lib.record_run(self.workdir, self.config, self.model_spec)
+    """Write ``config.json`` (config and model spec; process 0), holding the workdir's lock."""
+    with lock_workdir(self.workdir):
+      workdir_lib.record_run(self.workdir, self.config, self.model_spec)
 
   def record_init_from(self) -> None:
     """Make this (empty) workdir stand for ``config.init_from``: record the config with

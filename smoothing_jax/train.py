@@ -34,6 +34,7 @@ from smoothing_jax.steps import (TrainState, compile_steps, create_train_state,
                                  train_batch_sharding, variables_of)
 from smoothing_jax.trajectory import TrajectoryRecorder
 from smoothing_jax import workdir as workdir_lib
+from smoothing_jax.workdir_lock import lock_workdir
 from smoothing_jax.writers import MetricWriter, ProgressReporter
 
 # The training API's names as the issues gave them, from the modules that now own them.
@@ -81,8 +82,10 @@ def _check_finite(pending: list, last_good_step: int, checkpoint_dir):
 
 def train(run: Run, *, stop_after_steps: Optional[int] = None,
           callbacks: Sequence[Callback] = ()) -> TrainState:
-  """Train ``run.model`` on ``run.pipeline``, writing checkpoints and metrics to ``run.workdir``;
-  ``run.variables`` and ``run.step`` are the trained ones afterwards.
+  """Train ``run.model`` on ``run.pipeline``, writing checkpoints and metrics to ``run.workdir``
+  while holding its lock (``workdir_lock.lock_workdir``: another run writing there is refused,
+  and this one is if another holds it); ``run.variables`` and ``run.step`` are the trained ones
+  afterwards.
 
   Resumes from the latest intact checkpoint onto the run's devices, whatever device count wrote
   it (``checkpoints.restore_latest``; newer steps that fail to restore are renamed by
@@ -90,6 +93,12 @@ def train(run: Run, *, stop_after_steps: Optional[int] = None,
   checkpoint), as a preemption would.  ``callbacks`` join the preemption handler and the
   trajectory recorder.
   """
+  with lock_workdir(run.workdir) as lock:
+    return _train(run, lock, stop_after_steps, callbacks)
+
+
+def _train(run: Run, lock, stop_after_steps: Optional[int], callbacks: Sequence[Callback]
+           ) -> TrainState:
   config, pipeline, mesh = run.config, run.pipeline, run.mesh
   workdir_lib.workdir_path(run.workdir).mkdir(parents=True, exist_ok=True)
   writer = MetricWriter(  # other processes log only
@@ -183,6 +192,7 @@ def train(run: Run, *, stop_after_steps: Optional[int] = None,
               f"checkpoint (step {last_good}) is kept in {checkpoint_dir}.")
         for callback in callbacks:
           callback.on_checkpoint(step)
+        lock.check()  # a lease lost to another writer: stop before writing into its workdir
         run.manager.save(step, args=ocp.args.StandardSave(state))
         last_good = step
       writer.flush()
@@ -207,5 +217,5 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        stop_after_steps: Optional[int] = None) -> TrainState:
   """:func:`train` of ``Run.from_config(config, workdir)`` (the evaluators then run on
   ``Run.from_workdir(workdir)``, or ``main`` passes them the same run)."""
-  with Run.from_config(config, workdir) as run:
+  with lock_workdir(workdir), Run.from_config(config, workdir) as run:
     return train(run, stop_after_steps=stop_after_steps)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import uuid
 
 import jax
 import ml_collections
@@ -25,19 +27,25 @@ CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
 
 
+def is_uri(workdir) -> bool:
+  """``gs://bucket/run`` and other ``scheme://`` paths (object stores), not local paths."""
+  return bool(re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", str(workdir)))
+
+
 def workdir_path(workdir) -> epath.Path:
   """``workdir`` as an ``epath.Path``: URIs (``gs://bucket/run``) as given, local paths made
   absolute (orbax needs absolute paths)."""
   path = epath.Path(workdir)
-  return path if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", str(workdir)) else path.absolute()
+  return path if is_uri(workdir) else path.absolute()
 
 
 def write_atomically(path, data) -> None:
-  """Write ``data`` (str or bytes) to ``<path>.tmp``, then rename it over ``path``: readers see
-  the old file or the new one, never half of one.  Creates the parent folder."""
+  """Write ``data`` (str or bytes) to a temporary file beside ``path``, then rename it over
+  ``path``: readers see the old file or the new one, never half of one, and two processes
+  writing the same file (two evaluators) each replace it whole.  Creates the parent folder."""
   path = epath.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_name(path.name + ".tmp")
+  tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
   if isinstance(data, bytes):
     tmp.write_bytes(data)
   else:

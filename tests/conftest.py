@@ -6,6 +6,7 @@ share compiled functions through session fixtures.
 """
 import atexit
 import fcntl
+import importlib.util
 import json
 import os
 import shutil
@@ -18,14 +19,37 @@ os.environ["XLA_FLAGS"] = " ".join([
 ]).strip()
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def _compilation_cache_dir() -> str:
+  """The tests' persistent compilation cache, kept between runs in the user's cache folder
+  (``$XDG_CACHE_HOME`` or ``~/.cache``): ``smoothing_jax/tests-jax-<v>-jaxlib-<v>-py<v>``.  JAX
+  keys each entry by the program, the compile options and XLA_FLAGS; the versions in the name keep
+  entries of other installs apart, so an upgrade starts an empty folder instead of reading old
+  executables.  A developer's second run reads most programs back instead of compiling them."""
+  from importlib import metadata
+  import sys
+  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  name = "tests-jax-{}-jaxlib-{}-py{}.{}".format(metadata.version("jax"),
+                                                 metadata.version("jaxlib"), *sys.version_info[:2])
+  return os.path.join(root, "smoothing_jax", name)
+
+
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  # One persistent compilation cache per test run (removed at its end), shared by the xdist
-  # workers (they inherit this environment), the notebook kernels and the command lines the tests
-  # start: a program compiled again (a resumed run, a rerun command, a file after the caches
-  # were released, the other worker) is read back instead.
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="smoothing_jax_tests_cache_")
+  # One persistent compilation cache shared by the xdist workers (they inherit this environment),
+  # the notebook kernels and the command lines the tests start: a program compiled again (a
+  # resumed run, a rerun command, a file after the caches were released, the other worker, the
+  # previous run) is read back instead.  SMOOTHING_JAX_TEST_CACHE=run keeps it for this run only.
+  if os.environ.get("SMOOTHING_JAX_TEST_CACHE") == "run":
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="smoothing_jax_tests_cache_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+  else:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _compilation_cache_dir()
+    # At most 4 GB, least recently read entries evicted first (JAX needs filelock for this; with
+    # eviction on, it also takes a file lock around each read and write of an entry).
+    if importlib.util.find_spec("filelock"):
+      os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import jax.numpy as jnp  # noqa: E402
@@ -78,6 +102,32 @@ def micro_vit():
   x = jax.random.normal(jax.random.key(5), (6, 8, 8, 3))
   y = jnp.array([0, 1, 2, 0, 1, 2])
   return model, init_variables(model, x), x, y
+
+
+@pytest.fixture
+def fake_gcs(tmp_path, monkeypatch):
+  """``gs://…`` paths served from ``tmp_path/gcs`` through ``etils.epath.testing.mock_epath``
+  (every backend call rewritten; epath would otherwise pick TensorFlow's GCS client, which
+  needs a network).  Orbax checkpoints go through TensorStore's own GCS driver: not covered."""
+  from etils.epath import gpath, testing
+  root = tmp_path / "gcs"
+  root.mkdir()
+
+  def local(path):
+    path = os.fspath(path)
+    return path.replace("gs://", f"{root}/", 1) if path.startswith("gs://") else path
+
+  def one(original, path, *args, **kwargs):
+    return original(local(path), *args, **kwargs)
+
+  def two(original, source, destination, *args, **kwargs):
+    return original(local(source), local(destination), *args, **kwargs)
+
+  monkeypatch.setattr(gpath, "_is_tf_installed", lambda: False)
+  names = ("open", "exists", "glob", "isdir", "listdir", "makedirs", "mkdir", "remove", "rmtree",
+           "stat", "walk")
+  with testing.mock_epath(**{name: one for name in names}, copy=two, rename=two, replace=two):
+    yield root
 
 
 @pytest.fixture(scope="session")
@@ -226,9 +276,40 @@ def pytest_collection_modifyitems(items):
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+# XLA compilations of each test file, counted when SMOOTHING_JAX_COMPILE_LOG=<dir> is set: each
+# process writes ``<dir>/<worker>.json`` with, per file, the backend compiles, their seconds and
+# the programs read back from the persistent compilation cache.  What the suite budget is made of.
+_COMPILES: dict = {}
+_CURRENT_FILE = ["(collection)"]
+
+
+def _count_compile(event: str, seconds: float = 0.0, **_):
+  counts = _COMPILES.setdefault(_CURRENT_FILE[0], {"compiles": 0, "seconds": 0.0, "cache_hits": 0})
+  if event == "/jax/core/compile/backend_compile_duration":
+    counts["compiles"] += 1
+    counts["seconds"] += seconds
+  elif event == "/jax/compilation_cache/cache_hits":
+    counts["cache_hits"] += 1
+
+
+def pytest_configure(config):
+  if os.environ.get("SMOOTHING_JAX_COMPILE_LOG"):
+    jax.monitoring.register_event_duration_secs_listener(_count_compile)
+    jax.monitoring.register_event_listener(_count_compile)
+
+
+def pytest_unconfigure(config):
+  directory = os.environ.get("SMOOTHING_JAX_COMPILE_LOG")
+  if directory and _COMPILES:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.path.join(directory, f"{worker}.json"), "w") as f:
+      json.dump(_COMPILES, f, indent=1)
+
+
 def pytest_runtest_protocol(item, nextitem):
   """With SMOOTHING_JAX_TEST_ORDER=<dir>, append each test's node id to ``<dir>/<worker>.txt``
   before it runs: the exact sequence a crashed worker ran, to replay in one process."""
+  _CURRENT_FILE[0] = item.path.name
   directory = os.environ.get("SMOOTHING_JAX_TEST_ORDER")
   if directory:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")

@@ -3,7 +3,9 @@ quickly, names the test and exits non-zero, instead of leaving xdist waiting (py
 case runs a throw-away suite in a subprocess under these settings); and a worker releases each
 file's compiled executables (conftest.py), which otherwise piled up to vm.max_map_count and
 aborted it."""
+import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -22,7 +24,8 @@ def _run_suite(tmp_path, body: str, *options: str) -> tuple:
   result = subprocess.run(
       [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"), "--rootdir",
        str(tmp_path), "-p", "no:cacheprovider", *options, str(tmp_path)],
-      cwd=tmp_path, capture_output=True, text=True, timeout=120)
+      cwd=tmp_path, capture_output=True, text=True, timeout=120,
+      env={**os.environ, "PYTHONPATH": str(ROOT)})  # tests.worker_stderr, which addopts loads
   return result.returncode, result.stdout + result.stderr, time.monotonic() - start
 
 
@@ -34,6 +37,19 @@ def test_a_native_abort_ends_the_run_naming_the_test(tmp_path):
   assert "crashed while running 'test_bad.py::test_aborts'" in output, output
   assert "restarting disabled" in output, output
   assert seconds < 60, seconds
+
+
+def test_the_native_message_of_an_aborted_worker_is_printed_and_kept(tmp_path):
+  # What XLA does before it aborts: a line on file descriptor 2, not through sys.stderr.
+  code, output, _ = _run_suite(
+      tmp_path, "import os\n\ndef test_aborts():\n  os.write(2, b'F0000 native.cc:1] Check "
+      "failed: the cause\\n')\n  os.abort()\n")
+  assert code != 0, output
+  shown = re.search(r"native stderr of (gw\d), last \d+ lines \(whole: (\S+)\)", output)
+  assert shown, output
+  after = output[shown.end():]
+  assert "F0000 native.cc:1] Check failed: the cause" in after, output
+  assert "Check failed: the cause" in pathlib.Path(shown.group(2)).read_text()
 
 
 def test_a_hang_in_native_code_is_stopped_by_the_time_limit(tmp_path):

@@ -27,32 +27,6 @@ def test_config_and_model_spec_round_trip(tmp_path):
   assert "model_spec" not in read
 
 
-@pytest.fixture
-def fake_gcs(tmp_path, monkeypatch):
-  """``gs://…`` paths served from ``tmp_path/gcs`` through ``etils.epath.testing.mock_epath``
-  (every backend call rewritten; epath would otherwise pick TensorFlow's GCS client, which
-  needs a network).  Orbax checkpoints go through TensorStore's own GCS driver: not covered."""
-  from etils.epath import gpath, testing
-  root = tmp_path / "gcs"
-  root.mkdir()
-
-  def local(path):
-    path = os.fspath(path)
-    return path.replace("gs://", f"{root}/", 1) if path.startswith("gs://") else path
-
-  def one(original, path, *args, **kwargs):
-    return original(local(path), *args, **kwargs)
-
-  def two(original, source, destination, *args, **kwargs):
-    return original(local(source), local(destination), *args, **kwargs)
-
-  monkeypatch.setattr(gpath, "_is_tf_installed", lambda: False)
-  names = ("open", "exists", "glob", "isdir", "listdir", "makedirs", "mkdir", "remove", "rmtree",
-           "stat", "walk")
-  with testing.mock_epath(**{name: one for name in names}, copy=two, rename=two, replace=two):
-    yield root
-
-
 def test_workdir_files_go_through_epath_to_gcs_paths(fake_gcs, tmp_path, monkeypatch):
   import matplotlib
   matplotlib.use("Agg")
