@@ -24,6 +24,8 @@ once (identical for equal batch sizes).
 """
 from __future__ import annotations
 
+import functools
+
 import clu.metrics
 import flax
 import jax
@@ -90,6 +92,43 @@ def add_statistics(a, b):
   return jax.tree.map(jnp.add, a, b)
 
 
+@functools.partial(jax.jit, static_argnames=("num_bins", "cutoff"))
+def _batch_statistics(probs, labels, mask, num_bins: int, cutoff: float) -> dict:
+  """:meth:`UncertaintyMetrics.from_model_output`'s statistics as one compiled program (called
+  eagerly, on arrays sharded over several CPU devices, its thirty-odd operations were as many
+  programs in flight at once: see ``experiments/abort_repro.py``)."""
+  num_classes = probs.shape[-1]
+  probs = probs.reshape(-1, num_classes).astype(jnp.float32)
+  w = label_mask(labels, num_classes,
+                 mask).reshape(-1)  # labels outside [0, C) (void) never count
+  labels = jnp.where(w > 0, labels.reshape(-1), 0)
+
+  conf = jnp.max(probs, axis=-1)
+  pred = jnp.argmax(probs, axis=-1)
+  p_true = jnp.take_along_axis(probs, labels[:, None], axis=-1)[:, 0]
+  correct = (pred == labels).astype(jnp.float32)
+  certain = (conf > cutoff).astype(jnp.float32)
+  k = min(5, num_classes)
+  in_top5 = jnp.any(jax.lax.top_k(probs, k)[1] == labels[:, None], axis=-1).astype(jnp.float32)
+  onehot = jax.nn.one_hot(labels, num_classes)
+  brier = jnp.sum((onehot - probs) ** 2, axis=-1)
+  nll = -jnp.log(jnp.maximum(p_true, jnp.finfo(jnp.float32).tiny))
+  # Bin b holds confidences in (b/nb, (b+1)/nb].
+  bins = jnp.clip(jnp.ceil(conf * num_bins).astype(jnp.int32) - 1, 0, num_bins - 1)
+  bin_onehot = jax.nn.one_hot(bins, num_bins) * w[:, None]
+  pred_onehot = jax.nn.one_hot(pred, num_classes)
+  weighted_true = onehot * w[:, None]
+  return dict(
+      count=jnp.sum(w), nll_sum=jnp.sum(w * nll), correct=jnp.sum(w * correct),
+      top5_correct=jnp.sum(w * in_top5), brier_sum=jnp.sum(w * brier),
+      bin_count=jnp.sum(bin_onehot, axis=0), bin_correct=correct @ bin_onehot,
+      bin_confidence=conf @ bin_onehot,
+      certain_count=jnp.sum(w * certain), certain_correct=jnp.sum(w * certain * correct),
+      wrong_uncertain=jnp.sum(w * (1 - correct) * (1 - certain)),
+      confusion=weighted_true.T @ pred_onehot,
+      certain_confusion=(weighted_true * certain[:, None]).T @ pred_onehot)
+
+
 @flax.struct.dataclass
 class UncertaintyMetrics(clu.metrics.Metric):
   """Sufficient statistics of the SS metrics; ``merge`` adds, ``compute`` returns a dict."""
@@ -123,37 +162,7 @@ class UncertaintyMetrics(clu.metrics.Metric):
     """
     probs, labels = jnp.asarray(probs), jnp.asarray(labels)
     _check_predictions(probs, labels, mask)
-    num_classes = probs.shape[-1]
-    probs = probs.reshape(-1, num_classes).astype(jnp.float32)
-    w = label_mask(labels, num_classes,
-                   mask).reshape(-1)  # labels outside [0, C) (void) never count
-    labels = jnp.where(w > 0, labels.reshape(-1), 0)
-
-    conf = jnp.max(probs, axis=-1)
-    pred = jnp.argmax(probs, axis=-1)
-    p_true = jnp.take_along_axis(probs, labels[:, None], axis=-1)[:, 0]
-    correct = (pred == labels).astype(jnp.float32)
-    certain = (conf > cutoff).astype(jnp.float32)
-    k = min(5, num_classes)
-    in_top5 = jnp.any(jax.lax.top_k(probs, k)[1] == labels[:, None], axis=-1).astype(jnp.float32)
-    onehot = jax.nn.one_hot(labels, num_classes)
-    brier = jnp.sum((onehot - probs) ** 2, axis=-1)
-    nll = -jnp.log(jnp.maximum(p_true, jnp.finfo(jnp.float32).tiny))
-    # Bin b holds confidences in (b/nb, (b+1)/nb].
-    bins = jnp.clip(jnp.ceil(conf * num_bins).astype(jnp.int32) - 1, 0, num_bins - 1)
-    bin_onehot = jax.nn.one_hot(bins, num_bins) * w[:, None]
-    pred_onehot = jax.nn.one_hot(pred, num_classes)
-    weighted_true = onehot * w[:, None]
-    return cls(
-        count=jnp.sum(w), nll_sum=jnp.sum(w * nll), correct=jnp.sum(w * correct),
-        top5_correct=jnp.sum(w * in_top5), brier_sum=jnp.sum(w * brier),
-        bin_count=jnp.sum(bin_onehot, axis=0), bin_correct=correct @ bin_onehot,
-        bin_confidence=conf @ bin_onehot,
-        certain_count=jnp.sum(w * certain), certain_correct=jnp.sum(w * certain * correct),
-        wrong_uncertain=jnp.sum(w * (1 - correct) * (1 - certain)),
-        confusion=weighted_true.T @ pred_onehot,
-        certain_confusion=(weighted_true * certain[:, None]).T @ pred_onehot,
-        cutoff=cutoff)
+    return cls(**_batch_statistics(probs, labels, mask, num_bins, cutoff), cutoff=cutoff)
 
   def merge(self, other: "UncertaintyMetrics") -> "UncertaintyMetrics":
     if self.cutoff != other.cutoff or self.bin_count.shape != other.bin_count.shape:

@@ -6,6 +6,7 @@ reductions (BatchNorm statistics and metrics over the *global* batch).
 """
 from __future__ import annotations
 
+import collections
 import functools
 import queue
 import threading
@@ -109,6 +110,31 @@ def prefetch_to_devices(batches: Iterable[dict], sharding, size: int = 2) -> Ite
     thread.join()
 
 
+# XLA:CPU admits at most 32 programs in flight per device (``max_inflight_computations_per_device``
+# of its CPU client, which JAX does not expose) and launches the per-device parts of a program on a
+# thread pool, in no fixed order.  With dozens of programs queued behind a multi-device one with a
+# collective, later programs that wait for its result can take every slot of one device before its
+# part on that device is launched: the other parts wait in the collective's rendezvous, and after
+# 40 s XLA aborts the process ("Termination timeout for `all reduce ...`"; reproduced with stacks by
+# experiments/abort_repro.py at jax/jaxlib 0.10.2).  Our loops keep few programs unfinished.
+MAX_PROGRAMS_IN_FLIGHT = 8
+
+
+class DispatchWindow:
+  """Call with each output as it is dispatched: waits for the output given ``size`` calls before,
+  so that at most ``size`` calls' programs are unfinished (the host still runs ahead of the
+  devices by that many, which keeps them busy)."""
+
+  def __init__(self, size: int = MAX_PROGRAMS_IN_FLIGHT):
+    self.size, self._outputs = size, collections.deque()
+
+  def __call__(self, output):
+    self._outputs.append(output)
+    if len(self._outputs) > self.size:
+      jax.block_until_ready(self._outputs.popleft())
+    return output
+
+
 def _mergeable(x) -> bool:
   return hasattr(x, "merge")
 
@@ -121,19 +147,20 @@ def evaluate_batches(step_fn: Callable, variables, batches: Iterable[dict], shar
 
   The outputs' mergeable leaves (clu/metrics statistics with ``merge``) are merged over
   all batches; any other leaf keeps the first batch's value (e.g. example predictions).
+  At most :data:`MAX_PROGRAMS_IN_FLIGHT` batches are unfinished at a time (:class:`DispatchWindow`).
   With ``concatenate`` the outputs are arrays, joined on the first axis instead (numpy).
   Returns the merged output pytree; ValueError when there are no batches.
   """
-  total, parts = None, []
+  total, parts, window = None, [], DispatchWindow()
   for i, batch in enumerate(batches):
     batch = batch if sharding is None else shard_batch(batch, sharding)
     out = step_fn(variables, batch, jax.random.fold_in(rng, i))
     if concatenate:
       parts.append(out)
-    elif total is not None:
+    elif total is not None:  # the running total depends on every program before it
       out = jax.tree.map(lambda a, b: a.merge(b) if _mergeable(a) else a, total, out,
                          is_leaf=_mergeable)
-    total = out
+    total = window(out)
   if total is None:
     raise ValueError("No evaluation batches: the evaluation set is empty.")
   if concatenate:

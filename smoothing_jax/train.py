@@ -28,7 +28,8 @@ from smoothing_jax.checkpoints import load_variables, set_aside_newer_steps
 from smoothing_jax.losses import class_weights, make_loss  # noqa: F401  (make_loss: API name)
 from smoothing_jax.models import is_ibnn
 from smoothing_jax.optim import create_learning_rate_schedule
-from smoothing_jax.parallel import evaluate_batches, prefetch_to_devices, shardings
+from smoothing_jax.parallel import (DispatchWindow, evaluate_batches, prefetch_to_devices,
+                                    shardings)
 from smoothing_jax.run import Run
 from smoothing_jax.steps import (TrainState, compile_steps, create_train_state,
                                  train_batch_sharding, variables_of)
@@ -142,6 +143,7 @@ def _train(run: Run, lock, stop_after_steps: Optional[int], callbacks: Sequence[
   eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))
   stop_at = num_steps if stop_after_steps is None else min(num_steps, start_step + stop_after_steps)
   train_metrics, pending_losses = [], []
+  in_flight = DispatchWindow()  # the host runs at most a few steps ahead (see parallel.py)
   last_good, stopped_by = start_step, []
   logging.info("Training %s on %s: %d steps (%d per epoch), global batch %d on %d devices.",
                config.model, config.dataset, num_steps, steps_per_epoch, config.batch_size,
@@ -161,6 +163,7 @@ def _train(run: Run, lock, stop_after_steps: Optional[int], callbacks: Sequence[
     for step in range(start_step + 1, stop_at + 1):
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
         state, metrics = train_step_fn(state, *step_inputs(step), dropout_rng)
+      in_flight(metrics)  # not the state, whose buffers the next step takes over (donated)
       for callback in callbacks:
         callback.on_step(step, state)
       train_metrics.append(metrics)

@@ -137,16 +137,17 @@ def images():
 
 @pytest.fixture(scope="session")
 def analysis_workdirs(tmp_path_factory):
-  """Two workdirs of 16×16 MC dropout ResNets (one block a stage, width 4), without and with
-  smoothing, on a small ``npz:`` set, as a run records them at step 0 (initialised, not trained):
-  what loading, evaluation and the analyses read.  Training is tested in test_train.py."""
+  """Two workdirs of 16×16 MC dropout ResNets (one block a stage, width 4, one device), without
+  and with smoothing, on a small ``npz:`` set, as a run records them at step 0 (initialised, not
+  trained): what loading, evaluation and the analyses read.  Training is tested in test_train.py."""
   from configs import cifar_resnet
 
   def make(root):
     _quadrant_npz(root)
     return {
-        label: _initialised_workdir(cifar_resnet.get_config(f"{name},npz:{root},runlocal"),
-                                    root / name, width=4, stage_sizes=(1, 1, 1, 1))
+        label: _initialised_workdir(
+            override(cifar_resnet.get_config(f"{name},npz:{root},runlocal"), num_devices=1),
+            root / name, width=4, stage_sizes=(1, 1, 1, 1))
         for label, name in (("MC dropout", "resnet_mcdo_18"), ("MC dropout + smoothing",
                                                                "resnet_mcdo_smoothing_18"))
     }
@@ -188,10 +189,11 @@ def _initialised_workdir(config, workdir, **model_kwargs) -> str:
 
 
 def _train_briefly(config, workdir, **model_kwargs) -> str:
-  """Train ``config`` (with ``model_kwargs`` overrides) for 4 steps of batch 16 into ``workdir``."""
+  """Train ``config`` (with ``model_kwargs`` overrides) for 4 steps of batch 16 on one device into
+  ``workdir``."""
   from smoothing_jax import train
   override(config, **model_options(**model_kwargs), batch_size=16, num_train_steps=4,
-           checkpoint_every_steps=4)
+           checkpoint_every_steps=4, num_devices=1)
   train.train_and_evaluate(config, str(workdir))
   return str(workdir)
 
@@ -267,7 +269,7 @@ def msa_workdirs(tmp_path_factory):
 LONGEST_FILES = ("test_colabs.py", "test_experiments.py", "test_train.py", "test_analysis.py",
                  "test_ibnn.py", "test_main.py", "test_steps.py", "test_models.py",
                  "test_checkpoints.py", "test_landscape.py", "test_hessian.py", "test_features.py",
-                 "test_camvid.py")
+                 "test_camvid.py", "test_workdir_lock.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -315,3 +317,17 @@ def pytest_runtest_protocol(item, nextitem):
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(os.path.join(directory, f"{worker}.txt"), "a") as f:
       f.write(item.nodeid + "\n")
+
+
+def pytest_runtest_logfinish(nodeid, location):
+  """With SMOOTHING_JAX_TEST_RESOURCES=<dir>, append after each test a line ``<unix time> <memory
+  mappings> <RSS kB> <threads> <node id>`` of this process to ``<dir>/<worker>.tsv``: where a
+  worker's mappings, memory or threads grow."""
+  directory = os.environ.get("SMOOTHING_JAX_TEST_RESOURCES")
+  if directory:
+    import time
+    status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.path.join(directory, f"{worker}.tsv"), "a") as f:
+      f.write(f"{time.time():.0f}\t{memory_maps()}\t{status['VmRSS'].split()[0]}\t"
+              f"{status['Threads'].strip()}\t{nodeid}\n")

@@ -21,8 +21,12 @@ from smoothing_jax.inference import sample_rngs
 TINY_UNET = dict(width=4, encoder_convs=(1, 1, 1), decoder_convs=(1, 1))
 MICRO_VIT = dict(hidden_dim=8, depth=2, num_heads=1, head_dim=8, mlp_dim=8, patch_size=4)
 
-# A training run cut to seconds on CPU (``tiny_run``).
+# A training run cut to seconds on CPU (``tiny_run``).  On one device: a program sharded over the
+# 8 simulated devices compiles slower and runs each replicated computation 8 times on 2 cores;
+# what 8 devices change is tested where it matters (test_steps, test_parallel, test_checkpoints,
+# test_main, and every run of small_npz_config).
 TINY_RUN = {
+    "num_devices": 1,
     "model_kwargs.width": 4,
     "batch_size": 8,
     "eval_batch_size": 8,
@@ -75,8 +79,8 @@ def model_options(**options) -> dict:
 
 
 def tiny_run(config, **overrides):
-  """``config`` cut to seconds on CPU (:data:`TINY_RUN`: width 4, batches of 8, checkpoint and
-  log every 2 steps), then ``overrides`` (as in :func:`override`)."""
+  """``config`` cut to seconds on CPU (:data:`TINY_RUN`: one device, width 4, batches of 8,
+  checkpoint and log every 2 steps), then ``overrides`` (as in :func:`override`)."""
   return override(config, **{**TINY_RUN, **overrides})
 
 

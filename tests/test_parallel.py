@@ -1,5 +1,6 @@
 """smoothing_jax.parallel: the mesh and its shardings, sharded batches, the evaluation batch size
 evaluate_batches (exact merging over batches, one key per batch) and device prefetching."""
+import os
 import types
 
 import jax
@@ -117,3 +118,43 @@ def test_prefetch_to_devices_keeps_order_raises_in_place_and_stops_its_thread():
   next(batches)
   batches.close()  # what the train loop does when it ends or fails
   assert not any(t.name == "prefetch_to_devices" for t in threading.enumerate())
+
+
+def test_dispatch_window_waits_for_the_output_size_calls_back(monkeypatch):
+  from smoothing_jax import parallel
+  waited = []
+  monkeypatch.setattr(parallel.jax, "block_until_ready", waited.append)
+  window = parallel.DispatchWindow(3)
+  for i in range(10):
+    assert window(i) == i
+    assert waited == list(range(max(0, i - 2)))  # outputs 0 … i-3 finished: at most 3 unfinished
+
+
+def test_evaluate_batches_keeps_few_programs_unfinished(monkeypatch):
+  from smoothing_jax import parallel
+  waited = []
+  monkeypatch.setattr(parallel.jax, "block_until_ready", waited.append)
+  batches = [{"x": np.full(2, float(i))} for i in range(20)]
+  out = evaluate_batches(lambda v, batch, rng: {"x": batch["x"]}, {}, iter(batches), None,
+                         jax.random.key(0), concatenate=True)
+  assert out["x"].shape == (40,)
+  assert len(waited) == 20 - parallel.MAX_PROGRAMS_IN_FLIGHT < 20
+
+
+@pytest.mark.slow
+def test_the_abort_reproducer_runs_to_its_end():
+  """``experiments/abort_repro.py`` under the conditions in which the metrics, dispatched
+  operation by operation, aborted (another process compiling, a prefetch thread, new shapes,
+  released caches): the library's path, for 10 s, ends normally and nothing waits in a
+  collective."""
+  import json
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run(
+      [sys.executable, "experiments/abort_repro.py", "--seconds", "10", "--new-shapes",
+       "--release-every", "20", "--prefetch", "--siblings", "1"],
+      cwd=root, capture_output=True, text=True, timeout=240)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "may be stuck" not in result.stderr
+  assert json.loads(result.stdout.strip().splitlines()[-1])["iterations"] > 0

@@ -25,7 +25,8 @@ def _run_suite(tmp_path, body: str, *options: str) -> tuple:
       [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"), "--rootdir",
        str(tmp_path), "-p", "no:cacheprovider", *options, str(tmp_path)],
       cwd=tmp_path, capture_output=True, text=True, timeout=120,
-      env={**os.environ, "PYTHONPATH": str(ROOT)})  # tests.worker_stderr, which addopts loads
+      # tests.worker_stderr (addopts loads it) importable; its logs in tmp_path, not in /tmp.
+      env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)})
   return result.returncode, result.stdout + result.stderr, time.monotonic() - start
 
 

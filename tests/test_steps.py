@@ -113,17 +113,18 @@ def test_gradient_accumulation_gives_the_full_batch_update_without_batchnorm():
 
 def test_half_precision_training_tracks_float32_and_keeps_float32_state():
   """The quickstart recipe and data (digits, smoothing + MC dropout, width 4, one block a stage)
-  for 20 steps in float32 and with ``half_precision``, from the same initialisation, batches and
-  dropout keys: every step's loss agrees within 5% (bfloat16 rounds each operation by up to
-  2⁻⁹ ≈ 0.2%; the losses here measured within 1%), and parameters, BatchNorm statistics and
-  optimizer state — what checkpoints save — stay float32."""
-  import itertools
+  for 20 steps on one batch in float32 and with ``half_precision``, from the same initialisation
+  and dropout keys: the loss falls (2.32 to 2.18 measured), every step's loss agrees within 3%
+  (bfloat16 rounds each operation by up to 2⁻⁹ ≈ 0.2%; the losses here measured within 1.2%), and
+  parameters, BatchNorm statistics and optimizer state — what checkpoints save — stay float32."""
   from configs import quickstart
   from smoothing_jax.data import create_pipeline
   config = override(quickstart.get_config("runlocal"),
                     **model_options(width=4, stage_sizes=(1, 1, 1, 1)))
   pipeline = create_pipeline("digits", config.batch_size, 0)
-  batches = list(itertools.islice(pipeline.train_iterator(), 20))
+  # One batch 20 times: the loss falls steadily as the batch is learnt (on 20 different batches a
+  # model this narrow stays near ln 10 and the two runs would agree trivially).
+  batches = [next(pipeline.train_iterator())] * 20
   schedule = create_learning_rate_schedule(config, pipeline.steps_per_epoch)
   spec = ModelSpec(10, "cifar", (32, 32, 3))
   losses = {}
@@ -142,5 +143,5 @@ def test_half_precision_training_tracks_float32_and_keeps_float32_state():
     floats = [x for x in jax.tree.leaves((state.params, state.batch_stats, state.opt_state))
               if jnp.issubdtype(x.dtype, jnp.floating)]  # (optax's step counts are integers)
     assert floats and all(x.dtype == jnp.float32 for x in floats)
-  assert losses[False][-1] < losses[False][0]  # it trains
-  np.testing.assert_allclose(losses[True], losses[False], rtol=0.05)
+  assert losses[False][-1] < losses[False][0] - 0.05  # it learns the batch
+  np.testing.assert_allclose(losses[True], losses[False], rtol=0.03)

@@ -148,7 +148,8 @@ def test_vit_recipe_resume_is_bit_identical(tmp_path):
                     batch_size=8,
                     num_train_steps=4,
                     checkpoint_every_steps=2,
-                    ensemble_sizes=(1,))
+                    ensemble_sizes=(1,),
+                    num_devices=1)
   with tfds.testing.mock_data(num_examples=16):
     full = train.train_and_evaluate(config, str(tmp_path / "full"))
     train.train_and_evaluate(config, str(tmp_path / "cut"), stop_after_steps=2)

@@ -56,7 +56,7 @@ except WorkdirLockedError:
   print("refused", flush=True)
 else:
   print("won", flush=True)
-  time.sleep(5)
+  time.sleep(3)  # past the others' attempts (a lease's settle time included)
   lock.release()
 """
 

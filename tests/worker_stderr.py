@@ -7,11 +7,13 @@ temporary file during each test and reports it when the test ends, which an abor
 does (``addopts`` now has ``--capture=sys``: Python's ``sys.stderr`` is still captured, native
 writes go to the real descriptor).  And the controller prints only that the worker crashed.  Here
 each worker sends descriptor 2 through ``tee`` (a separate process, so that what is in the pipe
-when the worker dies still arrives) into ``<dir>/<worker>.log`` and to the console; when a worker
+when the worker dies still arrives) into ``<dir>/<worker>.log`` and to the console (without the
+libraries' start-up chatter, :data:`CHATTER`); when a worker
 goes down, the controller prints the end of its log and where the log is.  The logs are removed
 after a run in which no worker crashed.
 """
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -19,18 +21,26 @@ import time
 
 ENV = "SMOOTHING_JAX_WORKER_STDERR"
 TAIL_LINES = 40
+# Kept in the log, not shown on the console: TensorFlow's import-time lines (TF_CPP_MIN_LOG_LEVEL
+# does not silence them) and jupyter's warning at every kernel start.
+CHATTER = "|".join([r"^WARNING: All log messages before absl::InitializeLog\(\)",
+                    r"port\.cc:[0-9]+\] oneDNN custom operations are on",
+                    r"Kernel is running over TCP without encryption"])
 
 
 def pytest_configure(config):
   worker = os.environ.get("PYTEST_XDIST_WORKER")
   if worker is None:  # the controller: the workers it starts inherit the folder
-    if not config.getoption("numprocesses", None):
-      return
     os.environ[ENV] = tempfile.mkdtemp(prefix="smoothing_jax_worker_stderr_")
     config._worker_stderr_crashed = False
-  elif os.environ.get(ENV):
-    tee = subprocess.Popen(["tee", "-a", os.path.join(os.environ[ENV], f"{worker}.log")],
-                           stdin=subprocess.PIPE, stdout=2)
+    if config.getoption("numprocesses", None):
+      return
+    worker = "main"  # -n 0: the tests run in this process
+  if os.environ.get(ENV):
+    log = shlex.quote(os.path.join(os.environ[ENV], f"{worker}.log"))
+    tee = subprocess.Popen(
+        ["sh", "-c", f"tee -a {log} | grep --line-buffered -v -E {shlex.quote(CHATTER)} >&2"],
+        stdin=subprocess.PIPE)
     os.dup2(tee.stdin.fileno(), 2)
     tee.stdin.close()  # descriptor 2 is now the only writer: tee ends when the worker does
     config._worker_stderr_tee = tee
