@@ -45,22 +45,32 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
 
+# The children end when this process does, even when it aborts (no `finally` runs then): each
+# checks that its parent is still the one that started it.
 SIBLING = """
-import itertools, jax, jax.numpy as jnp
+import itertools, os, sys, jax, jax.numpy as jnp
 for n in itertools.count(1):
   jax.jit(lambda x: jnp.tanh(x) * n)(jnp.ones((n % 97 + 1, 3))).block_until_ready()
   if n % 200 == 0:
     jax.clear_caches()
+  if os.getppid() != int(sys.argv[1]):
+    break
 """
 
-STRESS = "while True: pass"
+STRESS = """
+import itertools, os, sys
+for n in itertools.count():
+  if n % 1000000 == 0 and os.getppid() != int(sys.argv[1]):
+    break
+"""
 
 
 def _children(args) -> list:
   """The sibling compilers and the busy loops, sharing this process's environment (and so its
   persistent compilation cache)."""
-  return ([subprocess.Popen([sys.executable, "-c", SIBLING]) for _ in range(args.siblings)] +
-          [subprocess.Popen([sys.executable, "-c", STRESS]) for _ in range(args.stress)])
+  me = str(os.getpid())
+  return ([subprocess.Popen([sys.executable, "-c", SIBLING, me]) for _ in range(args.siblings)] +
+          [subprocess.Popen([sys.executable, "-c", STRESS, me]) for _ in range(args.stress)])
 
 
 def run(args) -> dict:

@@ -61,6 +61,9 @@ from smoothing_jax.workdir import write_json  # noqa: E402
 from tests.helpers import (MICRO_VIT, TINY_UNET, init_variables, max_memory_maps,  # noqa: E402
                            memory_maps, model_options, override, release_compiled_executables)
 
+# Each worker's native stderr kept in a file and shown when it crashes (see the module).
+pytest_plugins = ("tests.worker_stderr",)
+
 # A worker at this share of vm.max_map_count after releasing a file's executables fails that file
 # with a message, before XLA aborts the worker at the limit.
 MAX_MAPS_SHARE = 0.5

@@ -23,9 +23,10 @@ def _run_suite(tmp_path, body: str, *options: str) -> tuple:
   start = time.monotonic()
   result = subprocess.run(
       [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"), "--rootdir",
-       str(tmp_path), "-p", "no:cacheprovider", *options, str(tmp_path)],
+       str(tmp_path), "-p", "no:cacheprovider", "-p", "tests.worker_stderr", *options,
+       str(tmp_path)],
       cwd=tmp_path, capture_output=True, text=True, timeout=120,
-      # tests.worker_stderr (addopts loads it) importable; its logs in tmp_path, not in /tmp.
+      # tests.worker_stderr (conftest.py loads it) importable; its logs in tmp_path, not in /tmp.
       env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)})
   return result.returncode, result.stdout + result.stderr, time.monotonic() - start
 

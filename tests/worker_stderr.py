@@ -1,10 +1,10 @@
-"""Pytest plugin (``-p tests.worker_stderr`` in ``pyproject.toml``): each xdist worker's native
+"""Pytest plugin (``pytest_plugins`` of ``tests/conftest.py``): each xdist worker's native
 stderr is kept in a file, so that the line XLA writes before aborting a process
 (``F…``/``Check failed: …``) survives the crash.
 
 Two things lost it before.  pytest's default ``--capture=fd`` points file descriptor 2 at a
 temporary file during each test and reports it when the test ends, which an aborted worker never
-does (``addopts`` now has ``--capture=sys``: Python's ``sys.stderr`` is still captured, native
+does (``addopts`` has ``--capture=sys``: Python's ``sys.stderr`` is still captured, native
 writes go to the real descriptor).  And the controller prints only that the worker crashed.  Here
 each worker sends descriptor 2 through ``tee`` (a separate process, so that what is in the pipe
 when the worker dies still arrives) into ``<dir>/<worker>.log`` and to the console (without the
