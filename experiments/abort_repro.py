@@ -86,7 +86,7 @@ def run(args) -> dict:
   if args.eager:  # what from_model_output and merge were: one program per operation
     def statistics(probs, labels, mask):
       return metrics.UncertaintyMetrics(
-          **metrics._batch_statistics.__wrapped__(probs, labels, mask, 10, 0.9))
+          **metrics.batch_statistics.__wrapped__(probs, labels, mask, 10, 0.9))
     merge = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
   else:
     statistics, merge = metrics.UncertaintyMetrics.from_model_output, metrics.add_statistics

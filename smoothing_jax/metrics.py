@@ -93,10 +93,12 @@ def add_statistics(a, b):
 
 
 @functools.partial(jax.jit, static_argnames=("num_bins", "cutoff"))
-def _batch_statistics(probs, labels, mask, num_bins: int, cutoff: float) -> dict:
-  """:meth:`UncertaintyMetrics.from_model_output`'s statistics as one compiled program (called
-  eagerly, on arrays sharded over several CPU devices, its thirty-odd operations were as many
-  programs in flight at once: see ``experiments/abort_repro.py``)."""
+def batch_statistics(probs, labels, mask, num_bins: int, cutoff: float) -> dict:
+  """The fields of :meth:`UncertaintyMetrics.from_model_output` (``probs [..., C]``, ``labels
+  [...]``, ``mask`` over their leading axes or None) as one compiled program: called eagerly on
+  arrays sharded over several CPU devices, its thirty-odd operations were as many programs in
+  flight at once (``experiments/abort_repro.py``; ``batch_statistics.__wrapped__`` is the
+  op-by-op version)."""
   num_classes = probs.shape[-1]
   probs = probs.reshape(-1, num_classes).astype(jnp.float32)
   w = label_mask(labels, num_classes,
@@ -162,7 +164,7 @@ class UncertaintyMetrics(clu.metrics.Metric):
     """
     probs, labels = jnp.asarray(probs), jnp.asarray(labels)
     _check_predictions(probs, labels, mask)
-    return cls(**_batch_statistics(probs, labels, mask, num_bins, cutoff), cutoff=cutoff)
+    return cls(**batch_statistics(probs, labels, mask, num_bins, cutoff), cutoff=cutoff)
 
   def merge(self, other: "UncertaintyMetrics") -> "UncertaintyMetrics":
     if self.cutoff != other.cutoff or self.bin_count.shape != other.bin_count.shape:
