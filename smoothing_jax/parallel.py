@@ -116,7 +116,8 @@ def prefetch_to_devices(batches: Iterable[dict], sharding, size: int = 2) -> Ite
 # collective, later programs that wait for its result can take every slot of one device before its
 # part on that device is launched: the other parts wait in the collective's rendezvous, and after
 # 40 s XLA aborts the process ("Termination timeout for `all reduce ...`"; reproduced with stacks by
-# experiments/abort_repro.py at jax/jaxlib 0.10.2).  Our loops keep few programs unfinished.
+# experiments/abort_repro.py at jax/jaxlib 0.10.2 and 0.11.2).  Our loops keep few programs
+# unfinished.
 MAX_PROGRAMS_IN_FLIGHT = 8
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import fcntl
 import json
 import os
 import socket
@@ -41,8 +42,9 @@ import time
 import uuid
 from typing import Iterator, Optional
 
+import jax
+import numpy as np
 from absl import logging
-from etils import epath
 
 from smoothing_jax.workdir import is_uri, workdir_path
 
@@ -115,7 +117,6 @@ class WorkdirLock:
     while True:
       fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
       try:
-        import fcntl
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
       except BlockingIOError:
         holder = self._read_fd(fd, wait_for_record=True)
@@ -162,11 +163,13 @@ class WorkdirLock:
     except FileNotFoundError:
       return None
 
-  def _write_lease(self, since: Optional[str] = None) -> None:
+  def _write_lease(self, since: Optional[str] = None) -> dict:
+    """Write this holder's record (``since`` kept across heartbeats); returns it."""
     record = _holder_record(self.lease_seconds, self._token)
     if since:
       record["since"] = since
     self.path.write_text(json.dumps(record))
+    return record
 
   def _acquire_lease(self) -> None:
     holder = self._read_lease()
@@ -176,8 +179,7 @@ class WorkdirLock:
         raise self._refuse(holder)
       self._take_over(holder, f"whose lease expired {age:.0f} s after its last heartbeat")
     self._token = uuid.uuid4().hex
-    self._write_lease()
-    since = self._read_lease()["since"]
+    since = self._write_lease()["since"]
     time.sleep(self.settle_seconds)
     holder = self._read_lease()
     if not holder or holder.get("token") != self._token:
@@ -251,7 +253,6 @@ def lock_workdir(workdir, **options) -> Iterator[WorkdirLock]:
   """Hold ``workdir``'s lock for the ``with`` body (re-entrant: a nested call for the same workdir
   shares the outer lock).  In a multi-process job process 0 takes it, and every process raises
   :class:`WorkdirLockedError` when process 0 could not."""
-  import jax
   key = str(workdir_path(workdir))
   with _HELD_GUARD:
     held = _HELD.get(key)
@@ -265,7 +266,6 @@ def lock_workdir(workdir, **options) -> Iterator[WorkdirLock]:
     except WorkdirLockedError as refused:
       error = refused
   if jax.process_count() > 1:
-    import numpy as np
     from jax.experimental import multihost_utils
     refused_on_0 = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
     if refused_on_0 and error is None:

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 
 os.environ["XLA_FLAGS"] = " ".join([
     os.environ.get("XLA_FLAGS", ""),
@@ -281,6 +282,9 @@ def pytest_collection_modifyitems(items):
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+# This process's name in the per-process files below: the xdist worker's, or "main" with -n 0.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+
 # XLA compilations of each test file, counted when SMOOTHING_JAX_COMPILE_LOG=<dir> is set: each
 # process writes ``<dir>/<worker>.json`` with, per file, the backend compiles, their seconds and
 # the programs read back from the persistent compilation cache.  What the suite budget is made of.
@@ -306,8 +310,7 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
   directory = os.environ.get("SMOOTHING_JAX_COMPILE_LOG")
   if directory and _COMPILES:
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    with open(os.path.join(directory, f"{worker}.json"), "w") as f:
+    with open(os.path.join(directory, f"{WORKER}.json"), "w") as f:
       json.dump(_COMPILES, f, indent=1)
 
 
@@ -317,20 +320,19 @@ def pytest_runtest_protocol(item, nextitem):
   _CURRENT_FILE[0] = item.path.name
   directory = os.environ.get("SMOOTHING_JAX_TEST_ORDER")
   if directory:
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    with open(os.path.join(directory, f"{worker}.txt"), "a") as f:
+    with open(os.path.join(directory, f"{WORKER}.txt"), "a") as f:
       f.write(item.nodeid + "\n")
 
 
-def pytest_runtest_logfinish(nodeid, location):
-  """With SMOOTHING_JAX_TEST_RESOURCES=<dir>, append after each test a line ``<unix time> <memory
-  mappings> <RSS kB> <threads> <node id>`` of this process to ``<dir>/<worker>.tsv``: where a
-  worker's mappings, memory or threads grow."""
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+  """With SMOOTHING_JAX_TEST_RESOURCES=<dir>, append at the end of each test a line ``<unix time>
+  <memory mappings> <RSS kB> <threads> <node id>`` of the process that ran it to
+  ``<dir>/<worker>.tsv``: where a worker's mappings, memory or threads grow.  (A teardown hook:
+  the xdist controller, which only relays reports, runs none.)"""
   directory = os.environ.get("SMOOTHING_JAX_TEST_RESOURCES")
   if directory:
-    import time
     status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    with open(os.path.join(directory, f"{worker}.tsv"), "a") as f:
+    with open(os.path.join(directory, f"{WORKER}.tsv"), "a") as f:
       f.write(f"{time.time():.0f}\t{memory_maps()}\t{status['VmRSS'].split()[0]}\t"
-              f"{status['Threads'].strip()}\t{nodeid}\n")
+              f"{status['Threads'].strip()}\t{item.nodeid}\n")
