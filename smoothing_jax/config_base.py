@@ -60,6 +60,9 @@ def base_config() -> ml_collections.ConfigDict:
   # A class-balanced part of the training split held out (seeded by ``seed``, never trained on):
   # the examples the ``calibration`` evaluator fits its temperature on (0: none).
   config.holdout_fraction = 0.0
+  # The seed of those two draws (-1: ``seed``).  An ensemble's members share its split; a member
+  # written out as a run of its own (seed + m) records the ensemble's seed here.
+  config.data_split_seed = -1
   config.num_devices = -1           # -1: all devices of all hosts
   config.half_precision = False     # compute in bfloat16 (parameters and statistics stay float32)
   config.prefetch_batches = 2       # tf.data: global batches put on the devices ahead of the step
@@ -127,6 +130,14 @@ def base_config() -> ml_collections.ConfigDict:
   config.ood_datasets = ()
   # MC ensemble sizes evaluated (deterministic models use N = 1).
   config.ensemble_sizes = (1, 2, 3, 4, 5, 10, 20, 50)
+  # A deep ensemble of M members trained as one job (smoothing_jax.ensemble): member m is the
+  # single run with seed + m; the evaluators report the ensembles of its first N = 1..M members.
+  config.ensemble_members = 1
+  # Every member trains on the batches of ``seed`` (for speed comparisons; members then differ by
+  # initialisation and dropout only).
+  config.ensemble_shared_batches = False
+  # Members vmapped together in the step (1: unrolled, M: all vmapped; 0: per backend).
+  config.ensemble_vmap_size = 0
   # Samples evaluated together (None: inference.default_chunk_size, 1 on CPU, 10 on GPU/TPU).
   config.eval_chunk_size = placeholder(int)
   # A file prefix keeping the preprocessed evaluation images after the first evaluation ("": off;

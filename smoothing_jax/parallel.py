@@ -48,12 +48,12 @@ def eval_batch_size(config, mesh: Mesh) -> int:
   return -(-config.eval_batch_size // mesh.size) * mesh.size
 
 
-def shard_batch(batch: dict, sharding) -> dict:
-  """Assemble global arrays from this process's part of the batch (host arrays); global
-  ``jax.Array`` s (a device-resident pipeline's batches) are already assembled."""
-  return {k: v if isinstance(v, jax.Array) else
-          jax.make_array_from_process_local_data(sharding, np.asarray(v))
-          for k, v in batch.items()}
+def shard_batch(batch, sharding):
+  """Assemble global arrays from this process's part of the batch (a pytree of host arrays, e.g.
+  a dict, or a tuple of an ensemble's member batches); global ``jax.Array`` s (a device-resident
+  pipeline's batches) are already assembled."""
+  return jax.tree.map(lambda v: v if isinstance(v, jax.Array) else
+                      jax.make_array_from_process_local_data(sharding, np.asarray(v)), batch)
 
 
 class _Failure:

@@ -89,12 +89,19 @@ def plot_reliability_diagram(metrics: UncertaintyMetrics, title: Optional[str] =
   return fig
 
 
-def plot_ensemble_sizes(rows: list, title: str = ""):
-  """NLL, accuracy and ECE against ensemble size (paper Fig. 3 layout); returns the Figure."""
-  sizes = [r["ensemble_size"] for r in rows]
+def plot_ensemble_sizes(rows, title: str = ""):
+  """NLL, accuracy and ECE against ensemble size (paper Fig. 3 layout), of one list of rows or of
+  ``{label: rows}`` (one line each, e.g. SS Fig. E.1's ensembles with and without smoothing);
+  returns the Figure."""
+  series = rows if isinstance(rows, dict) else {None: rows}
+  sizes = sorted({r["ensemble_size"] for rows in series.values() for r in rows})
   fig, panels = _metric_panels(("nll", "acc", "ece"), (11, 3.2))
   for ax, key, label, scale in panels:
-    ax.plot(sizes, [scale * r[key] for r in rows], "o-")
+    for name, rows in series.items():
+      ax.plot([r["ensemble_size"] for r in rows], [scale * r[key] for r in rows], "o-",
+              label=name)
+    if len(series) > 1 and key == "nll":
+      ax.legend()
     ax.set_xscale("log")
     ax.set_xticks(sizes, [str(s) for s in sizes])
     ax.set_xlabel("ensemble size")

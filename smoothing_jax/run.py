@@ -28,7 +28,7 @@ from smoothing_jax import checkpoints, init_from
 from smoothing_jax import workdir as workdir_lib
 from smoothing_jax.config import with_overrides
 from smoothing_jax.data import Pipeline, create_pipeline
-from smoothing_jax.inference import mc_predict
+from smoothing_jax.inference import ensemble_predict, mc_predict
 from smoothing_jax.parallel import (create_mesh, evaluate_batches, eval_batch_size,
                                     sharded_eval_step, shardings)
 from smoothing_jax import spec as spec_lib
@@ -38,7 +38,7 @@ from smoothing_jax.workdir_lock import lock_workdir
 
 
 # Config keys that decide which training examples a run trained on and held out.
-DATA_SPLIT_KEYS = ("seed", "train_fraction", "holdout_fraction")
+DATA_SPLIT_KEYS = ("seed", "data_split_seed", "train_fraction", "holdout_fraction")
 
 
 def create_run_pipeline(config, mesh: Mesh) -> Pipeline:
@@ -50,13 +50,26 @@ def create_run_pipeline(config, mesh: Mesh) -> Pipeline:
       config.get("download", True),
       (rand.num_layers, rand.magnitude, rand.magnitude_std) if rand else None,
       config.get("crop_size"), config.get("eval_cache", ""), config.get("train_fraction", 1.0),
-      config.get("data_pipeline", "auto"), mesh, config.get("holdout_fraction", 0.0))
+      config.get("data_pipeline", "auto"), mesh, config.get("holdout_fraction", 0.0),
+      split_seed(config))
+
+
+def split_seed(config) -> int:
+  """The seed of the training split's ``train_fraction`` / ``holdout_fraction`` draws:
+  ``config.data_split_seed``, or ``config.seed`` where it is -1 (or unrecorded)."""
+  seed = config.get("data_split_seed", -1)
+  return config.seed if seed == -1 else seed
 
 
 def _mean_probs(model, num_samples, chunk_size, variables, batch, rng):
   """``[B, C]`` mean predictive of one batch of normalised images (``Run.predict``)."""
   return mc_predict(model, variables, batch["image"], num_samples=num_samples, rng=rng,
                     chunk_size=chunk_size).mean_probs
+
+
+def _ensemble_mean_probs(model, variables, batch, rng):
+  """``[B, C]`` mean predictive of a stacked ensemble on one batch (``Run.predict``)."""
+  return ensemble_predict(model, variables, batch["image"], rng=rng).mean_probs
 
 
 @dataclasses.dataclass(eq=False)
@@ -178,6 +191,45 @@ class Run:
                                     self.mesh)
     self.variables, self.step = jax.device_put(variables, shardings(self.mesh)[0]), 0
 
+  # Deep ensembles trained as one job (``config.ensemble_members``; smoothing_jax.ensemble).
+  @property
+  def ensemble_members(self) -> int:
+    """M: the members stacked along the leading axis of :attr:`variables` (1: one model)."""
+    return self.config.get("ensemble_members", 1)
+
+  def member(self, m: int) -> "Run":
+    """Member ``m`` of an ensemble run as a run of its own (read-only, in this workdir): the
+    single run with seed + ``m``, its variables the ensemble's slice ``m``; what per-model
+    analyses take.  :meth:`write_member` writes it out as a workdir."""
+    if not 0 <= m < self.ensemble_members:
+      raise ValueError(f"{self.workdir} holds an ensemble of {self.ensemble_members} members; "
+                       f"there is no member {m}.")
+    config = with_overrides(self.config, {"seed": self.config.seed + m, "ensemble_members": 1,
+                                          "data_split_seed": split_seed(self.config)})
+    variables = jax.tree.map(lambda x: x[m], self.variables)
+    return dataclasses.replace(self, config=config, variables=variables, read_only=True)
+
+  def write_member(self, m: int, workdir: str) -> "Run":
+    """Write member ``m`` of this ensemble workdir into the empty ``workdir`` as the single run
+    it is (config with seed + m, the checkpoint of the latest step with that member's slice of
+    the train state: parameters, BatchNorm statistics, optimizer state; it resumes and every
+    evaluator and analysis reads it); returns it, restored."""
+    member = self.member(m)
+    if checkpoints.has_checkpoint(workdir) or checkpoints.has_run(workdir):
+      raise ValueError(f"{workdir} already holds a run; write the member into a new workdir.")
+    with lock_workdir(workdir):
+      replicated, _ = shardings(self.mesh)
+      with checkpoints.checkpoint_manager(self.workdir, read_only=True) as source:
+        step = self.step or source.latest_step()
+        tree = source.restore(step, args=ocp.args.StandardRestore(checkpoints.abstract_tree(
+            source.item_metadata(step).tree, replicated)))
+      tree = {k: v if k == "step" else jax.tree.map(lambda x: x[m], v) for k, v in tree.items()}
+      workdir_lib.record_run(workdir, member.config, self.model_spec)
+      with checkpoints.checkpoint_manager(workdir) as target:
+        target.save(step, args=ocp.args.StandardSave(tree))
+        target.wait_until_finished()
+    return Run.from_workdir(workdir, mesh=self.mesh)
+
   def close(self) -> None:
     """Wait for checkpoints being written, then close the manager (if one was opened)."""
     manager = self.__dict__.pop("manager", None)
@@ -203,16 +255,20 @@ class Run:
   def predict(self, images, num_samples: int = 1, rng: Optional[jax.Array] = None,
               batch_size: int = 500) -> np.ndarray:
     """Mean predictive ``[B, C]`` (numpy) of normalised ``images`` over ``num_samples`` MC
-    samples, in batches of ``batch_size`` (at most the number of images, rounded up to the mesh)
-    through the sharded evaluation loop."""
+    samples (an ensemble run's: over its members, one sample each), in batches of
+    ``batch_size`` (at most the number of images, rounded up to the mesh) through the sharded
+    evaluation loop."""
     rng = jax.random.key(0) if rng is None else rng
     num_samples = num_samples if self.stochastic else 1
     images = np.asarray(images, np.float32)
     size = -(-min(batch_size, len(images)) // self.mesh.size) * self.mesh.size
     pad = -len(images) % size
     padded = np.concatenate([images, np.zeros((pad,) + images.shape[1:], np.float32)])
-    step = sharded_eval_step(_mean_probs, self.mesh, self.model, num_samples,
-                             self.config.get("eval_chunk_size"))
+    if self.ensemble_members > 1:  # the mean of the members' probabilities, one sample each
+      step = sharded_eval_step(_ensemble_mean_probs, self.mesh, self.model)
+    else:
+      step = sharded_eval_step(_mean_probs, self.mesh, self.model, num_samples,
+                               self.config.get("eval_chunk_size"))
     batches = ({"image": padded[i:i + size]} for i in range(0, len(padded), size))
     probs = evaluate_batches(step, self.variables, batches, shardings(self.mesh)[1], rng,
                              concatenate=True)

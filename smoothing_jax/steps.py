@@ -38,13 +38,15 @@ def create_train_state(config, model, rng, image_shape, schedule) -> TrainState:
   new leaf shape an eager operation compiled (and kept) on its own.
   """
   tx = create_optimizer(config, schedule, model)
+  return jax.jit(functools.partial(init_train_state, model, tx, image_shape))(rng)
 
-  def init(rng):
-    variables = model.init({"params": rng, **sample_rngs(rng)},
-                           jnp.zeros((1,) + tuple(image_shape)))
-    return TrainState.create(apply_fn=model.apply, params=variables["params"],
-                             batch_stats=variables.get("batch_stats", {}), tx=tx)
-  return jax.jit(init)(rng)
+
+def init_train_state(model, tx, image_shape, rng) -> TrainState:
+  """The train state of ``model`` initialised from ``rng`` (pure: under ``jit``, or ``vmap`` over
+  keys for the members of an ensemble)."""
+  variables = model.init({"params": rng, **sample_rngs(rng)}, jnp.zeros((1,) + tuple(image_shape)))
+  return TrainState.create(apply_fn=model.apply, params=variables["params"],
+                           batch_stats=variables.get("batch_stats", {}), tx=tx)
 
 
 def split_micro_batches(batch, num_micro_batches: int):

@@ -21,6 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from smoothing_jax import ensemble
 from smoothing_jax import ibnn
 from smoothing_jax import init_from
 from smoothing_jax.callbacks import Callback, Preempted, Preemption
@@ -71,13 +72,14 @@ def _all_finite(state: TrainState):
 
 
 def _check_finite(pending: list, last_good_step: int, checkpoint_dir):
-  """Raise ``FloatingPointError`` naming the first step whose loss is not finite."""
+  """Raise ``FloatingPointError`` naming the first step whose loss (an ensemble's: any member's)
+  is not finite."""
   for step, loss in pending:
-    loss = float(loss)
-    if not np.isfinite(loss):
+    loss = np.asarray(loss)
+    if not np.all(np.isfinite(loss)):
       raise FloatingPointError(
-          f"Non-finite training loss ({loss}) at step {step}. Training stopped; the last good "
-          f"checkpoint (step {last_good_step}) is kept in {checkpoint_dir}.")
+          f"Non-finite training loss ({loss.tolist()}) at step {step}. Training stopped; the last "
+          f"good checkpoint (step {last_good_step}) is kept in {checkpoint_dir}.")
   pending.clear()
 
 
@@ -118,9 +120,17 @@ def _train(run: Run, lock, stop_after_steps: Optional[int], callbacks: Sequence[
   callbacks = [TrajectoryRecorder.for_run(config, run.workdir, num_steps), preemption,
                *callbacks]
 
+  members = ensemble.check_ensemble_config(config, run.model)
   init_rng, dropout_rng, eval_rng = jax.random.split(jax.random.key(config.seed), 3)
-  state = jax.device_put(
-      create_train_state(config, run.model, init_rng, pipeline.image_shape, schedule), replicated)
+  if members == 1:
+    state = create_train_state(config, run.model, init_rng, pipeline.image_shape, schedule)
+  else:  # stacked members; member m's keys are those of the single run with seed + m
+    ensemble.check_ensemble_fits(config, run.model, members, pipeline.image_shape, schedule,
+                                 mesh.devices.flat)
+    state = ensemble.create_ensemble_state(config, run.model, members, pipeline.image_shape,
+                                           schedule)
+    dropout_rng = ensemble.member_keys(config, members, 1)
+  state = jax.device_put(state, replicated)
   checkpoint_dir = workdir_lib.checkpoint_dir(run.workdir)
   loss_fn = make_loss(config, run.model, num_train=pipeline.num_train,
                       steps_per_epoch=steps_per_epoch,
@@ -136,8 +146,17 @@ def _train(run: Run, lock, stop_after_steps: Optional[int], callbacks: Sequence[
   if jax.process_index() == 0:
     workdir_lib.write_config(run.workdir, config, run.model_spec)
 
-  train_step_fn, eval_step_fn = compile_steps(run.model, schedule, mesh, config.ece_bins, loss_fn,
-                                              config.grad_accum_steps, batch_sharding, pipeline)
+  if members == 1:
+    member_pipelines = [pipeline]
+    train_step_fn, eval_step_fn = compile_steps(run.model, schedule, mesh, config.ece_bins,
+                                                loss_fn, config.grad_accum_steps, batch_sharding,
+                                                pipeline)
+  else:
+    member_pipelines = ensemble.member_pipelines(config, pipeline, members)
+    train_step_fn, eval_step_fn = ensemble.compile_ensemble_steps(
+        run.model, schedule, mesh, config.ece_bins, loss_fn, config.grad_accum_steps,
+        batch_sharding, pipeline, member_pipelines,
+        config.get("ensemble_vmap_size", 0) or ensemble.default_vmap_size(members))
 
   report_progress = ProgressReporter(num_steps, writer)
   eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))
@@ -145,17 +164,22 @@ def _train(run: Run, lock, stop_after_steps: Optional[int], callbacks: Sequence[
   train_metrics, pending_losses = [], []
   in_flight = DispatchWindow()  # the host runs at most a few steps ahead (see parallel.py)
   last_good, stopped_by = start_step, []
-  logging.info("Training %s on %s: %d steps (%d per epoch), global batch %d on %d devices.",
-               config.model, config.dataset, num_steps, steps_per_epoch, config.batch_size,
-               mesh.size)
+  logging.info("Training %s%s on %s: %d steps (%d per epoch), global batch %d on %d devices.",
+               config.model, f" (an ensemble of {members})" if members > 1 else "",
+               config.dataset, num_steps, steps_per_epoch, config.batch_size, mesh.size)
 
   if pipeline.resident:  # the step takes its batch from the arrays on the devices
     batches = None
-    step_inputs = lambda step: (pipeline.arrays,  # noqa: E731
-                                pipeline.device_order((step - 1) // steps_per_epoch))
+    if members == 1:
+      step_inputs = lambda step: (pipeline.arrays,  # noqa: E731
+                                  pipeline.device_order((step - 1) // steps_per_epoch))
+    else:  # each member's order of the epoch
+      step_inputs = lambda step: (pipeline.arrays, tuple(  # noqa: E731
+          p.device_order((step - 1) // steps_per_epoch) for p in member_pipelines))
   else:  # the next global batches are assembled on the devices while the current step runs
-    batches = prefetch_to_devices(pipeline.train_iterator(start_step), batch_sharding,
-                                  config.prefetch_batches)
+    iterators = [p.train_iterator(start_step) for p in member_pipelines]
+    batches = prefetch_to_devices(iterators[0] if members == 1 else zip(*iterators),
+                                  batch_sharding, config.prefetch_batches)
     step_inputs = lambda step: (next(batches),)  # noqa: E731
   try:
     for callback in callbacks:
@@ -175,18 +199,29 @@ def _train(run: Run, lock, stop_after_steps: Optional[int], callbacks: Sequence[
       is_last = step == stop_at or bool(stopped_by)
       if step % config.log_every_steps == 0 or is_last:
         _check_finite(pending_losses, last_good, checkpoint_dir)
-        summary = {f"train_{k}": float(v) for k, v in jax.tree.map(
-            lambda *xs: np.mean(np.stack(xs)), *jax.device_get(train_metrics)).items()}
+        means = jax.tree.map(lambda *xs: np.mean(np.stack(xs), axis=0),
+                             *jax.device_get(train_metrics))  # an ensemble's: [M] each
+        summary = {f"train_{k}": float(np.mean(v)) for k, v in means.items()}
+        if members > 1:
+          means.pop("learning_rate")
+          summary.update(ensemble.member_summaries("train_", means, members))
         writer.write_scalars(step, summary)
         train_metrics = []
       report_progress(step)  # after the summary, which waits for the step: honest steps/s
       if step % eval_every == 0 or step == num_steps:
         with report_progress.timed("eval"):
           results = evaluate_batches(eval_step_fn, variables_of(state), run.eval_batches(),
-                                     data_sharding, eval_rng).compute()
-        writer.write_scalars(step, {
-            f"eval_{k}": v for k, v in results.items() if k in ("nll", "acc", "ece")
-        })
+                                     data_sharding, eval_rng)
+        reported = ("nll", "acc", "ece")
+        if members == 1:
+          writer.write_scalars(step, {f"eval_{k}": v for k, v in results.compute().items()
+                                      if k in reported})
+        else:  # the ensemble (the mean of the members' probabilities), then each member
+          whole, *each = (r.compute() for r in results)
+          writer.write_scalars(step, {
+              **{f"eval_{k}": whole[k] for k in reported},
+              **ensemble.member_summaries("eval_", {k: [r[k] for r in each] for k in reported},
+                                          members)})
       if step % config.checkpoint_every_steps == 0 or is_last:
         _check_finite(pending_losses, last_good, checkpoint_dir)
         if not bool(_all_finite(state)):

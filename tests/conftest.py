@@ -141,7 +141,7 @@ def images():
 
 @pytest.fixture(scope="session")
 def analysis_workdirs(tmp_path_factory):
-  """Two workdirs of 16×16 MC dropout ResNets (one block a stage, width 4, one device), without
+  """Two workdirs of 16×16 MC dropout ResNets (one stage of one block, width 4, one device), without
   and with smoothing, on a small ``npz:`` set, as a run records them at step 0 (initialised, not
   trained): what loading, evaluation and the analyses read.  Training is tested in test_train.py."""
   from configs import cifar_resnet
@@ -151,7 +151,7 @@ def analysis_workdirs(tmp_path_factory):
     return {
         label: _initialised_workdir(
             override(cifar_resnet.get_config(f"{name},npz:{root},runlocal"), num_devices=1),
-            root / name, width=4, stage_sizes=(1, 1, 1, 1))
+            root / name, width=4, stage_sizes=(1,))
         for label, name in (("MC dropout", "resnet_mcdo_18"), ("MC dropout + smoothing",
                                                                "resnet_mcdo_smoothing_18"))
     }

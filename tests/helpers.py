@@ -85,12 +85,12 @@ def tiny_run(config, **overrides):
 
 
 def tiny_config(**overrides):
-  """A narrow ``resnet_mcdo_smoothing_18`` with one block a stage on CIFAR-10 (mock data in
+  """A narrow ``resnet_mcdo_smoothing_18`` with one stage of one block on CIFAR-10 (mock data in
   tests): 4 steps of :func:`tiny_run`, ensemble sizes 1 and 3; then ``overrides``."""
   from configs import cifar_resnet
   config = cifar_resnet.get_config("resnet_mcdo_smoothing_18,cifar10,runlocal")
   return tiny_run(config, **{"num_train_steps": 4, "ensemble_sizes": (1, 3),
-                             "model_kwargs.stage_sizes": (1, 1, 1, 1), **overrides})
+                             "model_kwargs.stage_sizes": (1,), **overrides})
 
 
 class SmallNet(nn.Module):

@@ -88,7 +88,7 @@ def test_landscape_notebook_trains_empty_workdirs_first(analysis_workdirs, tmp_p
                 f"WORKDIRS = {{label: {str(tmp_path)!r} + '/' + keys['model'] "
                 f"for label, keys in MODELS.items()}}\n"
                 f"CONFIG = 'configs/cifar_resnet.py:dataset=npz:{quadrants},runlocal'\n"
-                "OVERRIDES = {'model_kwargs.width': 4, 'model_kwargs.stage_sizes': (1, 1, 1, 1), "
+                "OVERRIDES = {'model_kwargs.width': 4, 'model_kwargs.stage_sizes': (1,), "
                 "'batch_size': 16, 'num_train_steps': 4, 'num_devices': 1}\n")
   book = execute("loss_landscape", parameters + LANDSCAPE_TINY)
   assert images_in(book) == 2 * len(models)
@@ -104,7 +104,7 @@ def test_quickstart_notebook_trains_and_evaluates(tmp_path):
   book = execute(
       "quickstart",
       f"WORKDIR = {str(tmp_path / 'quickstart')!r}\nCONFIG_ARGS = 'runlocal'\nNUM_SAMPLES = 2\n"
-      "OVERRIDES = {'model_kwargs.stage_sizes': (1, 1, 1, 1), 'model_kwargs.width': 4, "
+      "OVERRIDES = {'model_kwargs.stage_sizes': (1,), 'model_kwargs.width': 4, "
       "'num_devices': 1, 'eval_batch_size': 128}")
   assert images_in(book) >= 2
   assert os.path.exists(tmp_path / "quickstart" / "results" / "ensemble_sizes.json")
@@ -132,7 +132,7 @@ def test_uncertainty_notebook_trains_and_runs_the_three_evaluators(analysis_work
       'MODELS = {"MC dropout + smoothing": {"model": "resnet_mcdo_smoothing_18"}}\n'
       f"SOURCE = 'npz:{quadrants}'\n"
       f"CONFIG = 'configs/cifar_resnet.py:dataset=npz:{quadrants},runlocal'\n"
-      "OVERRIDES = {'model_kwargs.width': 4, 'model_kwargs.stage_sizes': (1, 1, 1, 1), "
+      "OVERRIDES = {'model_kwargs.width': 4, 'model_kwargs.stage_sizes': (1,), "
       "'batch_size': 8, 'num_train_steps': 2, 'eval_batch_size': 16, 'num_devices': 1}\n"
       f"IN_CLASSES = (0, 1)\nSIZES = (1, 2)\nHOLDOUT_FRACTION = 0.25\nROOT = {str(tmp_path)!r}\n")
   book = execute("uncertainty", parameters)

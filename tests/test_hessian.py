@@ -26,7 +26,7 @@ def cross_entropy(logits, labels):
 
 def explicit_hessian(loss_fn, params):
   flat, unravel = ravel_pytree(params)
-  hessian = np.asarray(jax.hessian(lambda f: loss_fn(unravel(f)))(flat), np.float64)
+  hessian = np.asarray(jax.jit(jax.hessian(lambda f: loss_fn(unravel(f))))(flat), np.float64)
   return (hessian + hessian.T) / 2
 
 

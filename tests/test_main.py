@@ -118,7 +118,7 @@ def test_two_processes_stop_together_and_match_one_process(tmp_path):
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
   workdir = tmp_path / "two_processes"
-  sizes = {"model_kwargs.width": 4, "model_kwargs.stage_sizes": (1, 1, 1, 1), "batch_size": 16,
+  sizes = {"model_kwargs.width": 4, "model_kwargs.stage_sizes": (1,), "batch_size": 16,
            "log_every_steps": 5, "checkpoint_every_steps": 1000, "num_train_steps": 1000}
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"}

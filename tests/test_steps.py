@@ -112,15 +112,16 @@ def test_gradient_accumulation_gives_the_full_batch_update_without_batchnorm():
 
 
 def test_half_precision_training_tracks_float32_and_keeps_float32_state():
-  """The quickstart recipe and data (digits, smoothing + MC dropout, width 4, one block a stage)
-  for 20 steps on one batch in float32 and with ``half_precision``, from the same initialisation
-  and dropout keys: the loss falls (2.32 to 2.18 measured), every step's loss agrees within 3%
-  (bfloat16 rounds each operation by up to 2⁻⁹ ≈ 0.2%; the losses here measured within 1.2%), and
+  """The quickstart recipe and data (digits, smoothing + MC dropout, width 4, one stage of one
+  block) for 20 steps on one batch in float32 and with ``half_precision``, from the same
+  initialisation and dropout keys: the loss falls (2.42 to 2.26 measured), every step's loss
+  agrees within 3% (bfloat16 rounds each operation by up to 2⁻⁹ ≈ 0.2%; the losses here measured
+  within 0.1%, and within 1.2% with four stages), and
   parameters, BatchNorm statistics and optimizer state — what checkpoints save — stay float32."""
   from configs import quickstart
   from smoothing_jax.data import create_pipeline
   config = override(quickstart.get_config("runlocal"),
-                    **model_options(width=4, stage_sizes=(1, 1, 1, 1)))
+                    **model_options(width=4, stage_sizes=(1,)))
   pipeline = create_pipeline("digits", config.batch_size, 0)
   # One batch 20 times: the loss falls steadily as the batch is learnt (on 20 different batches a
   # model this narrow stays near ln 10 and the two runs would agree trivially).

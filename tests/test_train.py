@@ -101,7 +101,7 @@ def test_sigterm_and_sigkill_then_rerun_is_bit_identical(tmp_path):
     return [
         sys.executable, "-m", "smoothing_jax.main", f"--workdir={workdir}",
         f"--config={root}/configs/cifar_resnet.py:resnet_mcdo_smoothing_18,npz:{data},runlocal",
-        "--config.model_kwargs.width=4", "--config.model_kwargs.stage_sizes=(1, 1, 1, 1)",
+        "--config.model_kwargs.width=4", "--config.model_kwargs.stage_sizes=(1,)",
         "--config.batch_size=8", "--config.num_train_steps=24",
         "--config.checkpoint_every_steps=4", "--config.ensemble_sizes=(1,)",
         "--config.eval_batch_size=16"

@@ -54,13 +54,23 @@ from smoothing_jax.trajectory import load_trajectory
 TrainedModel = Run
 
 
-def load_trained(workdir: str) -> Run:
+def load_trained(workdir: str, member: Optional[int] = None) -> Run:
   """The run of ``workdir`` with the variables of its latest intact checkpoint
   (``Run.from_workdir``: its ``config.json`` picks model and data; training batches come from the
   ``train_fraction`` subset it trained on); a workdir without checkpoints that records
   ``init_from`` (e.g. ``--mode=evaluate`` of a torch checkpoint) gives those variables, at step
-  0."""
-  return Run.from_workdir(workdir)
+  0.  The analyses take one model: of an ensemble workdir (``config.ensemble_members``), its
+  ``member`` (``Run.member``)."""
+  run = Run.from_workdir(workdir)
+  if run.ensemble_members > 1:
+    if member is None:
+      raise ValueError(f"{workdir} holds an ensemble of {run.ensemble_members} members and the "
+                       "analyses take one model: pass member=<0.."
+                       f"{run.ensemble_members - 1}>.")
+    return run.member(member)
+  if member not in (None, 0):
+    raise ValueError(f"{workdir} holds one model; there is no member {member}.")
+  return run
 
 
 def load_or_train(workdir: str,

@@ -115,7 +115,8 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int,
                     randaugment: Optional[tuple] = None,
                     crop_size: Optional[tuple] = None, eval_cache: str = "",
                     train_fraction: float = 1.0, data_pipeline: str = "auto",
-                    mesh=None, holdout_fraction: float = 0.0) -> Pipeline:
+                    mesh=None, holdout_fraction: float = 0.0,
+                    split_seed: Optional[int] = None) -> Pipeline:
   """Load (or open, for ImageNet) ``dataset``; fail early with a clear message if it is missing.
 
   ``randaugment``: ``(num_layers, magnitude, magnitude_std)`` applied to training images
@@ -131,8 +132,10 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int,
   also keeps TensorFlow off the accelerators); ``mesh`` (default: all devices) holds a resident
   dataset.  ``holdout_fraction`` in [0, 1): a class-balanced part of the training split, seeded
   by ``seed``, is held out before ``train_fraction`` is drawn from the rest (never trained on;
-  ``holdout_images`` / ``holdout_labels``: what recalibration fits on).
+  ``holdout_images`` / ``holdout_labels``: what recalibration fits on).  ``split_seed`` (default
+  ``seed``) seeds those two draws instead, e.g. an ensemble's split shared by its members.
   """
+  split_seed = seed if split_seed is None else split_seed
   if data_pipeline not in DATA_PIPELINES:
     raise ValueError(f"data_pipeline must be one of {', '.join(DATA_PIPELINES)}, got "
                      f"{data_pipeline!r}.")
@@ -173,12 +176,12 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int,
                                            shard=not resident)
     mean, std = normalization(spec, train_images)
     if holdout_fraction > 0:
-      held = class_balanced_subset(train_labels, holdout_fraction, seed)
+      held = class_balanced_subset(train_labels, holdout_fraction, split_seed)
       rest = np.setdiff1d(np.arange(len(train_labels)), held)
       holdout_images, holdout_labels = train_images[held], train_labels[held]
       train_images, train_labels = train_images[rest], train_labels[rest]
     if train_fraction < 1:
-      kept = class_balanced_subset(train_labels, train_fraction, seed)
+      kept = class_balanced_subset(train_labels, train_fraction, split_seed)
       train_images, train_labels = train_images[kept], train_labels[kept]
     num_train = len(train_images)
     num_eval = len(eval_images) * (1 if resident else jax.process_count())

@@ -76,12 +76,31 @@ class Predictive:
   num_samples: int
 
 
+def check_single_model(run, evaluator: str) -> None:
+  """ValueError (one line) for an ensemble run given to an evaluator of one model's predictions."""
+  if run.ensemble_members > 1:
+    raise ValueError(f"The {evaluator} evaluator smooths one model's predictions over time; "
+                     f"{run.workdir} holds an ensemble of {run.ensemble_members} members: "
+                     "evaluate a member (Run.write_member(m, workdir), then --mode="
+                     f"{evaluator} on that workdir).")
+
+
 def predictive(run, members: Sequence[str] = (), sizes: Optional[Sequence[int]] = None
                ) -> Predictive:
   """The run's predictive: an iBNN's K·S draws (S = ``config.ibnn.eval_samples``; sizes up to
-  K·S), a deep ensemble of the run and the workdirs ``members`` (sizes 1..M), or MC dropout
-  (``sizes``, default ``config.ensemble_sizes``; N = 1 for deterministic models)."""
+  K·S), a deep ensemble (sizes 1..M: the first N members) of the run and the workdirs ``members``
+  or of an ensemble run's M stacked members (``config.ensemble_members``), or MC dropout
+  (``sizes``, default ``config.ensemble_sizes``; N = 1 for deterministic models).
+
+  Members with MC dropout give one sample each (member m's dropout key ``split(key, M)[m]``), so
+  N counts members, as in SS Fig. E.1's deep ensembles."""
   config, model = run.config, run.model
+  if run.ensemble_members > 1:
+    if members:
+      raise ValueError(f"{run.workdir} holds an ensemble of {run.ensemble_members} members "
+                       "already; --ensemble_workdirs joins single runs.")
+    return Predictive("deep_ensemble", run.variables, tuple(range(1, run.ensemble_members + 1)),
+                      1)
   if is_ibnn(model):
     total = model.num_components * config.ibnn.eval_samples
     sizes = sorted({n for n in (sizes or config.ensemble_sizes) if n < total} | {total})

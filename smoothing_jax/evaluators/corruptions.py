@@ -106,7 +106,10 @@ def evaluate(run, output_dir, *, baseline_csv: Optional[str] = None, num_samples
   baseline_csv = baseline_csv or default_baseline(base)
   baseline = read_corruption_table(baseline_csv) if baseline_csv else None  # bad files fail first
   num_samples = num_samples if model.dropout_rate > 0 else 1
-  step = sharded_eval_step(ensemble_metrics_step, run.mesh, "mc", model, (num_samples,),
+  kind = "mc"
+  if run.ensemble_members > 1:  # the whole ensemble, one sample per member
+    kind, num_samples = "deep_ensemble", run.ensemble_members
+  step = sharded_eval_step(ensemble_metrics_step, run.mesh, kind, model, (num_samples,),
                            num_samples, config.get("eval_chunk_size"), config.ece_bins)
   rows, table = [], {}
   for corruption in corruptions:

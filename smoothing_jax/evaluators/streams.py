@@ -11,8 +11,8 @@ import numpy as np
 
 from smoothing_jax import temporal
 from smoothing_jax import workdir as workdir_lib
-from smoothing_jax.evaluators.common import (save_figure, stream_metrics_step, stream_rows,
-                                             stream_table, write_table)
+from smoothing_jax.evaluators.common import (check_single_model, save_figure, stream_metrics_step,
+                                             stream_rows, stream_table, write_table)
 from smoothing_jax.metrics import class_iou
 from smoothing_jax.parallel import eval_batch_size, evaluate_batches, sharded_eval_step, shardings
 from smoothing_jax.plots import plot_stream_examples, plot_stream_table
@@ -31,6 +31,7 @@ def evaluate(run, output_dir, *, num_samples: Optional[int] = None,
   ``streams.{json,csv,png}``, per-class IoU in ``streams_class_iou.json`` and
   ``stream_examples.png``.
   """
+  check_single_model(run, "streams")
   from smoothing_jax.data.datasets import import_tfds
   import_tfds("camvid/clips")  # one line naming what to install where TensorFlow is missing
   from smoothing_jax.data import camvid

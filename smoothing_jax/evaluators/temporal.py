@@ -12,8 +12,8 @@ import jax
 import numpy as np
 
 from smoothing_jax import temporal
-from smoothing_jax.evaluators.common import (stream_metrics_step, stream_rows, stream_table,
-                                             write_results)
+from smoothing_jax.evaluators.common import (check_single_model, stream_metrics_step, stream_rows,
+                                             stream_table, write_results)
 from smoothing_jax.parallel import evaluate_batches, sharded_eval_step, shardings
 from smoothing_jax.plots import plot_stream_table
 
@@ -26,6 +26,7 @@ def evaluate(run, output_dir, *, num_images: int = 1000, length: int = 6, max_sh
   the first ``num_images`` evaluation images (``num_samples`` None: the largest
   ``config.ensemble_sizes``); clips in batches of ``batch_size`` (at most the number of clips,
   rounded up to the mesh)."""
+  check_single_model(run, "temporal")
   pipeline = run.pipeline
   if pipeline.eval_images is None:
     raise ValueError("The temporal evaluator needs an in-memory evaluation split (CIFAR, npz or "

@@ -1,0 +1,174 @@
+"""Deep ensembles trained as one job (``config.ensemble_members``) against the same members
+trained one after another, in the same run: images/s per member.
+
+* ``bare_step``: for each M, M sequential calls of the single-model jitted SGD step against one
+  call of the ensemble step (``ensemble.ensemble_train_step``) in each strategy it offers:
+  ``unrolled`` (vmap size 1), ``vmapped`` (M) and ``chunked`` (2, for M ≥ 4); every member sees
+  the same batch (host-made, on the devices), as the issue's table.  Median of ``--repeats`` after
+  one compiling call, whose time is reported as ``compile_seconds``.
+* ``train_loop``: the real loop (``train.train_and_evaluate`` on a synthetic CIFAR-shaped set,
+  device-resident data, each member its own batches) with ``ensemble_members`` M against M = 1,
+  compilation and fixed costs excluded (``bench_train.train_loop_images_per_s``); M single runs one
+  after another train at the single run's rate.
+
+One JSON object on stdout, the ratios ``*_vs_sequential`` against the sequential steps of the same
+run (> 1: the one job is faster).
+
+  python experiments/bench_ensemble.py --width 16 --members 1 2 4      # CPU (minutes)
+  python experiments/bench_ensemble.py --members 1 2 4 8               # GPU: full width
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench_train import recipe_config, train_loop_images_per_s
+from timing import median_seconds
+
+from smoothing_jax import ensemble
+from smoothing_jax.losses import supervised_loss
+from smoothing_jax.models import get_model
+from smoothing_jax.optim import create_learning_rate_schedule
+from smoothing_jax.parallel import create_mesh, shard_batch, shardings
+from smoothing_jax.steps import create_train_state, train_step
+
+MODEL = "resnet_dnn_18"
+RECIPE = ("cifar_resnet", "resnet_dnn_18,cifar10")
+
+
+def log(message: str):
+  print(f"[bench_ensemble] {message}", file=sys.stderr, flush=True)
+
+
+def _config(width):
+  config = recipe_config(*RECIPE)
+  if width:
+    config.model_kwargs.width = width
+  return config
+
+
+def _timed_first_call(fn):
+  start = time.perf_counter()
+  jax.block_until_ready(fn())
+  return time.perf_counter() - start
+
+
+def strategies(members: int) -> dict:
+  """Vmap sizes timed for M members: unrolled, vmapped, and chunks of 2 where that differs."""
+  out = {"unrolled": 1}
+  if members > 1:
+    out["vmapped"] = members
+  if members >= 4:
+    out["chunked_2"] = 2
+  return out
+
+
+def bare_step_rows(width, batch_size: int, members_list, repeats: int) -> list:
+  """Per M: the sequential single-model steps and each strategy's one-job step (see module)."""
+  config = _config(width)
+  model = get_model(MODEL, 10, **({"width": width} if width else {}))
+  mesh = create_mesh()
+  replicated, data = shardings(mesh)
+  schedule = create_learning_rate_schedule(config, steps_per_epoch=100)
+  step = functools.partial(train_step, schedule, supervised_loss(model))
+  images = jax.random.normal(jax.random.key(1), (batch_size, 32, 32, 3))
+  labels = jnp.arange(batch_size) % 10
+  batch = shard_batch({"image": np.asarray(images), "label": np.asarray(labels)}, data)
+  single_fn = jax.jit(step, in_shardings=(replicated, data, replicated),
+                      out_shardings=(replicated, replicated), donate_argnums=(0,))
+  rows = []
+  for members in members_list:
+    states = [jax.device_put(create_train_state(config, model, jax.random.key(m), (32, 32, 3),
+                                                schedule), replicated) for m in range(members)]
+    rng = jax.random.key(2)
+
+    def sequential():
+      for m in range(members):
+        states[m], _ = single_fn(states[m], batch, rng)
+      return states[-1].params
+
+    compile_seconds = _timed_first_call(sequential)
+    seconds = median_seconds(sequential, repeats)
+    row = {"members": members, "batch_size": batch_size, "width": width,
+           "sequential": {"seconds_per_step": seconds, "first_call_seconds": compile_seconds,
+                          "images_per_s_per_member": batch_size * members / seconds}}
+    for name, vmap_size in strategies(members).items():
+      holder = [jax.device_put(ensemble.create_ensemble_state(config, model, members,
+                                                              (32, 32, 3), schedule), replicated)]
+      rngs = jax.random.split(rng, members)
+      fn = jax.jit(lambda s, b, r, k=vmap_size: ensemble.ensemble_train_step(
+          step, k, s, lambda m: b if m is None else None, r),
+          in_shardings=(replicated, data, replicated),
+          out_shardings=(replicated, replicated), donate_argnums=(0,))
+
+      def one_job():
+        holder[0], _ = fn(holder[0], batch, rngs)
+        return holder[0].params
+
+      first = _timed_first_call(one_job)
+      t = median_seconds(one_job, repeats)
+      row[name] = {"vmap_size": vmap_size, "seconds_per_step": t, "first_call_seconds": first,
+                   "images_per_s_per_member": batch_size * members / t,
+                   "vs_sequential": seconds / t}
+      del holder
+    log(json.dumps(row))
+    rows.append(row)
+  return rows
+
+
+def train_loop_rows(width, batch_size: int, members_list, steps: int, train_images: int) -> list:
+  """The real training loop with ``ensemble_members`` M (unrolled, each member its own batches)
+  against M = 1: images/s per member."""
+  rows, single = [], None
+  for members in members_list:
+    config = _config(width)
+    config.dataset = f"synthetic:{train_images}x32x32x3:10"
+    config.batch_size = batch_size
+    config.eval_batch_size = 500
+    config.eval_every_epochs = 10 ** 6  # evaluate and checkpoint after the last step only
+    config.checkpoint_every_steps = 10 ** 9
+    config.log_every_steps = max(1, steps // 4)
+    config.ensemble_members = members
+    config.num_train_steps = steps
+    loop = train_loop_images_per_s(config, log)
+    per_member = loop["images_per_s"] * members
+    single = single or per_member  # members_list starts at 1
+    rows.append({"members": members, **loop, "images_per_s_per_member": per_member,
+                 "vs_sequential": per_member / single})
+    log(json.dumps(rows[-1]))
+  return rows
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--width", type=int, default=None, help="ResNet width (default: 64)")
+  parser.add_argument("--batch_size", type=int, default=128)
+  parser.add_argument("--members", type=int, nargs="+", default=[1, 2, 4, 8])
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--loop_steps", type=int, default=20)
+  parser.add_argument("--train_images", type=int, default=5000)
+  parser.add_argument("--skip_loop", action="store_true")
+  args = parser.parse_args(argv)
+  members = sorted(set(args.members) | {1})
+  device = jax.devices()[0]
+  result = {"benchmark": "ensemble", "model": MODEL, "device_kind": device.device_kind,
+            "backend": jax.default_backend(), "num_devices": jax.device_count(),
+            "jax": jax.__version__,
+            "bare_step": bare_step_rows(args.width, args.batch_size, members, args.repeats)}
+  if not args.skip_loop:
+    result["train_loop"] = train_loop_rows(args.width, args.batch_size, members,
+                                           args.loop_steps, args.train_images)
+  print(json.dumps(result, indent=2))
+  return result
+
+
+if __name__ == "__main__":
+  main()
