@@ -9,6 +9,9 @@ Sections, in this order, each in its own try/except (a failure is recorded as
   half-precision run below evaluates) at N = 50 on 20 batches of 500 (10,000 test images),
   compiled first; XLA's memory analysis of that call and the device's peak bytes in use (run
   first, so the peak is this evaluation's);
+* ``ensemble``: ``bench_ensemble``'s bare steps: M = 8 members of ``resnet_dnn_18`` (batch 128)
+  trained as one job, unrolled, vmapped and in vmapped pairs, against 8 single-model steps one
+  after another (and M = 1), with each first call's (compiling) time;
 * ``train_step``: ``bench_accelerator``'s JAX and PyTorch steps of ``resnet_dnn_18`` and
   ``resnet_mcdo_smoothing_18``, batch 128 and 512, float32 and bfloat16, TFLOP/s, fraction of
   peak, ratios bfloat16/float32 and JAX/PyTorch;
@@ -49,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench_accelerator import MODELS, mc_inference, train_step_row
+from bench_ensemble import bare_step_rows
 from bench_hessian import (DEFAULT_DATA, batch_loss, cifar_batch, has_pyhessian,
                            pyhessian_residual, reference_variables, time_ours, time_pyhessian)
 from bench_train import recipe_config, train_loop_images_per_s, use_persistent_compilation_cache
@@ -61,21 +65,21 @@ from smoothing_jax.models import get_model
 FULL = types.SimpleNamespace(
     width=None, batch_sizes=(128, 512), steps=20,
     dataset="synthetic:50000x32x32x3:100", train_images=50_000, epochs=2, log_every_steps=100,
-    num_samples=(1, 10, 50), mc_batch=128, repeats=3,
+    num_samples=(1, 10, 50), mc_batch=128, repeats=3, ensemble_members=(8,),
     eval_samples=50, eval_batch=500, eval_batches=20,
     hessian_width=64, hessian_batch=128, max_iters=100, seeds=3,
     grid=21, landscape_images=2048, torch_batch=512)
 SMOKE = types.SimpleNamespace(
     width=8, batch_sizes=(16, 32), steps=2,
     dataset="synthetic:256x32x32x3:10", train_images=256, epochs=1, log_every_steps=5,
-    num_samples=(1, 2), mc_batch=32, repeats=1,
+    num_samples=(1, 2), mc_batch=32, repeats=1, ensemble_members=(2,),
     eval_samples=2, eval_batch=32, eval_batches=2,
     hessian_width=8, hessian_batch=16, max_iters=8, seeds=1,
     grid=3, landscape_images=64, torch_batch=32)
 RECIPE = ("cifar_resnet", "resnet_dnn_18,cifar100")  # SS's CIFAR-100 ResNet-18
 TOL = 1e-3  # Hessian: relative residual (Lanczos) / relative change (PyHessian)
 GOALS = {"end_to_end_over_bare_step": 0.9, "projected_recipe_minutes": 10.0,
-         "hessian_top1_speedup": 1.5, "landscape_speedup": 5.0}
+         "hessian_top1_speedup": 1.5, "landscape_speedup": 5.0, "ensemble_m8_speedup": 3.0}
 START = time.perf_counter()
 
 
@@ -281,7 +285,12 @@ def derived(result: dict) -> dict:
     minutes = (train_images / e2e["images_per_s"] + eval_seconds) / 60
     if bare and mcdo:  # the MC-dropout smoothing model trains slower by the bare steps' ratio
       minutes_mcdo = (train_images / (e2e["images_per_s"] * mcdo / bare) + eval_seconds) / 60
+  ensemble_rows = result.get("ensemble")
+  eight = [r for r in ensemble_rows if r["members"] == 8] if isinstance(ensemble_rows, list) else []
+  best = max((v["vs_sequential"] for v in eight[0].values()
+              if isinstance(v, dict) and "vs_sequential" in v), default=None) if eight else None
   measured = {"end_to_end_over_bare_step": e2e["images_per_s"] / bare if bare else None,
+              "ensemble_m8_speedup": best,
               "projected_recipe_minutes": minutes,
               "hessian_top1_speedup": section("hessian").get("speedup_vs_pyhessian_top1"),
               "landscape_speedup": section("landscape").get("speedup")}
@@ -346,6 +355,7 @@ def main(argv=None):
     result.update(torch=torch.__version__, torch_device=tdevice)
   sections = {
       "mc_evaluation": lambda: mc_evaluation(s),
+      "ensemble": lambda: bare_step_rows(s.width, s.batch_sizes[0], s.ensemble_members, s.repeats),
       "train_step": lambda: train_steps(s),
       "end_to_end": lambda: end_to_end(s),
       "hessian": lambda: hessian(s, args.data, tdevice),
