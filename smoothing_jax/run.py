@@ -39,6 +39,9 @@ from smoothing_jax.workdir_lock import lock_workdir
 
 # Config keys that decide which training examples a run trained on and held out.
 DATA_SPLIT_KEYS = ("seed", "data_split_seed", "train_fraction", "holdout_fraction")
+# Config keys an evaluation config never replaces: the split, and how many members the
+# checkpoint stacks.
+RECORDED_KEYS = DATA_SPLIT_KEYS + ("ensemble_members",)
 
 
 def create_run_pipeline(config, mesh: Mesh) -> Pipeline:
@@ -112,12 +115,12 @@ class Run:
     """The run recorded in ``workdir``, with the variables of its latest intact checkpoint (or,
     recorded to stand for its ``init_from``, those at step 0).  ``overrides``: dotted keys
     (``config.with_overrides``) or a whole ConfigDict replacing the recorded config (evaluation
-    settings; the recorded ``DATA_SPLIT_KEYS`` are kept); the model is always the recorded one."""
+    settings; the recorded ``RECORDED_KEYS`` are kept); the model is always the recorded one."""
     recorded, spec = workdir_lib.read_config(workdir)
     if isinstance(overrides, ml_collections.ConfigDict):
       # The recorded split of the training data (the held-out examples are those never trained
       # on), whatever the evaluation config says.
-      config = with_overrides(overrides, {k: recorded[k] for k in DATA_SPLIT_KEYS
+      config = with_overrides(overrides, {k: recorded[k] for k in RECORDED_KEYS
                                           if k in recorded and k in overrides})
     else:
       config = with_overrides(recorded, overrides or {})

@@ -145,6 +145,8 @@ def test_one_model_consumers_take_a_member_and_refuse_the_whole_ensemble(ensembl
     temporal.evaluate(Run.from_workdir(workdir), tmp_path)
   with pytest.raises(ValueError, match="holds an ensemble of 2 members already"):
     ensemble_sizes.evaluate(Run.from_workdir(workdir), tmp_path, members=[workdir])
+  # An evaluation config (--mode=<evaluator> --config=...) keeps the recorded member count.
+  assert Run.from_workdir(workdir, small_npz_config(ensemble_run[0])).ensemble_members == MEMBERS
   run = Run.from_workdir(workdir)
   images = np.asarray(run.pipeline.eval_arrays["images"][:3], np.float32) / 255.0
   probs = run.predict(run.normalize(images))
