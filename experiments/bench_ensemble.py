@@ -106,7 +106,7 @@ def bare_step_rows(width, batch_size: int, members_list, repeats: int) -> list:
                                                               (32, 32, 3), schedule), replicated)]
       rngs = jax.random.split(rng, members)
       fn = jax.jit(lambda s, b, r, k=vmap_size: ensemble.ensemble_train_step(
-          step, k, s, lambda m: b if m is None else None, r),
+          step, k, s, lambda m: b, r, shared=True),
           in_shardings=(replicated, data, replicated),
           out_shardings=(replicated, replicated), donate_argnums=(0,))
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from smoothing_jax.data.resident import device_memory_bytes
-from smoothing_jax.inference import ensemble_predict
+from smoothing_jax.inference import ensemble_predict, member_of
 from smoothing_jax.metrics import UncertaintyMetrics
 from smoothing_jax.models import is_ibnn
 from smoothing_jax.optim import create_optimizer
@@ -39,6 +39,9 @@ from smoothing_jax.parallel import sharded_eval_step, shardings
 from smoothing_jax.steps import TrainState, init_train_state, train_step
 
 MAX_STATE_FRACTION = 0.5  # of one device's memory; activations, gradients and data need the rest
+# Members vmapped together when ``config.ensemble_vmap_size`` is 0: unrolled, on every backend
+# measured so far (the module's docstring).
+DEFAULT_VMAP_SIZE = 1
 
 
 def check_ensemble_config(config, model) -> int:
@@ -110,42 +113,31 @@ def check_ensemble_fits(config, model, members: int, image_shape, schedule, devi
         "--ensemble_workdirs.")
 
 
-def member_of(tree, m: int):
-  """Member ``m`` of a stacked pytree."""
-  return jax.tree.map(lambda x: x[m], tree)
-
-
-def ensemble_train_step(member_step, vmap_size: int, state: TrainState, member_batch, rngs):
+def ensemble_train_step(member_step, vmap_size: int, state: TrainState, member_batch, rngs, *,
+                        shared: bool = False):
   """One step of every member: ``member_step(state, batch, rng) -> (state, metrics)`` on member
   m's state, ``member_batch(m)`` and ``rngs[m]``; members in groups of ``vmap_size`` vmapped
-  together, the groups unrolled (see the module).  ``member_batch(None)``: the batch every
-  member shares, when they share one.  Returns the stacked state and ``[M]`` metrics."""
+  together, the groups unrolled (see the module).  ``shared``: every member takes
+  ``member_batch(0)``, made once.  Returns the stacked state and ``[M]`` metrics."""
   members, step = rngs.shape[0], state.step
   rest = state.replace(step=None)
-  shared = member_batch(None)
+  shared_batch = member_batch(0) if shared else None
   outputs = []
   for start in range(0, members, vmap_size):
     group = range(start, min(members, start + vmap_size))
     if len(group) == 1:
-      batch = shared if shared is not None else member_batch(start)
+      batch = shared_batch if shared else member_batch(start)
       out = member_step(member_of(rest, start).replace(step=step), batch, rngs[start])
       outputs.append(jax.tree.map(lambda x: x[None], out))
       continue
-    batches = shared if shared is not None else jax.tree.map(
+    batches = shared_batch if shared else jax.tree.map(
         lambda *xs: jnp.stack(xs), *[member_batch(m) for m in group])
     one = lambda s, b, r: member_step(s.replace(step=step), b, r)  # noqa: E731
-    outputs.append(jax.vmap(one, in_axes=(0, None if shared is not None else 0, 0))(
+    outputs.append(jax.vmap(one, in_axes=(0, None if shared else 0, 0))(
         jax.tree.map(lambda x: x[group.start:group.stop], rest), batches,
         rngs[group.start:group.stop]))
   new_state, metrics = jax.tree.map(lambda *xs: jnp.concatenate(xs), *outputs)
   return new_state.replace(step=new_state.step[0]), metrics
-
-
-def default_vmap_size(members: int) -> int:
-  """Members vmapped together when ``config.ensemble_vmap_size`` is 0: 1 (unrolled) on every
-  backend measured so far (the module's docstring)."""
-  del members
-  return 1
 
 
 def compile_ensemble_steps(model, schedule, mesh, num_bins: int, loss_fn, grad_accum_steps: int,
@@ -165,17 +157,15 @@ def compile_ensemble_steps(model, schedule, mesh, num_bins: int, loss_fn, grad_a
 
   if pipeline.resident:
     def resident_step(state, arrays, orders, rngs):
-      def member_batch(m):
-        if (m is None) != shared:
-          return None
-        return pipelines[m or 0].train_batch(arrays, orders[m or 0], state.step, batch_sharding)
-      return ensemble_train_step(step, vmap_size, state, member_batch, rngs)
+      member_batch = lambda m: pipelines[m].train_batch(  # noqa: E731
+          arrays, orders[m], state.step, batch_sharding)
+      return ensemble_train_step(step, vmap_size, state, member_batch, rngs, shared=shared)
     train = jax.jit(resident_step, in_shardings=(replicated,) * 4,
                     out_shardings=(replicated, replicated), donate_argnums=(0,))
   else:
     def streamed_step(state, batches, rngs):
-      member_batch = lambda m: (batches[0] if shared else None) if m is None else batches[m]  # noqa
-      return ensemble_train_step(step, vmap_size, state, member_batch, rngs)
+      return ensemble_train_step(step, vmap_size, state, lambda m: batches[m], rngs,
+                                 shared=shared)
     train = jax.jit(streamed_step, in_shardings=(replicated, batch_sharding, replicated),
                     out_shardings=(replicated, replicated), donate_argnums=(0,))
   return train, sharded_eval_step(ensemble_eval_step, mesh, model, num_bins)

@@ -137,6 +137,11 @@ def stack_variables(variables_list: Sequence) -> dict:
   return jax.tree.map(lambda *xs: jnp.stack(xs), *variables_list)
 
 
+def member_of(stacked, m: int):
+  """Member ``m`` of a pytree stacked along its leading axis (:func:`stack_variables`)."""
+  return jax.tree.map(lambda x: x[m], stacked)
+
+
 @functools.partial(jax.jit, static_argnames=("model",))
 def _ensemble_log_probs(model, stacked_variables, images, rng):
   members = jax.tree.leaves(stacked_variables)[0].shape[0]

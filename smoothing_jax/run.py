@@ -28,7 +28,7 @@ from smoothing_jax import checkpoints, init_from
 from smoothing_jax import workdir as workdir_lib
 from smoothing_jax.config import with_overrides
 from smoothing_jax.data import Pipeline, create_pipeline
-from smoothing_jax.inference import ensemble_predict, mc_predict
+from smoothing_jax.inference import ensemble_predict, mc_predict, member_of
 from smoothing_jax.parallel import (create_mesh, evaluate_batches, eval_batch_size,
                                     sharded_eval_step, shardings)
 from smoothing_jax import spec as spec_lib
@@ -209,8 +209,8 @@ class Run:
                        f"there is no member {m}.")
     config = with_overrides(self.config, {"seed": self.config.seed + m, "ensemble_members": 1,
                                           "data_split_seed": split_seed(self.config)})
-    variables = jax.tree.map(lambda x: x[m], self.variables)
-    return dataclasses.replace(self, config=config, variables=variables, read_only=True)
+    return dataclasses.replace(self, config=config, variables=member_of(self.variables, m),
+                               read_only=True)
 
   def write_member(self, m: int, workdir: str) -> "Run":
     """Write member ``m`` of this ensemble workdir into the empty ``workdir`` as the single run
@@ -223,13 +223,12 @@ class Run:
     with lock_workdir(workdir):
       replicated, _ = shardings(self.mesh)
       with checkpoints.checkpoint_manager(self.workdir, read_only=True) as source:
-        step = self.step or source.latest_step()
-        tree = source.restore(step, args=ocp.args.StandardRestore(checkpoints.abstract_tree(
-            source.item_metadata(step).tree, replicated)))
-      tree = {k: v if k == "step" else jax.tree.map(lambda x: x[m], v) for k, v in tree.items()}
+        tree = source.restore(self.step, args=ocp.args.StandardRestore(checkpoints.abstract_tree(
+            source.item_metadata(self.step).tree, replicated)))
+      tree = {k: v if k == "step" else member_of(v, m) for k, v in tree.items()}
       workdir_lib.record_run(workdir, member.config, self.model_spec)
       with checkpoints.checkpoint_manager(workdir) as target:
-        target.save(step, args=ocp.args.StandardSave(tree))
+        target.save(self.step, args=ocp.args.StandardSave(tree))
         target.wait_until_finished()
     return Run.from_workdir(workdir, mesh=self.mesh)
 

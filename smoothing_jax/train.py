@@ -156,7 +156,7 @@ def _train(run: Run, lock, stop_after_steps: Optional[int], callbacks: Sequence[
     train_step_fn, eval_step_fn = ensemble.compile_ensemble_steps(
         run.model, schedule, mesh, config.ece_bins, loss_fn, config.grad_accum_steps,
         batch_sharding, pipeline, member_pipelines,
-        config.get("ensemble_vmap_size", 0) or ensemble.default_vmap_size(members))
+        config.get("ensemble_vmap_size", 0) or ensemble.DEFAULT_VMAP_SIZE)
 
   report_progress = ProgressReporter(num_steps, writer)
   eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))
