@@ -12,10 +12,18 @@ prediction (``config_base.with_uncertainty_evals``).
   --config=configs/cifar_resnet.py:model=vgg_dnn_16,dataset=cifar100
   --config=configs/cifar_resnet.py:vgg_dnn_smoothing_16,cifar10,runlocal   # CPU smoke run
   --config=configs/cifar_resnet.py:resnet_mcdo_18,cifar10,uncertainty      # + OOD, recalibration
+  --config=configs/cifar_resnet.py:wideresnet_batchensemble_28_10,cifar10  # BatchEnsemble
 
 SGD (momentum 0.9, no Nesterov), lr 0.1 at batch 128, weight decay 5e-4,
 200 epochs after 1 linear warm-up epoch, lr × 0.2 at epochs 60/130/160 (the
 paper's text; the reference code uses 60/120/160), random crop + flip.
+
+BatchEnsemble models (``resnet_batchensemble_18``, ``wideresnet_batchensemble_28_10``) take
+uncertainty-baselines' CIFAR BatchEnsemble settings instead (``baselines/cifar/batchensemble.py``):
+SGD-Nesterov 0.9, lr 0.1 at 128 new images a step (each repeated for the M members), 250 epochs
+with 1 warm-up epoch, lr × 0.2 at epochs 100/200/225, Keras L2 3e-4 on all but the fast weights
+(weight decay 6e-4 here: L2 λ·‖w‖² is decay 2λ), the fast weights and member biases at half the
+rate, fast weights initialised N(1, 0.5²) (``random_sign_init`` −0.5).
 """
 from smoothing_jax.config_base import (base_config, finalize, parse_config_arg, shrink_for_cpu,
                                        with_uncertainty_evals)
@@ -40,6 +48,13 @@ def get_config(arg: str = ""):
   config.lr_schedule = "multistep"
   config.lr_milestones = (60, 130, 160)
   config.lr_decay = 0.2
+  if "_batchensemble_" in args.model:
+    config.nesterov = True
+    config.weight_decay = 2 * 3e-4
+    config.num_epochs = 249            # + the warm-up epoch: uncertainty-baselines' 250
+    config.lr_milestones = (99, 199, 224)  # counted after the warm-up: epochs 100, 200, 225
+    config.batch_ensemble.fast_weight_lr_multiplier = 0.5
+    config.batch_ensemble.fast_weight_decay = 0.0
   if args.runlocal:
     shrink_for_cpu(config)
   if args.uncertainty:

@@ -109,6 +109,19 @@ def base_config() -> ml_collections.ConfigDict:
       "pretrained_workdir":
           placeholder(str),  # initialise W from a deterministic run of the same architecture
   })
+  # BNN-VI (mean-field models, e.g. vgg_bnnvi_16): the ELBO's prior and annealing.
+  config.bnnvi = ml_collections.ConfigDict({
+      "prior_std": 0.1,  # s of the prior N(μ, s²) (uncertainty-baselines' --prior_stddev)
+      "prior_mean": placeholder(float),  # None: tied to the posterior mean (uncertainty-baselines)
+      "kl_anneal_epochs": 200,  # β: 0 → 1 linearly per epoch (the iBNN protocol)
+  })
+  # BatchEnsemble (models with ensemble_size, e.g. resnet_batchensemble_18): uncertainty-baselines'
+  # CIFAR settings.  The fast weights (and the members' biases) learn at the multiplied rate;
+  # weight decay skips the fast weights unless fast_weight_decay says otherwise.
+  config.batch_ensemble = ml_collections.ConfigDict({
+      "fast_weight_lr_multiplier": 0.5,
+      "fast_weight_decay": 0.0,
+  })
   # Logging, evaluation and checkpoints.
   config.log_every_steps = 100
   config.eval_every_epochs = 10

@@ -33,7 +33,7 @@ import numpy as np
 from smoothing_jax.data.resident import device_memory_bytes
 from smoothing_jax.inference import ensemble_predict, member_of
 from smoothing_jax.metrics import UncertaintyMetrics
-from smoothing_jax.models import is_ibnn
+from smoothing_jax.models import is_batch_ensemble, is_ibnn
 from smoothing_jax.optim import create_optimizer
 from smoothing_jax.parallel import sharded_eval_step, shardings
 from smoothing_jax.steps import TrainState, init_train_state, train_step
@@ -54,6 +54,9 @@ def check_ensemble_config(config, model) -> int:
     raise ValueError(f"Model {config.model!r} is an iBNN, already a mixture of "
                      f"{model.num_components} components sharing one set of weights; train it "
                      "with ensemble_members=1.")
+  if members > 1 and is_batch_ensemble(model):
+    raise ValueError(f"Model {config.model!r} is a BatchEnsemble of {model.ensemble_size} members "
+                     "already; train it with ensemble_members=1.")
   if members > 1 and (config.get("init_from") or config.get("trajectory_every_steps")):
     key = "init_from" if config.get("init_from") else "trajectory_every_steps"
     raise ValueError(f"{key} is for single runs (ensemble_members={members}): train the members "

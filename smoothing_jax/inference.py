@@ -1,8 +1,9 @@
-"""Ensemble inference: MC dropout sampling and deep ensembles in one compiled call.
+"""Ensemble inference: MC dropout sampling, deep ensembles and BatchEnsemble in one compiled call.
 
 ``mc_predict`` vmaps ``model.apply`` over ``jax.random.split(rng, num_samples)``
 (sample ``i`` uses key ``i`` as its ``"dropout"`` RNG); ``ensemble_predict``
-vmaps over a leading axis of stacked variables.  Both average in probability
+vmaps over a leading axis of stacked variables; ``batch_ensemble_predict`` runs the M members
+of a BatchEnsemble as one pass over the batch repeated M times.  All average in probability
 space, p̄(y|x) = (1/N) Σ_n softmax(f_n(x)), as the reference's test loop does.
 """
 from __future__ import annotations
@@ -161,4 +162,34 @@ def ensemble_predict(model: nn.Module, stacked_variables, images, *, rng=None) -
   check_images(images)
   rng = None if rng is None else check_rng(rng)
   samples = _ensemble_log_probs(model, stacked_variables, images, rng)
+  return Prediction(jnp.exp(samples), mean_probs(samples))
+
+
+def repeat_for_members(x, ensemble_size: int):
+  """``[B, ...] → [B·M, ...]``, each row repeated M times in a row: with the layers' default
+  rule (row r uses member r mod M) row b·M + m is example b under member m (BatchEnsemble's
+  training batch, and one pass of all members at evaluation)."""
+  return jnp.repeat(x, ensemble_size, axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def _batch_ensemble_log_probs(model, variables, images, rng):
+  m = model.ensemble_size
+  out = log_probs(model, variables, repeat_for_members(images, m), rng)   # [B·M, ..., C]
+  return jnp.swapaxes(out.reshape((images.shape[0], m) + out.shape[1:]), 0, 1)
+
+
+def batch_ensemble_predict(model: nn.Module, variables, images, *, rng=None) -> Prediction:
+  """BatchEnsemble: the M members' predictions in one jitted pass over the batch repeated M
+  times (:func:`repeat_for_members`).  ``rng`` seeds MC dropout where the model has it.
+
+  Returns ``Prediction(sample_probs [M, B, C], mean_probs [B, C])`` (uncertainty-baselines
+  averages the members' probabilities too).
+  """
+  if getattr(model, "ensemble_size", 0) < 1:
+    raise ValueError("batch_ensemble_predict needs a BatchEnsemble model (ensemble_size >= 1), "
+                     "e.g. get_model('resnet_batchensemble_18', 10).")
+  check_images(images)
+  rng = None if rng is None else check_rng(rng)
+  samples = _batch_ensemble_log_probs(model, variables, images, rng)
   return Prediction(jnp.exp(samples), mean_probs(samples))

@@ -1,6 +1,7 @@
 """The training objective a config and model call for (``make_loss``): the cross-entropy
 (void pixels masked, class-weighted for segmentation), against soft targets (label smoothing,
-Mixup, CutMix), or the iBNN negative ELBO.
+Mixup, CutMix), the iBNN negative ELBO, or the BNN-VI one.  A BatchEnsemble's members each see
+the whole batch (the batch repeated M times).
 
 Segmentation models (per-pixel logits) train on the pixel-wise cross-entropy with void pixels
 masked and, with ``class_balancing="median_frequency"``, class weights (paper Appendix A.2).
@@ -15,11 +16,12 @@ import numpy as np
 import optax
 from absl import logging
 
-from smoothing_jax import ibnn
+from smoothing_jax import bnnvi, ibnn
 from smoothing_jax.data.mixup import Mixing, mix_batch
-from smoothing_jax.inference import sample_rngs
+from smoothing_jax.inference import repeat_for_members, sample_rngs
 from smoothing_jax.metrics import label_mask
-from smoothing_jax.models import is_ibnn, is_segmentation_model
+from smoothing_jax.models import (is_batch_ensemble, is_ibnn, is_mean_field,
+                                  is_segmentation_model)
 
 
 def training_mixing(config, model) -> Optional[Mixing]:
@@ -73,10 +75,21 @@ def ibnn_objective(config, model, num_train: int, steps_per_epoch: int) -> ibnn.
                         config.ibnn.kl_anneal_epochs).check()
 
 
+def bnnvi_objective(config, num_train: int, steps_per_epoch: int) -> bnnvi.Objective:
+  """The BNN-VI ELBO settings of ``config.bnnvi`` for a mean-field model."""
+  return bnnvi.Objective(config.bnnvi.prior_std, config.bnnvi.prior_mean, num_train,
+                         steps_per_epoch, config.bnnvi.kl_anneal_epochs).check()
+
+
 def supervised_loss(model, mixing: Optional[Mixing] = None, class_weights=None):
   """``loss_fn(params, batch_stats, batch, rng, step) -> (loss, aux)`` of the cross-entropy:
   :func:`cross_entropy` (per pixel for segmentation, void masked, ``class_weights`` if given),
-  or against soft targets (label smoothing, Mixup / CutMix drawn from ``fold_in(rng, 2)``)."""
+  or against soft targets (label smoothing, Mixup / CutMix drawn from ``fold_in(rng, 2)``).
+
+  A BatchEnsemble of M members trains on the batch repeated M times, row b·M + m example b
+  under member m (uncertainty-baselines tiles it M times; the rows are the same, and BatchNorm
+  sees the same statistics), so the loss is the mean over members of each member's loss."""
+  members = model.ensemble_size if is_batch_ensemble(model) else 0
   weights = None if class_weights is None else jnp.asarray(class_weights, jnp.float32)
   if mixing is None:
     def inputs(batch, rng):
@@ -93,6 +106,9 @@ def supervised_loss(model, mixing: Optional[Mixing] = None, class_weights=None):
 
   def loss_fn(params, batch_stats, batch, rng, step):
     images, targets = inputs(batch, rng)
+    labels = batch["label"]
+    if members:
+      images, targets, labels = (repeat_for_members(x, members) for x in (images, targets, labels))
     logits, updates = model.apply({
         "params": params,
         "batch_stats": batch_stats
@@ -101,15 +117,25 @@ def supervised_loss(model, mixing: Optional[Mixing] = None, class_weights=None):
                                   train=True,
                                   mutable=["batch_stats"],
                                   rngs=sample_rngs(rng))
-    return criterion(logits, targets), {"logits": logits, "labels": batch["label"], "metrics": {},
+    return criterion(logits, targets), {"logits": logits, "labels": labels, "metrics": {},
                                         "batch_stats": updates.get("batch_stats", {})}
   return loss_fn
 
 
 def make_loss(config, model, *, num_train: int, steps_per_epoch: int, class_weights=None):
   """The training objective that ``config`` and ``model`` call for, as a ``loss_fn`` for
-  :func:`train_step`: the negative ELBO for iBNN models (:func:`smoothing_jax.ibnn.elbo_loss`;
-  its NLL, KL and β join the metrics), otherwise :func:`supervised_loss`."""
+  :func:`train_step`: the negative ELBO for iBNN models (:func:`smoothing_jax.ibnn.elbo_loss`)
+  and for BNN-VI models (:func:`supervised_loss` + β·KL/N, :mod:`smoothing_jax.bnnvi`), their
+  NLL, KL and β joining the metrics; otherwise :func:`supervised_loss`."""
+  if is_mean_field(model):
+    objective = bnnvi_objective(config, num_train, steps_per_epoch)
+    nll_fn = supervised_loss(model, training_mixing(config, model), class_weights)
+
+    def elbo_fn(params, batch_stats, batch, rng, step):
+      nll, aux = nll_fn(params, batch_stats, batch, rng, step)
+      loss, metrics = bnnvi.elbo_terms(params, objective, nll, step)
+      return loss, {**aux, "metrics": metrics}
+    return elbo_fn
   if not is_ibnn(model):
     return supervised_loss(model, training_mixing(config, model), class_weights)
   training_mixing(config, model)  # rejects label smoothing / Mixup / CutMix with the ELBO

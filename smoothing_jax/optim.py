@@ -3,14 +3,18 @@
 
 Weight decay is the reference's (PyTorch SGD's) coupled L2: ``wd · w`` is added to the gradient
 before momentum (``optax.add_decayed_weights``), i.e. the gradient of ``wd/2 · ‖w‖²`` in the loss,
-on every parameter.
+on every parameter but a BNN-VI model's mean-field kernels (their KL regularises them) and a
+BatchEnsemble's fast weights (``config.batch_ensemble.fast_weight_decay`` instead).  Keras's
+``l2(λ)`` regulariser (uncertainty-baselines) is ``λ · ‖w‖²``: weight decay ``2λ`` here.
 """
 from __future__ import annotations
 
+import jax
 import optax
 
-from smoothing_jax import ibnn
-from smoothing_jax.models import is_ibnn
+from smoothing_jax import bnnvi, ibnn
+from smoothing_jax.layers.batch_ensemble import fast_weight_mask
+from smoothing_jax.models import is_batch_ensemble, is_ibnn, is_mean_field
 
 
 def create_learning_rate_schedule(config, steps_per_epoch: int) -> optax.Schedule:
@@ -48,6 +52,30 @@ def create_learning_rate_schedule(config, steps_per_epoch: int) -> optax.Schedul
   return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup_steps), main], [warmup_steps])
 
 
+def weight_decay(config, model) -> optax.GradientTransformation:
+  """The coupled weight decay of ``config.weight_decay`` on the parameters it applies to."""
+  if is_mean_field(model):
+    return optax.add_decayed_weights(config.weight_decay, mask=bnnvi.decay_mask)
+  if is_batch_ensemble(model):
+    def slow(params):
+      return jax.tree.map(lambda fast: not fast, fast_weight_mask(params))
+    return optax.chain(
+        optax.add_decayed_weights(config.weight_decay, mask=slow),
+        optax.add_decayed_weights(config.batch_ensemble.fast_weight_decay, mask=fast_weight_mask))
+  return optax.add_decayed_weights(config.weight_decay)
+
+
+def regularised(config, model, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``tx`` after :func:`weight_decay`; for a BatchEnsemble, the fast weights and member biases
+  at ``fast_weight_lr_multiplier`` × the rate (their gradients, decay included, scaled before
+  ``tx``, as uncertainty-baselines does)."""
+  if not is_batch_ensemble(model):
+    return optax.chain(weight_decay(config, model), tx)
+  fast_rate = optax.masked(optax.scale(config.batch_ensemble.fast_weight_lr_multiplier),
+                           lambda params: fast_weight_mask(params, with_bias=True))
+  return optax.chain(weight_decay(config, model), fast_rate, tx)
+
+
 def create_optimizer(config, schedule, model=None) -> optax.GradientTransformation:
   """``config.optimizer``: "sgd" with coupled (PyTorch ``SGD``) weight decay, "adam" (PyTorch
   ``Adam``: β 0.9/0.999, coupled weight decay) or "adamw" (PyTorch ``AdamW``: decay lr·wd·w
@@ -58,11 +86,15 @@ def create_optimizer(config, schedule, model=None) -> optax.GradientTransformati
     tx = ibnn.create_optimizer(schedule, config.ibnn.variational_lr, config.weight_decay,
                                config.momentum, config.ibnn.freeze_deterministic)
   elif config.optimizer == "adamw":
+    if is_mean_field(model) or is_batch_ensemble(model):
+      raise ValueError("optimizer 'adamw' decays every parameter; BNN-VI and BatchEnsemble models "
+                       "train with 'sgd' or 'adam' (coupled decay that skips their variational "
+                       "or fast weights).")
     tx = optax.adamw(schedule, weight_decay=config.weight_decay)
   elif config.optimizer == "adam":
-    tx = optax.chain(optax.add_decayed_weights(config.weight_decay), optax.adam(schedule))
+    tx = regularised(config, model, optax.adam(schedule))
   elif config.optimizer == "sgd":
-    tx = optax.chain(optax.add_decayed_weights(config.weight_decay),
+    tx = regularised(config, model,
                      optax.sgd(schedule, momentum=config.momentum, nesterov=config.nesterov))
   else:
     raise ValueError(f"Unknown optimizer {config.optimizer!r}; choose 'sgd', 'adam' or 'adamw'.")

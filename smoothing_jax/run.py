@@ -28,7 +28,9 @@ from smoothing_jax import checkpoints, init_from
 from smoothing_jax import workdir as workdir_lib
 from smoothing_jax.config import with_overrides
 from smoothing_jax.data import Pipeline, create_pipeline
-from smoothing_jax.inference import ensemble_predict, mc_predict, member_of
+from smoothing_jax.inference import (batch_ensemble_predict, ensemble_predict, mc_predict,
+                                     member_of)
+from smoothing_jax.models import is_batch_ensemble, is_stochastic
 from smoothing_jax.parallel import (create_mesh, evaluate_batches, eval_batch_size,
                                     sharded_eval_step, shardings)
 from smoothing_jax import spec as spec_lib
@@ -65,7 +67,10 @@ def split_seed(config) -> int:
 
 
 def _mean_probs(model, num_samples, chunk_size, variables, batch, rng):
-  """``[B, C]`` mean predictive of one batch of normalised images (``Run.predict``)."""
+  """``[B, C]`` mean predictive of one batch of normalised images (``Run.predict``): over MC
+  samples, or a BatchEnsemble's members."""
+  if is_batch_ensemble(model):
+    return batch_ensemble_predict(model, variables, batch["image"], rng=rng).mean_probs
   return mc_predict(model, variables, batch["image"], num_samples=num_samples, rng=rng,
                     chunk_size=chunk_size).mean_probs
 
@@ -248,7 +253,7 @@ class Run:
   # What the analyses and notebooks use.
   @property
   def stochastic(self) -> bool:
-    return getattr(self.model, "dropout_rate", 0.0) > 0
+    return is_stochastic(self.model)
 
   def normalize(self, pixels):
     """Pixels in [0, 1], NHWC → the model's normalised input."""

@@ -14,9 +14,10 @@ from absl import logging
 from flax.training import train_state
 from jax.sharding import Mesh
 
-from smoothing_jax.inference import mc_predict, sample_rngs
+from smoothing_jax.inference import batch_ensemble_predict, mc_predict, sample_rngs
 from smoothing_jax.losses import supervised_loss
 from smoothing_jax.metrics import UncertaintyMetrics, label_mask
+from smoothing_jax.models import is_batch_ensemble
 from smoothing_jax.optim import create_optimizer
 from smoothing_jax.parallel import sharded_eval_step, shardings
 
@@ -118,8 +119,11 @@ def train_step(schedule, loss_fn, state: TrainState, batch, dropout_rng, grad_ac
 
 def eval_step(model, num_samples: int, num_bins: int, variables, batch, rng) -> UncertaintyMetrics:
   """Metrics of the N-sample predictive on one padded, masked batch (per pixel, void masked,
-  for segmentation)."""
-  pred = mc_predict(model, variables, batch["image"], num_samples=num_samples, rng=rng)
+  for segmentation); a BatchEnsemble's: its M members."""
+  if is_batch_ensemble(model):
+    pred = batch_ensemble_predict(model, variables, batch["image"], rng=rng)
+  else:
+    pred = mc_predict(model, variables, batch["image"], num_samples=num_samples, rng=rng)
   return UncertaintyMetrics.from_model_output(pred.mean_probs,
                                               batch["label"],
                                               batch["mask"],

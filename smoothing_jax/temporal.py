@@ -33,6 +33,7 @@ import numpy as np
 
 from smoothing_jax.inference import check_rng, log_probs, mc_predict
 from smoothing_jax.metrics import TemporalConsistency, UncertaintyMetrics, label_mask
+from smoothing_jax.models import is_stochastic
 from smoothing_jax.models.common import check_images
 
 NUM_FRAMES = 5      # L: predictions kept (the current one included)
@@ -182,7 +183,7 @@ def stream_predictions(model,
     return pred.mean_probs.reshape(shape + pred.mean_probs.shape[1:])
 
   out = {"single": single(keys[0])}
-  if getattr(model, "dropout_rate", 0) > 0 and num_samples > 1:
+  if is_stochastic(model) and num_samples > 1:
     pred = mc_predict(model,
                       variables,
                       last_two,

@@ -15,9 +15,10 @@ from smoothing_jax import plots, ranking, temporal
 from smoothing_jax import workdir as workdir_lib
 from smoothing_jax.checkpoints import load_variables
 from smoothing_jax.ibnn import ibnn_predict
-from smoothing_jax.inference import ensemble_predict, mc_predict, stack_variables
+from smoothing_jax.inference import (batch_ensemble_predict, ensemble_predict, mc_predict,
+                                     stack_variables)
 from smoothing_jax.metrics import UncertaintyMetrics
-from smoothing_jax.models import is_ibnn
+from smoothing_jax.models import is_batch_ensemble, is_ibnn, is_stochastic
 from smoothing_jax.parallel import evaluate_batches, shardings
 
 METRIC_COLUMNS = ("nll", "acc", "ece", "top5", "brier", "acc90", "unc90", "freq90", "iou", "iou90",
@@ -66,9 +67,10 @@ def nested_metrics(sample_probs, labels, mask, sizes, num_bins: int) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class Predictive:
-  """How an evaluator samples a run's predictive: ``kind`` "mc" (``num_samples`` MC samples),
-  "ibnn" (``num_samples`` draws of each component, sample-major) or "deep_ensemble" (the stacked
-  ``variables`` of the members, one sample each); ``sizes``: the nested ensemble sizes N reported
+  """How an evaluator samples a run's predictive: ``kind`` "mc" (``num_samples`` passes: MC
+  dropout or BNN-VI weight samples), "ibnn" (``num_samples`` draws of each component,
+  sample-major), "deep_ensemble" (the stacked ``variables`` of the members, one sample each) or
+  "batch_ensemble" (the M members of one pass); ``sizes``: the nested ensemble sizes N reported
   (the first N samples)."""
   kind: str
   variables: Any
@@ -88,9 +90,10 @@ def check_single_model(run, evaluator: str) -> None:
 def predictive(run, members: Sequence[str] = (), sizes: Optional[Sequence[int]] = None
                ) -> Predictive:
   """The run's predictive: an iBNN's K·S draws (S = ``config.ibnn.eval_samples``; sizes up to
-  K·S), a deep ensemble (sizes 1..M: the first N members) of the run and the workdirs ``members``
-  or of an ensemble run's M stacked members (``config.ensemble_members``), or MC dropout
-  (``sizes``, default ``config.ensemble_sizes``; N = 1 for deterministic models).
+  K·S), a BatchEnsemble's M members (sizes 1..M), a deep ensemble (sizes 1..M: the first N
+  members) of the run and the workdirs ``members`` or of an ensemble run's M stacked members
+  (``config.ensemble_members``), or MC samples of dropout or BNN-VI weights (``sizes``, default
+  ``config.ensemble_sizes``; N = 1 for deterministic models).
 
   Members with MC dropout give one sample each (member m's dropout key ``split(key, M)[m]``), so
   N counts members, as in SS Fig. E.1's deep ensembles."""
@@ -101,6 +104,12 @@ def predictive(run, members: Sequence[str] = (), sizes: Optional[Sequence[int]] 
                        "already; --ensemble_workdirs joins single runs.")
     return Predictive("deep_ensemble", run.variables, tuple(range(1, run.ensemble_members + 1)),
                       1)
+  if is_batch_ensemble(model):
+    if members:
+      raise ValueError("--ensemble_workdirs joins single networks; a BatchEnsemble holds "
+                       f"{model.ensemble_size} members already.")
+    return Predictive("batch_ensemble", run.variables, tuple(range(1, model.ensemble_size + 1)),
+                      1)
   if is_ibnn(model):
     total = model.num_components * config.ibnn.eval_samples
     sizes = sorted({n for n in (sizes or config.ensemble_sizes) if n < total} | {total})
@@ -109,7 +118,7 @@ def predictive(run, members: Sequence[str] = (), sizes: Optional[Sequence[int]] 
     variables = stack_variables([run.variables] +
                                 [load_variables(w, run.mesh)[1] for w in members])
     return Predictive("deep_ensemble", variables, tuple(range(1, len(members) + 2)), 1)
-  sizes = sorted(set(sizes or config.ensemble_sizes)) if model.dropout_rate > 0 else [1]
+  sizes = sorted(set(sizes or config.ensemble_sizes)) if is_stochastic(model) else [1]
   return Predictive("mc", run.variables, tuple(sizes), max(sizes))
 
 
@@ -119,6 +128,8 @@ def sample_probs(kind, model, num_samples, chunk_size, variables, images, key):
     return ibnn_predict(model, variables, images, num_samples=num_samples, rng=key).sample_probs
   if kind == "deep_ensemble":
     return ensemble_predict(model, variables, images, rng=key).sample_probs
+  if kind == "batch_ensemble":
+    return batch_ensemble_predict(model, variables, images, rng=key).sample_probs
   return mc_predict(model, variables, images, num_samples=num_samples, rng=key,
                     chunk_size=chunk_size).sample_probs
 

@@ -3,7 +3,11 @@
 Names follow the reference implementation: ``<family>_<variant>[_<depth>]`` with
 variant ``dnn`` (deterministic), ``mcdo`` (MC dropout), ``dnn_smoothing`` or
 ``mcdo_smoothing``; plus the iBNN models ``vgg_ibnn_16`` and ``wideresnet_ibnn_28_10``
-(``num_components=K`` override; they take ``components`` and a ``"noise"`` key); and the
+(``num_components=K`` override; they take ``components`` and a ``"noise"`` key); the BNN-VI
+models ``vgg_bnnvi_16`` and ``wideresnet_bnnvi_28_10`` (mean-field Gaussian kernels, a
+``"noise"`` key per pass); the BatchEnsemble models ``resnet_batchensemble_18`` and
+``wideresnet_batchensemble_28_10`` (``ensemble_size=M`` override, default 4; ``components``
+names each row's member); and the
 self-attention models ``vit_{ti,s,b}``, ``pit_{ti,s}``, ``swin_{t,s}`` and
 ``alternet_{18,34,50,101,152}`` (HV); and the segmentation U-Nets
 ``unet_{dnn,mcdo,dnn_smoothing,mcdo_smoothing}`` (per-pixel logits ``[B, H, W, C]``).  Every
@@ -47,6 +51,10 @@ MCDO_RATE = 0.3
 ALEXNET_MCDO_RATE = 0.1
 UNET_MCDO_RATE = 0.5  # Bayesian SegNet
 IBNN_COMPONENTS = 4
+BATCH_ENSEMBLE_SIZE = 4
+# uncertainty-baselines' WRN-28-10 (``wide_resnet_variational``, ``wide_resnet_batchensemble``).
+UB_WIDERESNET = dict(depth=28, widen_factor=10, conv_bias=False, stride_first=True,
+                     head_bn_momentum=0.9)
 # ViT sizes: (hidden_dim, heads, mlp_dim); depth 12, head width 64 (HV ``vit.py``).
 VIT_SIZES = {"ti": (192, 3, 768), "s": (384, 6, 1536), "b": (768, 12, 3072)}
 # Swin sizes: blocks per stage; width 96 doubling per stage, heads (3, 6, 12, 24) (HV ``swin.py``).
@@ -107,6 +115,17 @@ def _registry():
                                        dict(depth=28,
                                             widen_factor=10,
                                             num_components=IBNN_COMPONENTS))
+  # BNN-VI (Blundell et al.): the iBNN paper's VGG-16 and uncertainty-baselines' WRN-28-10.
+  registry["vgg_bnnvi_16"] = (VGG, dict(stage_sizes=VGG_STAGES[16], batch_norm=False,
+                                        classifier="mlp512", mean_field=True))
+  registry["wideresnet_bnnvi_28_10"] = (WideResNet, dict(UB_WIDERESNET, mean_field=True))
+  # BatchEnsemble (Wen et al.): uncertainty-baselines' WRN-28-10 and a CIFAR ResNet-18.
+  registry["resnet_batchensemble_18"] = (ResNet, dict(stage_sizes=RESNET_STAGES[18][0],
+                                                      block="basic",
+                                                      ensemble_size=BATCH_ENSEMBLE_SIZE))
+  registry["wideresnet_batchensemble_28_10"] = (WideResNet,
+                                                dict(UB_WIDERESNET,
+                                                     ensemble_size=BATCH_ENSEMBLE_SIZE))
   # MSA as trainable smoothing (HV): ViTs and AlterNets (geometry from ``stem``, like the CNNs).
   for size, (dim, heads, mlp_dim) in VIT_SIZES.items():
     registry[f"vit_{size}"] = (ViT, dict(hidden_dim=dim, num_heads=heads, mlp_dim=mlp_dim))
@@ -134,6 +153,21 @@ def is_segmentation_model(model: nn.Module) -> bool:
 def is_ibnn(model: nn.Module) -> bool:
   """True for iBNN models: K ≥ 1 components of multiplicative node noise (``num_components``)."""
   return getattr(model, "num_components", 0) > 0
+
+
+def is_mean_field(model: nn.Module) -> bool:
+  """True for BNN-VI models: mean-field Gaussian kernels (``mean_field``)."""
+  return bool(getattr(model, "mean_field", False))
+
+
+def is_batch_ensemble(model: nn.Module) -> bool:
+  """True for BatchEnsemble models: M ≥ 1 members of fast weights (``ensemble_size``)."""
+  return getattr(model, "ensemble_size", 0) > 0
+
+
+def is_stochastic(model: nn.Module) -> bool:
+  """True when two evaluation passes differ: MC dropout, iBNN node noise or BNN-VI weights."""
+  return getattr(model, "dropout_rate", 0.0) > 0 or is_ibnn(model) or is_mean_field(model)
 
 
 def _registered(name: str) -> tuple:
@@ -191,4 +225,6 @@ def get_model(name: str, num_classes: int, **overrides) -> nn.Module:
   kwargs = {**kwargs, **{k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}}
   if "_ibnn_" in name and kwargs["num_components"] < 1:
     raise ValueError(f"{name!r} needs num_components (K) >= 1, got {kwargs['num_components']}.")
+  if "_batchensemble_" in name and kwargs["ensemble_size"] < 1:
+    raise ValueError(f"{name!r} needs ensemble_size (M) >= 1, got {kwargs['ensemble_size']}.")
   return cls(num_classes=num_classes, **kwargs)

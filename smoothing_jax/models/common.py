@@ -14,9 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from smoothing_jax.layers import MCDropout, Smooth
+from smoothing_jax.layers.batch_ensemble import BatchEnsembleConv, BatchEnsembleDense
+from smoothing_jax.layers.mean_field import POSTERIOR_STD_INIT, MeanFieldConv, MeanFieldDense
 from smoothing_jax.layers.node_noise import NodeNoiseConv, NodeNoiseDense
 
 STEMS = ("cifar", "imagenet")
+# What a conv / dense layer's weights are (``CNN.weights``): point estimates, iBNN node noise on
+# their inputs, mean-field Gaussians (BNN-VI) or BatchEnsemble fast weights.
+WEIGHTS = ("point", "ibnn", "mean_field", "batch_ensemble")
+WEIGHT_NAMES = {"point": "point-estimate", "ibnn": "iBNN", "mean_field": "BNN-VI",
+                "batch_ensemble": "BatchEnsemble"}
 CLASSIFIERS = ("gap", "mlp", "mlp512")
 
 # PyTorch BatchNorm2d defaults: running = 0.9 · running + 0.1 · batch, eps 1e-5.
@@ -152,12 +159,20 @@ class CNN(nn.Module):
     stem: ``"cifar"`` (32×32 inputs) or ``"imagenet"`` (224×224 inputs).
     classifier: ``"gap"``, ``"mlp"`` or ``"mlp512"`` (None: the family's reference default).
     dtype: computation dtype (parameters stay float32).
-    num_components: iBNN (families that support it: VGG, WRN-28-10): K > 0 puts
-      K-component multiplicative node noise on the input of every conv and dense
-      layer (``smoothing_jax.layers.node_noise``); the models then take
-      ``components`` [B] (default: row r uses component r mod K) and a ``"noise"`` key.
+    num_components: iBNN (VGG, WRN-28-10): K > 0 puts K-component multiplicative node noise on
+      the input of every conv and dense layer (``smoothing_jax.layers.node_noise``); the models
+      then take ``components`` [B] (default: row r uses component r mod K) and a ``"noise"`` key.
     noise_init_std: σ₀ of the iBNN mean initialisation μ ~ N(1, σ₀²).
     bias_noise: iBNN scalar noise on each layer's bias (the reference's default).
+    mean_field: BNN-VI (VGG, WRN-28-10): every conv and dense kernel a mean-field Gaussian with
+      Flipout (``smoothing_jax.layers.mean_field``; a ``"noise"`` key per pass, BatchNorm and
+      biases deterministic).
+    posterior_std_init: σ₀ of the BNN-VI initialisation ρ ~ N(softplus⁻¹(σ₀), 0.1²).
+    ensemble_size: BatchEnsemble (ResNet, VGG, WRN-28-10): M > 0 members with rank-1 fast weights
+      on every conv and dense layer (``smoothing_jax.layers.batch_ensemble``); ``components`` [B]
+      then names each row's member (default: row r uses member r mod M).
+    random_sign_init: the fast weights' initialisation (uncertainty-baselines): p > 0 random
+      signs, +1 with probability p; p < 0 N(1, p²).
   """
   num_classes: int = 10
   dropout_rate: float = 0.0
@@ -174,13 +189,26 @@ class CNN(nn.Module):
   num_components: int = 0
   noise_init_std: float = 0.5
   bias_noise: bool = True
+  mean_field: bool = False
+  posterior_std_init: float = POSTERIOR_STD_INIT
+  ensemble_size: int = 0
+  random_sign_init: float = -0.5
+
+  @property
+  def weights(self) -> str:
+    """What the conv and dense weights are: one of ``WEIGHTS``."""
+    if self.num_components:
+      return "ibnn"
+    if self.mean_field:
+      return "mean_field"
+    return "batch_ensemble" if self.ensemble_size else "point"
 
   def check_options(self,
                     default_classifier: str,
                     classifiers=("gap", "mlp"),
-                    node_noise: bool = False) -> str:
-    """Validate the shared options against what the family supports; return the classifier
-    to build."""
+                    weights: tuple = ("point",)) -> str:
+    """Validate the shared options against what the family supports (``weights``: the kinds of
+    ``WEIGHTS`` it builds); return the classifier to build."""
     if self.stem not in STEMS:
       raise ValueError(f"Unknown stem {self.stem!r}; choose one of {STEMS}.")
     classifier = self.classifier or default_classifier
@@ -196,20 +224,37 @@ class CNN(nn.Module):
           "num_components (iBNN K) must be >= 1, or 0 for no node noise; got "
           f"{self.num_components}."
       )
-    if self.num_components and not node_noise:
-      raise ValueError(
-          f"{type(self).__name__} has no iBNN variant; node noise is built for VGG and WideResNet.")
+    if self.ensemble_size < 0:
+      raise ValueError("ensemble_size (BatchEnsemble M) must be >= 1, or 0 for no fast weights; "
+                       f"got {self.ensemble_size}.")
+    chosen = [name for name, on in (("num_components", self.num_components),
+                                    ("mean_field", self.mean_field),
+                                    ("ensemble_size", self.ensemble_size)) if on]
+    if len(chosen) > 1:
+      raise ValueError(f"{type(self).__name__}: choose one of num_components (iBNN), mean_field "
+                       f"(BNN-VI) and ensemble_size (BatchEnsemble); got {' and '.join(chosen)}.")
+    if self.weights not in weights:
+      raise ValueError(f"{type(self).__name__} has no {WEIGHT_NAMES[self.weights]} variant; it "
+                       f"builds {', '.join(WEIGHT_NAMES[w] for w in weights)} weights.")
     return classifier
 
-  def noise_options(self) -> dict:
-    """The iBNN fields, for passing on to blocks."""
+  def weight_options(self) -> dict:
+    """The fields that choose and initialise the weights, for passing on to blocks."""
     return dict(num_components=self.num_components,
                 noise_init_std=self.noise_init_std,
-                bias_noise=self.bias_noise)
+                bias_noise=self.bias_noise,
+                mean_field=self.mean_field,
+                posterior_std_init=self.posterior_std_init,
+                ensemble_size=self.ensemble_size,
+                random_sign_init=self.random_sign_init)
 
-  def conv(self, x, components, features, kernel_size, stride=1, padding=0, bias=False, name=None):
-    """A ``conv`` layer applied to ``x``, with iBNN node noise when ``num_components`` > 0."""
-    if self.num_components:
+  def conv(self, x, components, features, kernel_size, stride=1, padding=0, bias=False, name=None,
+           groups=1):
+    """A ``conv`` layer applied to ``x``, its weights as ``weights`` says (``components``: each
+    row's iBNN component or BatchEnsemble member)."""
+    if self.weights != "point" and groups != 1 and self.weights != "batch_ensemble":
+      raise ValueError(f"Grouped convolutions have no {self.weights} variant.")
+    if self.weights == "ibnn":
       return NodeNoiseConv(self.num_components,
                            self.bias_noise,
                            self.noise_init_std,
@@ -220,17 +265,33 @@ class CNN(nn.Module):
                            use_bias=bias,
                            dtype=self.dtype,
                            name=name)(x, components)
-    return conv(features, kernel_size, stride, padding, bias=bias, dtype=self.dtype, name=name)(x)
+    if self.weights == "mean_field":
+      return MeanFieldConv(self.posterior_std_init, features=features, kernel_size=kernel_size,
+                           stride=stride, padding=padding, use_bias=bias, dtype=self.dtype,
+                           name=name)(x)
+    if self.weights == "batch_ensemble":
+      return BatchEnsembleConv(self.ensemble_size, self.random_sign_init, features=features,
+                               kernel_size=kernel_size, stride=stride, padding=padding,
+                               groups=groups, use_bias=bias, dtype=self.dtype,
+                               name=name)(x, components)
+    return conv(features, kernel_size, stride, padding, groups, bias=bias, dtype=self.dtype,
+                name=name)(x)
 
   def dense(self, x, components, features, name=None):
-    """``nn.Dense`` applied to ``x``, with iBNN node noise when ``num_components`` > 0."""
-    if self.num_components:
+    """``nn.Dense`` applied to ``x``, its weights as ``weights`` says."""
+    if self.weights == "ibnn":
       return NodeNoiseDense(self.num_components,
                             self.bias_noise,
                             self.noise_init_std,
                             features=features,
                             dtype=self.dtype,
                             name=name)(x, components)
+    if self.weights == "mean_field":
+      return MeanFieldDense(self.posterior_std_init, features=features, dtype=self.dtype,
+                            name=name)(x)
+    if self.weights == "batch_ensemble":
+      return BatchEnsembleDense(self.ensemble_size, self.random_sign_init, features=features,
+                                dtype=self.dtype, name=name)(x, components)
     return nn.Dense(features, dtype=self.dtype, name=name)(x)
 
   def smooth(self, x, name: str):

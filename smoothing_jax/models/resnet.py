@@ -6,16 +6,20 @@ One module, variants as arguments:
     give ResNeXt (32×4d, 32×8d) and Wide ResNet (width 128);
   * ``preact``: pre-activation blocks, a conv-only stem and a BN-ReLU-GAP head;
   * MC dropout between the two convs of a basic block / before the last conv of
-    a bottleneck; smoothing after every stage (pre-activation: stages 1–3).
+    a bottleneck; smoothing after every stage (pre-activation: stages 1–3);
+  * ``ensemble_size`` M > 0: BatchEnsemble (``resnet_batchensemble_18``): every conv, the
+    shortcuts included, and the classifier get rank-1 fast weights per member (BatchNorm shared,
+    as in uncertainty-baselines' WRN; TorchUncertainty leaves the shortcut conv unbatched).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 import flax.linen as nn
+import jax.numpy as jnp
 
-from smoothing_jax.models.common import (CNN, GAPHead, MLPHead, adaptive_avg_pool, check_images,
-                                         conv, drop_path, max_pool)
+from smoothing_jax.models.common import (CNN, GAPHead, MLPHead, adaptive_avg_pool, batch_norm,
+                                         check_images, drop_path, max_pool)
 
 EXPANSION = {"basic": 1, "bottleneck": 4}
 
@@ -40,22 +44,22 @@ class ResNetBlock(_Block):
   """Post-activation basic/bottleneck block (torchvision layout, stride on the 3×3 conv)."""
 
   @nn.compact
-  def __call__(self, x, train: bool):
+  def __call__(self, x, train: bool, components=None):
     width, out_channels = self.widths()
+    c = components
     skip = x
     if self.stride != 1 or x.shape[-1] != out_channels:
-      skip = conv(out_channels, 1, self.stride, dtype=self.dtype, name="shortcut_0")(x)
+      skip = self.conv(x, c, out_channels, 1, self.stride, name="shortcut_0")
       skip = self.bn(train, "shortcut_1")(skip)
     if self.block == "basic":
-      y = nn.relu(
-          self.bn(train, "bn1")(conv(width, 3, self.stride, 1, dtype=self.dtype, name="conv1")(x)))
+      y = nn.relu(self.bn(train, "bn1")(self.conv(x, c, width, 3, self.stride, 1, name="conv1")))
       y = self.dropout(y)
-      y = self.bn(train, "bn2")(conv(out_channels, 3, 1, 1, dtype=self.dtype, name="conv2")(y))
+      y = self.bn(train, "bn2")(self.conv(y, c, out_channels, 3, 1, 1, name="conv2"))
     else:
-      y = nn.relu(self.bn(train, "bn1")(conv(width, 1, dtype=self.dtype, name="conv1")(x)))
-      y = conv(width, 3, self.stride, 1, self.groups, dtype=self.dtype, name="conv2")(y)
+      y = nn.relu(self.bn(train, "bn1")(self.conv(x, c, width, 1, name="conv1")))
+      y = self.conv(y, c, width, 3, self.stride, 1, name="conv2", groups=self.groups)
       y = self.dropout(nn.relu(self.bn(train, "bn2")(y)))
-      y = self.bn(train, "bn3")(conv(out_channels, 1, dtype=self.dtype, name="conv3")(y))
+      y = self.bn(train, "bn3")(self.conv(y, c, out_channels, 1, name="conv3"))
     return nn.relu(skip + y)
 
 
@@ -69,30 +73,32 @@ class PreActBlock(_Block):
   """
 
   @nn.compact
-  def __call__(self, x, train: bool, keep=None):
+  def __call__(self, x, train: bool, keep=None, components=None):
     width, out_channels = self.widths()
+    c = components
     pre = nn.relu(self.bn(train, "bn1")(x))
     if self.stride != 1 or x.shape[-1] != out_channels:
-      skip = conv(out_channels, 1, self.stride, dtype=self.dtype, name="shortcut_0")(pre)
+      skip = self.conv(pre, c, out_channels, 1, self.stride, name="shortcut_0")
       if self.block == "bottleneck" and self.dropout_rate > 0:
         skip = self.bn(train, "shortcut_1")(skip)
     else:
       skip = x
     if self.block == "basic":
-      y = conv(width, 3, self.stride, 1, dtype=self.dtype, name="conv1")(pre)
+      y = self.conv(pre, c, width, 3, self.stride, 1, name="conv1")
       y = self.dropout(nn.relu(self.bn(train, "bn2")(y)))
-      y = conv(out_channels, 3, 1, 1, dtype=self.dtype, name="conv2")(y)
+      y = self.conv(y, c, out_channels, 3, 1, 1, name="conv2")
     else:
-      y = conv(width, 1, dtype=self.dtype, name="conv1")(pre)
+      y = self.conv(pre, c, width, 1, name="conv1")
       y = nn.relu(self.bn(train, "bn2")(y))
-      y = conv(width, 3, self.stride, 1, self.groups, dtype=self.dtype, name="conv2")(y)
+      y = self.conv(y, c, width, 3, self.stride, 1, name="conv2", groups=self.groups)
       y = self.dropout(nn.relu(self.bn(train, "bn3")(y)))
-      y = conv(out_channels, 1, dtype=self.dtype, name="conv3")(y)
+      y = self.conv(y, c, out_channels, 1, name="conv3")
     return skip + drop_path(y, self.drop_path_rate, train, keep)
 
 
 class ResNet(CNN):
-  """ResNet family.  ``__call__(images [B,H,W,3], train) -> logits [B, num_classes]``."""
+  """ResNet family.  ``__call__(images [B,H,W,3], train, components=None) -> logits [B, C]``
+  (``components``: each row's BatchEnsemble member)."""
   stage_sizes: Sequence[int] = (2, 2, 2, 2)
   block: str = "basic"
   groups: int = 1
@@ -115,17 +121,19 @@ class ResNet(CNN):
     return not (self.preact and stage == len(self.stage_sizes))
 
   @nn.compact
-  def __call__(self, x, train: bool = False):
+  def __call__(self, x, train: bool = False, components=None):
     check_images(x)
-    classifier = self.check_options("gap")
+    classifier = self.check_options("gap", weights=("point", "batch_ensemble"))
+    if self.weights != "point" and classifier != "gap":
+      raise ValueError("A BatchEnsemble ResNet has the GAP classifier only.")
     if self.block not in EXPANSION:
       raise ValueError(f"Unknown ResNet block {self.block!r}; choose one of {sorted(EXPANSION)}.")
     if self.block == "basic" and (self.groups != 1 or self.width_per_group != 64):
       raise ValueError("Basic blocks support only groups=1 and width_per_group=64.")
     if self.stem == "imagenet":
-      x = conv(self.width, 7, 2, 3, dtype=self.dtype, name="layer0_0")(x)
+      x = self.conv(x, components, self.width, 7, 2, 3, name="layer0_0")
     else:
-      x = conv(self.width, 3, 1, 1, dtype=self.dtype, name="layer0_0")(x)
+      x = self.conv(x, components, self.width, 3, 1, 1, name="layer0_0")
     if not self.preact:
       x = nn.relu(self.bn(train, "layer0_1")(x))
     if self.stem == "imagenet":
@@ -133,7 +141,7 @@ class ResNet(CNN):
     self.sow("intermediates", "stem", x)  # depth 0 of the feature taps
 
     block_cls = PreActBlock if self.preact else ResNetBlock
-    shared = {f: getattr(self, f) for f in ("dropout_rate", "dtype")}
+    shared = dict(dropout_rate=self.dropout_rate, dtype=self.dtype, **self.weight_options())
     for stage, num_blocks in enumerate(self.stage_sizes, start=1):
       channels = self.width * 2 ** (stage - 1)
       for j in range(num_blocks):
@@ -143,12 +151,18 @@ class ResNet(CNN):
                       groups=self.groups,
                       width_per_group=self.width_per_group,
                       name=f"layer{stage}_{j}",
-                      **shared)(x, train)
+                      **shared)(x, train, components=components)
       if self._smooths(stage):
         x = self.smooth(x, f"smooth{stage}_0")
 
     if classifier == "mlp":
       return MLPHead(self.num_classes, dtype=self.dtype,
                      name="classifier_1")(adaptive_avg_pool(x, 7), train)
+    if self.weights == "batch_ensemble":  # GAPHead's layers, its dense a BatchEnsemble one
+      if self.preact:
+        x = nn.relu(batch_norm(use_running_average=not train, dtype=self.dtype,
+                               name="classifier_bn")(x))
+      return self.dense(jnp.mean(x, axis=(1, 2)), components, self.num_classes,
+                        name="classifier_0")
     return GAPHead(self.num_classes, bn=self.preact, dtype=self.dtype, name="classifier_0")(x,
                                                                                             train)

@@ -16,8 +16,8 @@ from typing import Sequence
 
 import flax.linen as nn
 
-from smoothing_jax.models.common import (CLASSIFIERS, CNN, GAPHead, MLPHead, adaptive_avg_pool,
-                                         check_images, max_pool)
+from smoothing_jax.models.common import (CLASSIFIERS, CNN, WEIGHTS, GAPHead, MLPHead,
+                                         adaptive_avg_pool, check_images, max_pool)
 
 VGG_STAGES = {11: (1, 1, 2, 2, 2), 13: (2, 2, 2, 2, 2), 16: (2, 2, 3, 3, 3), 19: (2, 2, 4, 4, 4)}
 
@@ -64,7 +64,7 @@ class VGG(CNN):
   @nn.compact
   def __call__(self, x, train: bool = False, components=None):
     check_images(x)
-    classifier = self.check_options("mlp", CLASSIFIERS, node_noise=True)
+    classifier = self.check_options("mlp", CLASSIFIERS, weights=WEIGHTS)
     widths = [self.width, 2 * self.width, 4 * self.width, 8 * self.width, 8 * self.width]
     for stage, (num_blocks, features) in enumerate(zip(self.stage_sizes, widths)):
       offset = 0
@@ -73,11 +73,12 @@ class VGG(CNN):
         offset = 1  # index 0 of the reference Sequential is the max-pool
       for j in range(num_blocks):
         x = VGGBlock(features=features, preact=self.preact, batch_norm=self.batch_norm,
-                     dropout_rate=self.dropout_rate, dtype=self.dtype, **self.noise_options(),
+                     dropout_rate=self.dropout_rate, dtype=self.dtype, **self.weight_options(),
                      name=f"layer{stage}_{j + offset}")(x, train, components)
       x = self.smooth(x, f"smooth{stage}_0")
-    if self.num_components and classifier != "mlp512":
-      raise ValueError("iBNN VGG needs classifier='mlp512' (the reference's 512-512-C head).")
+    if self.weights != "point" and classifier != "mlp512":
+      raise ValueError(f"A VGG with {self.weights} weights needs classifier='mlp512' (the iBNN "
+                       "reference's 512-512-C head).")
     if classifier == "mlp512":
       x = max_pool(x, 2, 2).reshape(x.shape[0], -1)
       for i in (0, 1):

@@ -8,40 +8,37 @@ smoothing, as for every pre-activation network, ends stages 1 and 2.  With
 ``num_components`` > 0 (``wideresnet_ibnn_28_10``) every conv — stem, both block
 convs, the 1×1 shortcuts — and the classifier get iBNN node noise: 9,475 noisy
 input nodes per component.
+
+The uncertainty-baselines variants (``wideresnet_bnnvi_28_10``, ``wideresnet_batchensemble_28_10``)
+follow that code's WRN instead: convolutions without biases, the stride on the first conv, and
+the final BatchNorm with momentum 0.9 like the others (``conv_bias``, ``stride_first``,
+``head_bn_momentum``).
 """
 from __future__ import annotations
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from smoothing_jax.models.common import CNN, check_images
+from smoothing_jax.models.common import CNN, WEIGHTS, check_images
 
 
 class WideBasic(CNN):
   features: int = 160
   stride: int = 1
+  conv_bias: bool = True
+  stride_first: bool = False
 
   @nn.compact
   def __call__(self, x, train: bool, components=None):
-    y = self.conv(nn.relu(self.bn(train, "bn1")(x)),
-                  components,
-                  self.features,
-                  3,
-                  1,
-                  1,
-                  bias=True,
-                  name="conv1")
+    strides = (self.stride, 1) if self.stride_first else (1, self.stride)
+    y = self.conv(nn.relu(self.bn(train, "bn1")(x)), components, self.features, 3, strides[0], 1,
+                  bias=self.conv_bias, name="conv1")
     y = self.dropout(y)
-    y = self.conv(nn.relu(self.bn(train, "bn2")(y)),
-                  components,
-                  self.features,
-                  3,
-                  self.stride,
-                  1,
-                  bias=True,
-                  name="conv2")
+    y = self.conv(nn.relu(self.bn(train, "bn2")(y)), components, self.features, 3, strides[1], 1,
+                  bias=self.conv_bias, name="conv2")
     if self.stride != 1 or x.shape[-1] != self.features:
-      x = self.conv(x, components, self.features, 1, self.stride, bias=True, name="shortcut")
+      x = self.conv(x, components, self.features, 1, self.stride, bias=self.conv_bias,
+                    name="shortcut")
     return x + y
 
 
@@ -51,6 +48,10 @@ class WideResNet(CNN):
   depth: int = 28
   widen_factor: int = 10
   width: int = 16
+  conv_bias: bool = True
+  stride_first: bool = False
+  # The iBNN reference builds this BN with PyTorch momentum 0.9, i.e. Flax momentum 0.1.
+  head_bn_momentum: float = 0.1
 
   def feature_taps(self) -> list:
     """``[(name, kind)]`` of the feature-map taps in order (:mod:`smoothing_jax.analysis.features`):
@@ -65,23 +66,23 @@ class WideResNet(CNN):
   @nn.compact
   def __call__(self, x, train: bool = False, components=None):
     check_images(x)
-    classifier = self.check_options("gap", node_noise=True)
+    classifier = self.check_options("gap", weights=WEIGHTS)
     if (self.depth - 4) % 6 != 0:
       raise ValueError(f"Wide ResNet depth must be 6n + 4, got {self.depth}.")
     if self.stem != "cifar" or classifier != "gap":
       raise ValueError("WRN-28-10 is defined for CIFAR inputs with a GAP classifier only.")
     n = (self.depth - 4) // 6
-    x = self.conv(x, components, self.width, 3, 1, 1, bias=True, name="conv1")
+    x = self.conv(x, components, self.width, 3, 1, 1, bias=self.conv_bias, name="conv1")
     self.sow("intermediates", "stem", x)  # depth 0 of the feature taps
     for stage in range(1, 4):
       features = self.width * self.widen_factor * 2 ** (stage - 1)
       for j in range(n):
         x = WideBasic(features=features, stride=2 if (stage > 1 and j == 0) else 1,
-                      dropout_rate=self.dropout_rate, dtype=self.dtype, **self.noise_options(),
+                      conv_bias=self.conv_bias, stride_first=self.stride_first,
+                      dropout_rate=self.dropout_rate, dtype=self.dtype, **self.weight_options(),
                       name=f"layer{stage}_{j}")(x, train, components)
       if stage < 3:
         x = self.smooth(x, f"smooth{stage}_0")
-    # The reference builds this BN with PyTorch momentum 0.9, i.e. Flax momentum 0.1.
-    x = nn.relu(self.bn(train, "bn1", momentum=0.1)(x))
+    x = nn.relu(self.bn(train, "bn1", momentum=self.head_bn_momentum)(x))
     x = jnp.mean(x, axis=(1, 2))
     return self.dense(x, components, self.num_classes, name="linear")

@@ -1,0 +1,129 @@
+"""BatchEnsemble layers (Wen, Tran & Ba 2020, "BatchEnsemble: an alternative approach to efficient
+ensemble and lifelong learning").
+
+M members share one slow weight W; member i owns rank-1 fast weights: s_i on the input channels
+and r_i on the output channels, and its own bias b_i.  Member i's kernel is W ∘ (s_i r_iᵀ), which
+needs no kernel of its own (paper Eq. 2):
+
+    y = ((x ∘ s_i) W) ∘ r_i + b_i          (a convolution: s_i, r_i broadcast over H×W)
+
+Each row of the batch names its member (``members [B]``); as in the iBNN layers, None means the
+training rule, row r uses member r mod M (the batch repeated M times, one copy per member).
+
+Parameters: ``kernel`` (W), ``fast_in`` [M, C_in] (s; edward2's ``alpha``, TorchUncertainty's
+``r_group``), ``fast_out`` [M, C_out] (r; edward2's ``gamma``) and ``bias`` [M, C_out].
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+FAST_WEIGHTS = ("fast_in", "fast_out")
+# Keras ``he_normal`` (truncated normal, fan-in): uncertainty-baselines' slow-kernel initialiser.
+he_normal = nn.initializers.variance_scaling(2.0, "fan_in", "truncated_normal")
+
+
+def random_sign_init(random_sign_init: float) -> Callable:
+  """uncertainty-baselines' ``make_sign_initializer``: for ``random_sign_init`` = p > 0 each entry
+  is +1 with probability p and −1 otherwise (edward2 ``RandomSign(p)``); for p < 0, N(1, p²)
+  (``RandomNormal(mean=1, stddev=-p)``)."""
+  if random_sign_init > 0:
+    def init(key, shape, dtype=jnp.float32):
+      return jnp.where(jax.random.bernoulli(key, random_sign_init, shape), 1.0, -1.0).astype(dtype)
+    return init
+  return lambda key, shape, dtype=jnp.float32: 1.0 - random_sign_init * jax.random.normal(
+      key, shape, dtype)
+
+
+def member_indices(members, batch: int, ensemble_size: int):
+  """``members`` as an int array ``[B]``; None: row r uses member r mod M (the training rule)."""
+  if members is None:
+    return jnp.arange(batch) % ensemble_size
+  return jnp.asarray(members)
+
+
+class _BatchEnsemble(nn.Module):
+  """Fast weights and per-member biases shared by the BatchEnsemble layers."""
+  ensemble_size: int = 4
+  random_sign_init: float = 0.5
+
+  def scale_input(self, x, members):
+    """``(x ∘ s_member, members)``, s broadcast over the spatial axes."""
+    if self.ensemble_size < 1:
+      raise ValueError(f"ensemble_size (M) must be >= 1, got {self.ensemble_size}.")
+    fast_in = self.param("fast_in", random_sign_init(self.random_sign_init),
+                         (self.ensemble_size, x.shape[-1]))
+    members = member_indices(members, x.shape[0], self.ensemble_size)
+    return x * self._per_row(fast_in[members], x), members
+
+  def scale_output(self, y, members, use_bias: bool = True):
+    """``y ∘ r_member + b_member`` (no bias when ``use_bias`` is False)."""
+    fast_out = self.param("fast_out", random_sign_init(self.random_sign_init),
+                          (self.ensemble_size, y.shape[-1]))
+    y = y * self._per_row(fast_out[members], y)
+    if use_bias:
+      bias = self.param("bias", nn.initializers.zeros, (self.ensemble_size, y.shape[-1]))
+      y = y + self._per_row(bias[members], y)
+    return y
+
+  @staticmethod
+  def _per_row(values, x):
+    """``values [B, C]`` shaped to broadcast against ``x [B, ..., C]``."""
+    return values.reshape((x.shape[0],) + (1,) * (x.ndim - 2) + (x.shape[-1],)).astype(x.dtype)
+
+
+class BatchEnsembleConv(_BatchEnsemble):
+  """``nn.Conv2d`` (explicit symmetric zero padding) with BatchEnsemble fast weights.
+
+  ``__call__(x [B,H,W,C_in], members [B] or None) -> [B,H',W',features]``.
+  """
+  features: int = 64
+  kernel_size: int = 3
+  stride: int = 1
+  padding: int = 0
+  groups: int = 1
+  use_bias: bool = True
+  kernel_init: Callable = he_normal
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, members: Optional[jax.Array] = None):
+    x, members = self.scale_input(x, members)
+    kernel = self.param("kernel", self.kernel_init,
+                        (self.kernel_size, self.kernel_size, x.shape[-1] // self.groups,
+                         self.features))
+    p = self.padding
+    y = jax.lax.conv_general_dilated(x.astype(self.dtype), kernel.astype(self.dtype),
+                                     (self.stride, self.stride), ((p, p), (p, p)),
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                     feature_group_count=self.groups)
+    return self.scale_output(y, members, self.use_bias)
+
+
+class BatchEnsembleDense(_BatchEnsemble):
+  """``nn.Dense`` with BatchEnsemble fast weights.
+  ``__call__(x [B,C_in], members [B] or None) -> [B,features]``."""
+  features: int = 10
+  kernel_init: Callable = he_normal
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, members: Optional[jax.Array] = None):
+    x, members = self.scale_input(x, members)
+    kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
+    return self.scale_output(x.astype(self.dtype) @ kernel.astype(self.dtype), members)
+
+
+def fast_weight_mask(params, with_bias: bool = False):
+  """True for the fast weights (``fast_in``, ``fast_out``) of every BatchEnsemble layer, and with
+  ``with_bias`` their members' biases: what uncertainty-baselines' ``fast_weight_lr_multiplier``
+  scales (every variable named neither ``kernel`` nor ``batch_norm``)."""
+  names = FAST_WEIGHTS + (("bias",) if with_bias else ())
+  layers = set()
+  jax.tree_util.tree_map_with_path(
+      lambda path, _: layers.add(path[:-1]) if path[-1].key == "fast_in" else None, params)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: path[:-1] in layers and path[-1].key in names, params)
