@@ -265,3 +265,33 @@ def initialised_run(root, **overrides):
   variables = init_variables(run.model, (1,) + run.model_spec.image_shape)
   run.variables = jax.device_put(variables, shardings(run.mesh)[0])
   return run
+
+
+def train_resume_and_evaluate(config, root) -> dict:
+  """Trains ``config`` (CIFAR-10 under TFDS mock data, 16 examples) with the command line's
+  ``main.run`` (its ``config.evals``), checks that a run stopped at step 2 and resumed ends with
+  the same variables, then runs every classification evaluator on the workdir (corruptions: fog
+  only; temporal: 8 clips of 3 frames).  Returns ``{evaluator: result}``."""
+  import tensorflow_datasets as tfds
+  from smoothing_jax import main, train
+  from smoothing_jax.evaluators import calibration, corruptions, ood, selective, temporal
+  from smoothing_jax.run import Run
+  results = {}
+  with tfds.testing.mock_data(num_examples=16):
+    results.update(main.run(config, str(root / "run")))
+    train.train_and_evaluate(config, str(root / "resumed"), stop_after_steps=2)
+    resumed = train.train_and_evaluate(config, str(root / "resumed"))
+    run = Run.from_workdir(str(root / "run"))
+    a, b = flat_variables(train.variables_of(resumed)), flat_variables(run.variables)
+    assert a.keys() == b.keys()
+    for key in a:
+      np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    for name, evaluate, options in (
+        ("calibration", calibration.evaluate, {}),
+        ("selective", selective.evaluate, {}),
+        ("ood", ood.evaluate, {"ood_datasets": ("cifar100",)}),
+        ("corruptions", corruptions.evaluate, {"corruptions": ("fog",), "num_samples": 2}),
+        ("temporal", temporal.evaluate, {"num_images": 8, "length": 3, "batch_size": 8}),
+    ):
+      results[name] = evaluate(run, root / "results" / name, **options)
+  return results

@@ -99,6 +99,38 @@ def test_cifar_ibnn_arguments_and_ece_bins():
   assert config.ece_bins == 15 and cifar_ibnn.get_config().ece_bins == 15
 
 
+def test_cifar_ibnn_trains_every_method_under_one_protocol():
+  from configs import cifar_ibnn
+  from smoothing_jax.spec import ModelSpec, build_model
+  shared = ("optimizer", "nesterov", "batch_size", "learning_rate", "weight_decay", "num_epochs",
+            "lr_schedule", "lr_final_ratio", "ece_bins")
+  for architecture, methods in cifar_ibnn.METHODS.items():
+    configs = {method: cifar_ibnn.get_config(f"{name},cifar100")
+               for method, name in methods.items()}
+    assert len({tuple(c[k] for k in shared) for c in configs.values()}) == 1, architecture
+    spec = ModelSpec(100, "cifar", (32, 32, 3))
+    weights = {method: build_model(c, spec).weights for method, c in configs.items()}
+    assert weights == {"dnn": "point", "mcdo": "point", "bnnvi": "mean_field", "ibnn": "ibnn"}
+  vgg = {m: cifar_ibnn.get_config(name) for m, name in cifar_ibnn.METHODS["vgg"].items()}
+  for method in ("dnn", "mcdo"):  # the iBNN reference's VGG-16: no BatchNorm, 512-512-C head
+    model = build_model(vgg[method], ModelSpec(10, "cifar", (32, 32, 3)))
+    assert (model.batch_norm, model.classifier) == (False, "mlp512"), method
+  assert vgg["bnnvi"].num_epochs == 300 and vgg["bnnvi"].bnnvi.kl_anneal_epochs == 200
+  with pytest.raises(ValueError, match="compares"):
+    cifar_ibnn.get_config("resnet_dnn_18")
+
+
+def test_cifar_resnet_takes_uncertainty_baselines_batch_ensemble_settings():
+  from configs import cifar_resnet
+  config = cifar_resnet.get_config("wideresnet_batchensemble_28_10,cifar10")
+  assert (config.nesterov, config.learning_rate, config.batch_size) == (True, 0.1, 128)
+  assert config.weight_decay == pytest.approx(6e-4)  # Keras l2(3e-4) = λ·‖w‖²
+  assert config.warmup_epochs + config.num_epochs == 250
+  assert [config.warmup_epochs + m for m in config.lr_milestones] == [100, 200, 225]
+  assert config.batch_ensemble.fast_weight_lr_multiplier == 0.5
+  assert cifar_resnet.get_config("resnet_dnn_18").weight_decay == 5e-4
+
+
 ALL_RECIPE_KEYS = {*RECIPE_KEYS, *(key for keys in RECIPE_KEYS_OF.values() for key in keys)}
 
 

@@ -18,7 +18,7 @@ from etils import epath
 
 from smoothing_jax import workdir as workdir_lib
 from smoothing_jax.data import CORRUPTIONS, corruption_dataset
-from smoothing_jax.evaluators.common import ensemble_metrics_step, write_table
+from smoothing_jax.evaluators.common import ensemble_metrics_step, predictive, write_table
 from smoothing_jax.parallel import evaluate_batches, sharded_eval_step, shardings
 
 # The reference's AlexNet results (SS resources/results), shipped in smoothing_jax/data/baselines.
@@ -98,24 +98,24 @@ def corruption_aggregates(table: dict, baseline: Optional[dict] = None,
 
 def evaluate(run, output_dir, *, baseline_csv: Optional[str] = None, num_samples: int = 1,
              corruptions: Sequence[str] = CORRUPTIONS, seed: int = 0) -> dict:
-  """The sweep for ``run`` with ``num_samples`` MC samples per prediction (dropout models);
-  returns the aggregates (:func:`corruption_aggregates`)."""
+  """The sweep for ``run`` with its whole predictive (``num_samples`` MC samples of dropout or
+  BNN-VI models; every member of an ensemble or BatchEnsemble; K·S draws of an iBNN); returns
+  the aggregates (:func:`corruption_aggregates`)."""
   config, model = run.config, run.model
   output_dir = workdir_lib.workdir_path(output_dir)
   base = run.pipeline.dataset_spec.base
   baseline_csv = baseline_csv or default_baseline(base)
   baseline = read_corruption_table(baseline_csv) if baseline_csv else None  # bad files fail first
-  num_samples = num_samples if model.dropout_rate > 0 else 1
-  kind = "mc"
-  if run.ensemble_members > 1:  # the whole ensemble, one sample per member
-    kind, num_samples = "deep_ensemble", run.ensemble_members
-  step = sharded_eval_step(ensemble_metrics_step, run.mesh, kind, model, (num_samples,),
-                           num_samples, config.get("eval_chunk_size"), config.ece_bins)
+  # The run's whole predictive: num_samples MC samples, or every member / component draw.
+  sampled = predictive(run, sizes=(num_samples,))
+  size = max(sampled.sizes)
+  step = sharded_eval_step(ensemble_metrics_step, run.mesh, sampled.kind, model, (size,),
+                           sampled.num_samples, config.get("eval_chunk_size"), config.ece_bins)
   rows, table = [], {}
   for corruption in corruptions:
     for severity in range(1, 6):
       batches = run.eval_batches(corruption_dataset(base, corruption, severity))
-      (m,) = evaluate_batches(step, run.variables, batches, shardings(run.mesh)[1],
+      (m,) = evaluate_batches(step, sampled.variables, batches, shardings(run.mesh)[1],
                               jax.random.key(seed))
       m = m.compute()
       table[(corruption, severity)] = {"nll": m["nll"], "err": 1.0 - m["acc"], "ece": m["ece"]}

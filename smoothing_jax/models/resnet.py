@@ -9,7 +9,8 @@ One module, variants as arguments:
     a bottleneck; smoothing after every stage (pre-activation: stages 1–3);
   * ``ensemble_size`` M > 0: BatchEnsemble (``resnet_batchensemble_18``): every conv, the
     shortcuts included, and the classifier get rank-1 fast weights per member (BatchNorm shared,
-    as in uncertainty-baselines' WRN; TorchUncertainty leaves the shortcut conv unbatched).
+    as in uncertainty-baselines' WRN; TorchUncertainty leaves the shortcut conv unbatched);
+    ``mean_field``: BNN-VI, every conv and the classifier with mean-field Gaussian kernels.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from smoothing_jax.models.common import (CNN, GAPHead, MLPHead, adaptive_avg_poo
                                          check_images, drop_path, max_pool)
 
 EXPANSION = {"basic": 1, "bottleneck": 4}
+WEIGHTS = ("point", "batch_ensemble", "mean_field")  # what ResNet's conv / dense weights can be
 
 
 class _Block(CNN):
@@ -123,9 +125,9 @@ class ResNet(CNN):
   @nn.compact
   def __call__(self, x, train: bool = False, components=None):
     check_images(x)
-    classifier = self.check_options("gap", weights=("point", "batch_ensemble"))
+    classifier = self.check_options("gap", weights=WEIGHTS)
     if self.weights != "point" and classifier != "gap":
-      raise ValueError("A BatchEnsemble ResNet has the GAP classifier only.")
+      raise ValueError(f"A ResNet with {self.weights} weights has the GAP classifier only.")
     if self.block not in EXPANSION:
       raise ValueError(f"Unknown ResNet block {self.block!r}; choose one of {sorted(EXPANSION)}.")
     if self.block == "basic" and (self.groups != 1 or self.width_per_group != 64):
@@ -158,7 +160,7 @@ class ResNet(CNN):
     if classifier == "mlp":
       return MLPHead(self.num_classes, dtype=self.dtype,
                      name="classifier_1")(adaptive_avg_pool(x, 7), train)
-    if self.weights == "batch_ensemble":  # GAPHead's layers, its dense a BatchEnsemble one
+    if self.weights != "point":  # GAPHead's layers, its dense of the model's weights
       if self.preact:
         x = nn.relu(batch_norm(use_running_average=not train, dtype=self.dtype,
                                name="classifier_bn")(x))

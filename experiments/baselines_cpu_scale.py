@@ -1,0 +1,107 @@
+"""The baselines' comparisons at CPU scale, each setting on one short schedule (issue 33).
+
+``--part ibnn``: the iBNN paper's comparison (Figs. 5–7) on CIFAR-10 at a narrow VGG-16
+(``--width``): DNN, MC dropout, BNN-VI and iBNN (K = 4) under ``configs/cifar_ibnn.py``'s
+protocol, shortened to ``--epochs`` (λ₀ flat for half, then linear to 0.01·λ₀ at 90%; β
+annealed over the first 2/3 of the epochs, as 200 of 300), on a class-balanced
+``--train_fraction`` of the training split; test error, NLL and ECE (15 bins) of the whole test
+split with ``--samples`` predictions per method (iBNN: ``samples / K`` draws of each component).
+
+``--part batchensemble``: BatchEnsemble of 4 (``resnet_batchensemble_18``) against a deep ensemble
+of 4 trained as one job (``resnet_dnn_18`` with ``ensemble_members=4``) and a single
+``resnet_dnn_18``, all at ``--width`` on ``configs/cifar_resnet.py`` shortened to ``--epochs``
+after one warm-up epoch (lr × 0.2 at 1/2 and 3/4), with each job's wall time.
+
+Writes ``<root>/<part>_cpu_scale.json`` and prints the Markdown table.
+
+  python experiments/baselines_cpu_scale.py --part ibnn --root /tmp/baselines_cpu
+  python experiments/baselines_cpu_scale.py --part batchensemble --root /tmp/baselines_cpu
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from absl import logging
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from smoothing_jax import config as config_lib  # noqa: E402
+from smoothing_jax import main  # noqa: E402
+from smoothing_jax.writers import show_only_our_info_lines  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+DEFAULT_DATA = os.path.join(ROOT, "..", "shared", "data", "cifar10")
+IBNN_COMPONENTS = 4
+
+
+def ibnn_settings(args) -> dict:
+  """``{label: (config argument, overrides)}`` of the iBNN comparison."""
+  anneal = max(1, round(2 * args.epochs / 3))
+  common = {"num_epochs": args.epochs, "model_kwargs.width": args.width,
+            "ensemble_sizes": (1, args.samples), "ibnn.kl_anneal_epochs": anneal,
+            "bnnvi.kl_anneal_epochs": anneal,
+            "ibnn.eval_samples": max(1, args.samples // IBNN_COMPONENTS)}
+  return {label: (f"vgg_{name}_16", common) for label, name in
+          (("DNN", "dnn"), ("MC dropout", "mcdo"), ("BNN-VI", "bnnvi"),
+           (f"iBNN-{IBNN_COMPONENTS}", "ibnn"))}
+
+
+def batchensemble_settings(args) -> dict:
+  """``{label: (config argument, overrides)}`` of the BatchEnsemble comparison: one schedule."""
+  common = {"model_kwargs.width": args.width, "num_epochs": args.epochs, "warmup_epochs": 1,
+            "lr_milestones": (round(args.epochs / 2), round(3 * args.epochs / 4)),
+            "nesterov": False, "weight_decay": 5e-4, "ensemble_sizes": (1,)}
+  return {"single ResNet-18": ("resnet_dnn_18", common),
+          "deep ensemble of 4 (one job)": ("resnet_dnn_18", {**common, "ensemble_members": 4}),
+          "BatchEnsemble of 4": ("resnet_batchensemble_18", common)}
+
+
+def main_(argv=None):
+  logging.set_verbosity(logging.INFO)
+  show_only_our_info_lines()
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--part", choices=("ibnn", "batchensemble"), required=True)
+  parser.add_argument("--data", default=DEFAULT_DATA, help="CIFAR-10 as train.npz / test.npz")
+  parser.add_argument("--root", default="/tmp/baselines_cpu_scale", help="workdirs and results")
+  parser.add_argument("--width", type=int, default=16)
+  parser.add_argument("--epochs", type=int, default=6)
+  parser.add_argument("--train_fraction", type=float, default=0.2)
+  parser.add_argument("--samples", type=int, default=8, help="predictions per stochastic method")
+  args = parser.parse_args(argv)
+  dataset = f"npz:{os.path.abspath(args.data)}"
+  if args.part == "ibnn":
+    recipe, settings = "cifar_ibnn.py", ibnn_settings(args)
+  else:
+    recipe, settings = "cifar_resnet.py", batchensemble_settings(args)
+  rows = []
+  for label, (model, overrides) in settings.items():
+    config = config_lib.load(
+        os.path.join(ROOT, "configs", f"{recipe}:{model},{dataset}"),
+        {**overrides, "train_fraction": args.train_fraction, "eval_every_epochs": args.epochs + 1,
+         "evals": ("ensemble_sizes",)})
+    workdir = os.path.join(args.root, args.part, label.split(" (")[0].replace(" ", "_"))
+    start = time.time()
+    results = main.run(config, workdir, "train")
+    seconds = round(time.time() - start)
+    last = results["ensemble_sizes"][-1]
+    rows.append({"method": label, "model": model, "predictions": last["ensemble_size"],
+                 "error": 1.0 - last["acc"], "nll": last["nll"], "ece": last["ece"],
+                 "seconds": seconds})
+  out = {"part": args.part, "data": args.data, "train_fraction": args.train_fraction,
+         "epochs": args.epochs, "width": args.width, "rows": rows}
+  os.makedirs(args.root, exist_ok=True)
+  with open(os.path.join(args.root, f"{args.part}_cpu_scale.json"), "w") as f:
+    json.dump(out, f, indent=1)
+  print("| method | predictions | error (%) | NLL | ECE (%) | wall time (s) |")
+  print("|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['method']} | {r['predictions']} | {100 * r['error']:.2f} | {r['nll']:.4f} | "
+          f"{100 * r['ece']:.2f} | {r['seconds']} |")
+
+
+if __name__ == "__main__":
+  main_()
