@@ -28,9 +28,11 @@ BNN-VI the ``ensemble_sizes`` samples (20 = the 5·K of iBNN-4).
   posterior initialisation (σ₀ = 1e-3) and tied-mean prior (s = 0.1); weight decay on the
   deterministic parameters only (biases, BatchNorm), one learning rate.
 * The VGG-16 of every method is the iBNN reference's: no BatchNorm, the 512-512-C head
-  (``classifier="mlp512"``).  MC dropout keeps this library's rate and positions (0.3 after
-  every conv block; WRN: between the two convs, as the reference's ``DetWideResNet28x10``); the
-  reference's ``DetVGG16`` has train-only dropout 0.5 in its head instead, left out here.
+  (``classifier="mlp512"``).  Its SGD and MC dropout baselines are the reference's ``DetVGG16``:
+  dropout 0.5 before both hidden layers of the head, train-only for SGD, kept on at test time
+  for MC dropout (``test_dropout``), and none in the conv blocks (``vgg_mcdo_16``'s 0.3 after
+  every block is the spatial-smoothing paper's placement, with BatchNorm).  WRN MC dropout: 0.3
+  between the two convs of every block, as the reference's ``DetWideResNet28x10``.
 
 Start an iBNN from a deterministic run of the same architecture with
 ``--config.ibnn.pretrained_workdir=<dir>`` (add ``--config.ibnn.freeze_deterministic`` to train
@@ -80,9 +82,12 @@ def get_config(arg: str = ""):
                                                                        base_dataset)]
   config = base_config()
   config.model = args.model
-  if architecture == "vgg" and method in ("dnn", "mcdo"):  # the reference's VGG-16
+  if architecture == "vgg" and method in ("dnn", "mcdo"):  # the reference's DetVGG16
     config.model_kwargs.batch_norm = False
     config.model_kwargs.classifier = "mlp512"
+    config.model_kwargs.head_dropout_rate = 0.5
+    config.model_kwargs.head_mc_dropout = method == "mcdo"
+    config.model_kwargs.dropout_rate = 0.0
   if method == "ibnn":
     config.model_kwargs.num_components = args.num_components
     config.model_kwargs.noise_init_std = init_std

@@ -12,7 +12,8 @@ of 4 trained as one job (``resnet_dnn_18`` with ``ensemble_members=4``) and a si
 ``resnet_dnn_18``, all at ``--width`` on ``configs/cifar_resnet.py`` shortened to ``--epochs``
 after one warm-up epoch (lr × 0.2 at 1/2 and 3/4), with each job's wall time.
 
-Writes ``<root>/<part>_cpu_scale.json`` and prints the Markdown table.
+Writes ``<root>/<part>_cpu_scale.json`` (``--methods`` reruns some settings, keeping the other
+rows of an existing file) and prints the Markdown table.
 
   python experiments/baselines_cpu_scale.py --part ibnn --root /tmp/baselines_cpu
   python experiments/baselines_cpu_scale.py --part batchensemble --root /tmp/baselines_cpu
@@ -71,14 +72,27 @@ def main_(argv=None):
   parser.add_argument("--epochs", type=int, default=6)
   parser.add_argument("--train_fraction", type=float, default=0.2)
   parser.add_argument("--samples", type=int, default=8, help="predictions per stochastic method")
+  parser.add_argument("--methods", nargs="+", help="labels of the settings to run (default: all)")
   args = parser.parse_args(argv)
   dataset = f"npz:{os.path.abspath(args.data)}"
   if args.part == "ibnn":
     recipe, settings = "cifar_ibnn.py", ibnn_settings(args)
   else:
     recipe, settings = "cifar_resnet.py", batchensemble_settings(args)
+  path = os.path.join(args.root, f"{args.part}_cpu_scale.json")
+  kept = {}
+  if args.methods and os.path.exists(path):
+    with open(path) as f:
+      kept = {row["method"]: row for row in json.load(f)["rows"]}
+  unknown = set(args.methods or ()) - set(settings)
+  if unknown:
+    parser.error(f"unknown --methods {sorted(unknown)}; choose from {list(settings)}")
   rows = []
   for label, (model, overrides) in settings.items():
+    if args.methods and label not in args.methods:
+      if label in kept:
+        rows.append(kept[label])
+      continue
     config = config_lib.load(
         os.path.join(ROOT, "configs", f"{recipe}:{model},{dataset}"),
         {**overrides, "train_fraction": args.train_fraction, "eval_every_epochs": args.epochs + 1,
@@ -94,7 +108,7 @@ def main_(argv=None):
   out = {"part": args.part, "data": args.data, "train_fraction": args.train_fraction,
          "epochs": args.epochs, "width": args.width, "rows": rows}
   os.makedirs(args.root, exist_ok=True)
-  with open(os.path.join(args.root, f"{args.part}_cpu_scale.json"), "w") as f:
+  with open(path, "w") as f:
     json.dump(out, f, indent=1)
   print("| method | predictions | error (%) | NLL | ECE (%) | wall time (s) |")
   print("|---|---|---|---|---|---|")

@@ -101,6 +101,7 @@ def test_cifar_ibnn_arguments_and_ece_bins():
 
 def test_cifar_ibnn_trains_every_method_under_one_protocol():
   from configs import cifar_ibnn
+  from smoothing_jax.models import is_stochastic
   from smoothing_jax.spec import ModelSpec, build_model
   shared = ("optimizer", "nesterov", "batch_size", "learning_rate", "weight_decay", "num_epochs",
             "lr_schedule", "lr_final_ratio", "ece_bins")
@@ -112,9 +113,10 @@ def test_cifar_ibnn_trains_every_method_under_one_protocol():
     weights = {method: build_model(c, spec).weights for method, c in configs.items()}
     assert weights == {"dnn": "point", "mcdo": "point", "bnnvi": "mean_field", "ibnn": "ibnn"}
   vgg = {m: cifar_ibnn.get_config(name) for m, name in cifar_ibnn.METHODS["vgg"].items()}
-  for method in ("dnn", "mcdo"):  # the iBNN reference's VGG-16: no BatchNorm, 512-512-C head
+  for method in ("dnn", "mcdo"):  # the reference's DetVGG16: no BatchNorm, 512-512-C head
     model = build_model(vgg[method], ModelSpec(10, "cifar", (32, 32, 3)))
-    assert (model.batch_norm, model.classifier) == (False, "mlp512"), method
+    assert (model.batch_norm, model.classifier, model.dropout_rate) == (False, "mlp512", 0.0)
+    assert model.head_dropout_rate == 0.5 and is_stochastic(model) == (method == "mcdo")
   assert vgg["bnnvi"].num_epochs == 300 and vgg["bnnvi"].bnnvi.kl_anneal_epochs == 200
   with pytest.raises(ValueError, match="compares"):
     cifar_ibnn.get_config("resnet_dnn_18")

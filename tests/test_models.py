@@ -162,6 +162,20 @@ def test_dnn_is_deterministic_and_mcdo_samples(narrow_models, images):
   chex.assert_trees_all_close(a, apply(v, images, jax.random.key(1)))
 
 
+@pytest.mark.parametrize("mc", [False, True])
+def test_vgg_head_dropout_is_train_only_or_mc_dropout(mc):
+  # The iBNN reference's DetVGG16: dropout 0.5 before the two hidden layers of its 512-512-C head.
+  model = get_model("vgg_dnn_16", 5, width=4, stage_sizes=(1, 1, 1, 1, 1), batch_norm=False,
+                    classifier="mlp512", head_dropout_rate=0.5, head_mc_dropout=mc)
+  variables = init_variables(model, (1, 32, 32, 3))
+  x = jax.random.normal(jax.random.key(0), (2, 32, 32, 3))
+  apply = jax.jit(lambda k, train: model.apply(variables, x, train, rngs={"dropout": k}),
+                  static_argnums=1)
+  assert not np.allclose(apply(jax.random.key(1), True), apply(jax.random.key(2), True))
+  evaluations = apply(jax.random.key(1), False), apply(jax.random.key(2), False)
+  assert np.allclose(*evaluations) != mc
+
+
 def test_train_mode_updates_batch_stats(narrow_models, images):
   model, v, _ = narrow_models["resnet_dnn_18"]
   logits, updates = model.apply(v, images, train=True, mutable=["batch_stats"])

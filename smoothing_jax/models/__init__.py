@@ -167,7 +167,9 @@ def is_batch_ensemble(model: nn.Module) -> bool:
 
 def is_stochastic(model: nn.Module) -> bool:
   """True when two evaluation passes differ: MC dropout, iBNN node noise or BNN-VI weights."""
-  return getattr(model, "dropout_rate", 0.0) > 0 or is_ibnn(model) or is_mean_field(model)
+  head_mc_dropout = getattr(model, "head_mc_dropout", False) and model.head_dropout_rate > 0
+  return (getattr(model, "dropout_rate", 0.0) > 0 or head_mc_dropout or is_ibnn(model)
+          or is_mean_field(model))
 
 
 def _registered(name: str) -> tuple:

@@ -8,13 +8,18 @@ head is max-pool + adaptive average pool to 7×7 + a 4096-4096 MLP.
 ``vgg_ibnn_16`` is the iBNN reference's VGG-16: no BatchNorm (conv biases
 instead), head max-pool + 512-512-C MLP (``classifier="mlp512"``), and iBNN node
 noise on the input of all 13 convs and 3 dense layers: 5,251 noisy input nodes
-per component.
+per component.  ``vgg_bnnvi_16`` is the same network with mean-field Gaussian kernels (BNN-VI),
+the iBNN paper's Bayesian baseline.  The reference's deterministic ``DetVGG16`` puts dropout 0.5
+before both hidden layers of that head (``head_dropout_rate``), train-only for its SGD baseline
+and kept on at test time for its MC dropout (``head_mc_dropout``).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 import flax.linen as nn
+
+from smoothing_jax.layers import MCDropout
 
 from smoothing_jax.models.common import (CLASSIFIERS, CNN, WEIGHTS, GAPHead, MLPHead,
                                          adaptive_avg_pool, check_images, max_pool)
@@ -49,6 +54,8 @@ class VGG(CNN):
   preact: bool = False
   batch_norm: bool = True
   width: int = 64
+  head_dropout_rate: float = 0.0   # mlp512 head: dropout before each hidden layer
+  head_mc_dropout: bool = False    # ... kept on at evaluation (MC dropout)
 
   def feature_taps(self) -> list:
     """``[(name, kind)]`` of the feature-map taps in order (:mod:`smoothing_jax.analysis.features`):
@@ -82,9 +89,20 @@ class VGG(CNN):
     if classifier == "mlp512":
       x = max_pool(x, 2, 2).reshape(x.shape[0], -1)
       for i in (0, 1):
+        x = self.head_dropout(x, train)
         x = nn.relu(self.dense(x, components, 8 * self.width, name=f"classifier_{i}"))
       return self.dense(x, components, self.num_classes, name="classifier_2")
     if classifier == "mlp":
       x = adaptive_avg_pool(max_pool(x, 2, 2), 7)
       return MLPHead(self.num_classes, dtype=self.dtype, name="classifier_2")(x, train)
     return GAPHead(self.num_classes, dtype=self.dtype, name="classifier_0")(x, train)
+
+  def head_dropout(self, x, train: bool):
+    """The mlp512 head's dropout: MC dropout with ``head_mc_dropout``, else train-only."""
+    if not 0.0 <= self.head_dropout_rate < 1.0:
+      raise ValueError(f"head_dropout_rate must be in [0, 1), got {self.head_dropout_rate!r}.")
+    if self.head_dropout_rate == 0.0:
+      return x
+    if self.head_mc_dropout:
+      return MCDropout(self.head_dropout_rate)(x)
+    return nn.Dropout(self.head_dropout_rate, deterministic=not train)(x)
