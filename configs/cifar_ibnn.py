@@ -26,7 +26,9 @@ BNN-VI the ``ensemble_sizes`` samples (20 = the 5·K of iBNN-4).
   weight decay; prior N(1, s²); β = KL weight, linear 0 → 1 over the first 200 epochs.
 * BNN-VI: the same ELBO (mean NLL + β·KL/N, β over 200 epochs) with uncertainty-baselines'
   posterior initialisation (σ₀ = 1e-3) and tied-mean prior (s = 0.1); weight decay on the
-  deterministic parameters only (biases, BatchNorm), one learning rate.
+  deterministic parameters only (biases, BatchNorm), one learning rate.  Its WRN is the iBNN
+  reference's, as the other methods' (``wideresnet_bnnvi_28_10`` alone is uncertainty-baselines'
+  WRN: no conv biases, the stride on the first conv).
 * The VGG-16 of every method is the iBNN reference's: no BatchNorm, the 512-512-C head
   (``classifier="mlp512"``).  Its SGD and MC dropout baselines are the reference's ``DetVGG16``:
   dropout 0.5 before both hidden layers of the head, train-only for SGD, kept on at test time
@@ -88,6 +90,11 @@ def get_config(arg: str = ""):
     config.model_kwargs.head_dropout_rate = 0.5
     config.model_kwargs.head_mc_dropout = method == "mcdo"
     config.model_kwargs.dropout_rate = 0.0
+  if architecture == "wideresnet" and method == "bnnvi":  # the reference's WRN, as the others'
+    config.model_kwargs.conv_bias = True
+    config.model_kwargs.stride_first = False
+    config.model_kwargs.head_bn_momentum = 0.1
+    config.model_kwargs.kernel_init = "reference"
   if method == "ibnn":
     config.model_kwargs.num_components = args.num_components
     config.model_kwargs.noise_init_std = init_std

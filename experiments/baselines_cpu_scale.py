@@ -3,9 +3,11 @@
 ``--part ibnn``: the iBNN paper's comparison (Figs. 5–7) on CIFAR-10 at a narrow VGG-16
 (``--width``): DNN, MC dropout, BNN-VI and iBNN (K = 4) under ``configs/cifar_ibnn.py``'s
 protocol, shortened to ``--epochs`` (λ₀ flat for half, then linear to 0.01·λ₀ at 90%; β
-annealed over the first 2/3 of the epochs, as 200 of 300), on a class-balanced
-``--train_fraction`` of the training split; test error, NLL and ECE (15 bins) of the whole test
-split with ``--samples`` predictions per method (iBNN: ``samples / K`` draws of each component).
+annealed over the first 2/3 of the epochs, as 200 of 300), both learning rates (λ₀ and iBNN's
+λ₁) × ``--lr_scale``, on a class-balanced ``--train_fraction`` of the training split; test error,
+NLL and ECE (15 bins) of the whole test split with ``--samples`` predictions per method (iBNN:
+``samples / K`` draws of each component).  A run whose loss turns non-finite is a row of its own
+(``diverged``).
 
 ``--part batchensemble``: BatchEnsemble of 4 (``resnet_batchensemble_18``) against a deep ensemble
 of 4 trained as one job (``resnet_dnn_18`` with ``ensemble_members=4``) and a single
@@ -30,6 +32,7 @@ from absl import logging
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from configs import cifar_ibnn  # noqa: E402
 from smoothing_jax import config as config_lib  # noqa: E402
 from smoothing_jax import main  # noqa: E402
 from smoothing_jax.writers import show_only_our_info_lines  # noqa: E402
@@ -42,7 +45,10 @@ IBNN_COMPONENTS = 4
 def ibnn_settings(args) -> dict:
   """``{label: (config argument, overrides)}`` of the iBNN comparison."""
   anneal = max(1, round(2 * args.epochs / 3))
+  vgg_cifar10 = cifar_ibnn.TABLE_2[("vgg", "cifar10")]
   common = {"num_epochs": args.epochs, "model_kwargs.width": args.width,
+            "learning_rate": args.lr_scale * vgg_cifar10[0],
+            "ibnn.variational_lr": args.lr_scale * vgg_cifar10[1],
             "ensemble_sizes": (1, args.samples), "ibnn.kl_anneal_epochs": anneal,
             "bnnvi.kl_anneal_epochs": anneal,
             "ibnn.eval_samples": max(1, args.samples // IBNN_COMPONENTS)}
@@ -73,6 +79,7 @@ def main_(argv=None):
   parser.add_argument("--train_fraction", type=float, default=0.2)
   parser.add_argument("--samples", type=int, default=8, help="predictions per stochastic method")
   parser.add_argument("--methods", nargs="+", help="labels of the settings to run (default: all)")
+  parser.add_argument("--lr_scale", type=float, default=1.0, help="ibnn: × λ₀ and λ₁")
   args = parser.parse_args(argv)
   dataset = f"npz:{os.path.abspath(args.data)}"
   if args.part == "ibnn":
@@ -99,22 +106,34 @@ def main_(argv=None):
          "evals": ("ensemble_sizes",)})
     workdir = os.path.join(args.root, args.part, label.split(" (")[0].replace(" ", "_"))
     start = time.time()
-    results = main.run(config, workdir, "train")
-    seconds = round(time.time() - start)
-    last = results["ensemble_sizes"][-1]
-    rows.append({"method": label, "model": model, "predictions": last["ensemble_size"],
-                 "error": 1.0 - last["acc"], "nll": last["nll"], "ece": last["ece"],
-                 "seconds": seconds})
-  out = {"part": args.part, "data": args.data, "train_fraction": args.train_fraction,
-         "epochs": args.epochs, "width": args.width, "rows": rows}
-  os.makedirs(args.root, exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(out, f, indent=1)
+    try:
+      results = main.run(config, workdir, "train")
+    except FloatingPointError as error:  # a diverged run is a result too
+      rows.append({"method": label, "model": model, "diverged": str(error).split(".")[0],
+                   "seconds": round(time.time() - start)})
+    else:
+      last = results["ensemble_sizes"][-1]
+      rows.append({"method": label, "model": model, "predictions": last["ensemble_size"],
+                   "error": 1.0 - last["acc"], "nll": last["nll"], "ece": last["ece"],
+                   "seconds": round(time.time() - start)})
+    write(path, {"part": args.part, "data": args.data, "train_fraction": args.train_fraction,
+                 "epochs": args.epochs, "width": args.width, "lr_scale": args.lr_scale,
+                 "rows": rows})
   print("| method | predictions | error (%) | NLL | ECE (%) | wall time (s) |")
   print("|---|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['method']} | {r['predictions']} | {100 * r['error']:.2f} | {r['nll']:.4f} | "
-          f"{100 * r['ece']:.2f} | {r['seconds']} |")
+    if "diverged" in r:
+      print(f"| {r['method']} | {r['diverged']} | | | | {r['seconds']} |")
+    else:
+      print(f"| {r['method']} | {r['predictions']} | {100 * r['error']:.2f} | {r['nll']:.4f} | "
+            f"{100 * r['ece']:.2f} | {r['seconds']} |")
+
+
+def write(path: str, out: dict) -> None:
+  """``out`` as JSON at ``path``, after every setting (a crash keeps the rows before it)."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ post-ReLU features a classifier sees (``--gaussian_inputs``: N(0, 1), whose per-
 are nearly orthogonal, so that decorrelating the examples buys less).  Over ``--draws`` noise
 keys, the gradient of the mean cross-entropy with respect to μ and ρ by: Flipout (the layer: one
 ε, random signs per example); plain reparameterisation (one W = μ + σ ∘ ε shared by the batch);
-and one independent W per example (the variance floor Flipout approaches).  Reports the variance over draws averaged
-over the parameters, and the ratios to plain reparameterisation.  Writes
+and one independent W per example (the variance floor Flipout approaches).  Reports the variance
+over draws averaged over the parameters, and the ratios to plain reparameterisation.  Writes
 ``experiments/results/bnnvi_gradient_variance[_gaussian].json``.
 
   python experiments/bnnvi_gradient_variance.py

@@ -172,11 +172,18 @@ def repeat_for_members(x, ensemble_size: int):
   return jnp.repeat(x, ensemble_size, axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
-def _batch_ensemble_log_probs(model, variables, images, rng):
-  m = model.ensemble_size
+def member_log_probs(model: nn.Module, variables, images, rng=None):
+  """One evaluation pass as ``[P, B, ..., C]`` log-probabilities: P = 1 (:func:`log_probs`), or a
+  BatchEnsemble's M members, all in one pass over the batch repeated M times (pure: for losses
+  and analyses that differentiate through the prediction)."""
+  m = getattr(model, "ensemble_size", 0)
+  if m < 1:
+    return log_probs(model, variables, images, rng)[None]
   out = log_probs(model, variables, repeat_for_members(images, m), rng)   # [B·M, ..., C]
   return jnp.swapaxes(out.reshape((images.shape[0], m) + out.shape[1:]), 0, 1)
+
+
+_batch_ensemble_log_probs = jax.jit(member_log_probs, static_argnames=("model",))
 
 
 def batch_ensemble_predict(model: nn.Module, variables, images, *, rng=None) -> Prediction:

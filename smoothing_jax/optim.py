@@ -66,14 +66,15 @@ def weight_decay(config, model) -> optax.GradientTransformation:
 
 
 def regularised(config, model, tx: optax.GradientTransformation) -> optax.GradientTransformation:
-  """``tx`` after :func:`weight_decay`; for a BatchEnsemble, the fast weights and member biases
-  at ``fast_weight_lr_multiplier`` × the rate (their gradients, decay included, scaled before
-  ``tx``, as uncertainty-baselines does)."""
+  """``tx`` after :func:`weight_decay`; for a BatchEnsemble, the fast weights' and member biases'
+  updates then scaled by ``fast_weight_lr_multiplier``: their learning rate × the multiplier.
+  With SGD that equals uncertainty-baselines' scaling of their gradients (decay included) before
+  the optimiser; after the optimiser it holds for Adam too, which would undo a gradient scale."""
   if not is_batch_ensemble(model):
     return optax.chain(weight_decay(config, model), tx)
   fast_rate = optax.masked(optax.scale(config.batch_ensemble.fast_weight_lr_multiplier),
                            lambda params: fast_weight_mask(params, with_bias=True))
-  return optax.chain(weight_decay(config, model), fast_rate, tx)
+  return optax.chain(weight_decay(config, model), tx, fast_rate)
 
 
 def create_optimizer(config, schedule, model=None) -> optax.GradientTransformation:

@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from smoothing_jax.inference import check_rng, log_probs, mc_predict
+from smoothing_jax.inference import batch_ensemble_predict, check_rng, log_probs, mc_predict
 from smoothing_jax.metrics import TemporalConsistency, UncertaintyMetrics, label_mask
-from smoothing_jax.models import is_stochastic
+from smoothing_jax.models import is_batch_ensemble, is_stochastic
 from smoothing_jax.models.common import check_images
 
 NUM_FRAMES = 5      # L: predictions kept (the current one included)
@@ -84,7 +84,10 @@ def temporal_smoothing(state: StreamState, probs, decay_rate=DECAY_RATE):
 
 
 def _frame_probs(model, variables, frame, key):
-  """One stochastic forward pass: the predictive probabilities ``[B, ..., C]``."""
+  """One stochastic forward pass: the predictive probabilities ``[B, ..., C]`` (a BatchEnsemble's:
+  its members' mean, all M members in one pass over the repeated batch)."""
+  if is_batch_ensemble(model):
+    return batch_ensemble_predict(model, variables, frame, rng=key).mean_probs
   return jnp.exp(log_probs(model, variables, frame, key))
 
 
@@ -167,7 +170,8 @@ def stream_predictions(model,
   method.
 
   Returns ``{method: probs [2, B, ..., C]}`` with methods ``"single"`` (one
-  forward pass per frame: the deterministic net, or one MC dropout sample),
+  forward pass per frame: the deterministic net, one MC dropout or BNN-VI sample, or a
+  BatchEnsemble's members' mean),
   ``"mc"`` (mean of ``num_samples`` MC dropout passes; dropout models only — iBNN
   ensembles are ``smoothing_jax.ibnn.ibnn_predict``)
   and ``"temporal"`` (VQ-BNN: one pass per frame, smoothed over the last
@@ -179,8 +183,11 @@ def stream_predictions(model,
   shape = (2, frames.shape[1])
 
   def single(key):
-    pred = mc_predict(model, variables, last_two, num_samples=1, rng=key)
-    return pred.mean_probs.reshape(shape + pred.mean_probs.shape[1:])
+    if is_batch_ensemble(model):
+      probs = _frame_probs(model, variables, last_two, key)
+    else:
+      probs = mc_predict(model, variables, last_two, num_samples=1, rng=key).mean_probs
+    return probs.reshape(shape + probs.shape[1:])
 
   out = {"single": single(keys[0])}
   if is_stochastic(model) and num_samples > 1:

@@ -104,6 +104,19 @@ def test_the_predictive_is_the_members_and_training_repeats_the_batch(tiny_batch
   assert aux["labels"].tolist() == np.repeat(labels, M).tolist()
 
 
+def test_one_pass_per_frame_is_the_members_mean_whatever_the_batch(tiny_batch_ensemble):
+  from smoothing_jax import temporal
+  model, variables = tiny_batch_ensemble
+  frame = jax.random.normal(jax.random.key(3), (4, 16, 16, 3))   # 4 streams, M = 3 members
+  frames = jnp.stack([frame] * 3)                                 # a still scene
+  out = temporal.stream_predictions(model, variables, frames, rng=jax.random.key(4),
+                                    num_samples=2, num_frames=2)
+  members_mean = batch_ensemble_predict(model, variables, frame).mean_probs
+  assert set(out) == {"single", "temporal"}  # no MC row: two passes are the same members
+  for method in ("single", "temporal"):
+    np.testing.assert_allclose(out[method], np.stack([members_mean] * 2), rtol=1e-5, atol=1e-6)
+
+
 def test_fast_weights_learn_at_the_multiplied_rate_without_decay(tiny_batch_ensemble):
   model, variables = tiny_batch_ensemble
   config = override(tiny_config(), weight_decay=0.1, momentum=0.0, nesterov=False,
@@ -118,6 +131,11 @@ def test_fast_weights_learn_at_the_multiplied_rate_without_decay(tiny_batch_ense
   np.testing.assert_allclose(conv["fast_out"], -0.5)
   np.testing.assert_allclose(head["bias"], -0.5 * 1.1)      # members' biases: decay, half rate
   np.testing.assert_allclose(updates["layer1_0"]["bn1"]["scale"], -1.1)
+  # Adam normalises the gradient's scale away: the multiplier scales the update itself.
+  adam = optim.create_optimizer(override(config, optimizer="adam"), lambda step: 1.0, model)
+  updates, _ = adam.update(grads, adam.init(params), params)
+  np.testing.assert_allclose(updates["layer1_0"]["conv1"]["kernel"], -1.0, rtol=1e-4)
+  np.testing.assert_allclose(updates["layer1_0"]["conv1"]["fast_in"], -0.5, rtol=1e-4)
 
 
 def test_model_sizes_are_uncertainty_baselines_and_the_transcribed_layers():
@@ -135,6 +153,13 @@ def test_model_sizes_are_uncertainty_baselines_and_the_transcribed_layers():
   assert deterministic == 11_173_962
   extra = sum(4 * (i + o) for i, o in convs) + 4 * (512 + 10) + 3 * 10
   assert num_params(get_model("resnet_batchensemble_18", 10)) == deterministic + extra
+
+
+def test_a_batch_ensemble_is_not_trained_as_a_deep_ensemble_of_batch_ensembles():
+  from smoothing_jax.ensemble import check_ensemble_config
+  config = override(cifar_resnet.get_config("resnet_batchensemble_18"), ensemble_members=2)
+  with pytest.raises(ValueError, match="BatchEnsemble of 4 members already"):
+    check_ensemble_config(config, get_model("resnet_batchensemble_18", 10))
 
 
 def test_trains_resumes_and_runs_every_evaluator_from_the_command_line(tmp_path):

@@ -110,8 +110,13 @@ def test_cifar_ibnn_trains_every_method_under_one_protocol():
                for method, name in methods.items()}
     assert len({tuple(c[k] for k in shared) for c in configs.values()}) == 1, architecture
     spec = ModelSpec(100, "cifar", (32, 32, 3))
-    weights = {method: build_model(c, spec).weights for method, c in configs.items()}
+    models = {method: build_model(c, spec) for method, c in configs.items()}
+    weights = {method: model.weights for method, model in models.items()}
     assert weights == {"dnn": "point", "mcdo": "point", "bnnvi": "mean_field", "ibnn": "ibnn"}
+    fields = ("conv_bias", "stride_first", "head_bn_momentum", "kernel_init", "width",
+              "widen_factor", "depth", "batch_norm", "classifier", "stage_sizes")
+    architectures = {tuple(getattr(m, f, None) for f in fields) for m in models.values()}
+    assert len(architectures) == 1, (architecture, architectures)
   vgg = {m: cifar_ibnn.get_config(name) for m, name in cifar_ibnn.METHODS["vgg"].items()}
   for method in ("dnn", "mcdo"):  # the reference's DetVGG16: no BatchNorm, 512-512-C head
     model = build_model(vgg[method], ModelSpec(10, "cifar", (32, 32, 3)))

@@ -59,12 +59,16 @@ def _captured(model, variables, images, rng) -> dict:
     path = module.scope.path if module.scope is not None else ()
     return method_name == "__call__" and len(path) == 1 and path[0] in names
 
+  # A BatchEnsemble's feature maps are its first member's (one network, as for other models).
+  members = {"components": jnp.zeros(images.shape[0], jnp.int32)} if getattr(
+      model, "ensemble_size", 0) else {}
   _, state = model.apply(variables,
                          images,
                          train=False,
                          rngs=sample_rngs(rng),
                          capture_intermediates=tapped,
-                         mutable=["intermediates"])
+                         mutable=["intermediates"],
+                         **members)
   # A tapped submodule's entry is {"__call__": (output,), ...}; a sown tap's is (value,).
   return {
       name: out["__call__"][0] if isinstance(out, Mapping) else out[0]

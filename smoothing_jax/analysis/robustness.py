@@ -13,14 +13,14 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from smoothing_jax.inference import log_mean_probs, log_probs
+from smoothing_jax.inference import log_mean_probs, member_log_probs
 
 
 def ensemble_nll(model, variables, keys, normalize: Callable, pixels, labels):
   """Mean −log p̄(y | x) of pixel images ``[B,H,W,3]`` under the MC ensemble given by
-  ``keys``."""
-  samples = jax.vmap(lambda key: log_probs(model, variables, normalize(pixels), key))(keys)
-  log_mean = log_mean_probs(samples)
+  ``keys`` (a BatchEnsemble's: all its members for each key)."""
+  samples = jax.vmap(lambda key: member_log_probs(model, variables, normalize(pixels), key))(keys)
+  log_mean = log_mean_probs(samples.reshape((-1,) + samples.shape[2:]))
   return -jnp.mean(jnp.take_along_axis(log_mean, labels[:, None], axis=1))
 
 

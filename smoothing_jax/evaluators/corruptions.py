@@ -98,15 +98,15 @@ def corruption_aggregates(table: dict, baseline: Optional[dict] = None,
 
 def evaluate(run, output_dir, *, baseline_csv: Optional[str] = None, num_samples: int = 1,
              corruptions: Sequence[str] = CORRUPTIONS, seed: int = 0) -> dict:
-  """The sweep for ``run`` with its whole predictive (``num_samples`` MC samples of dropout or
-  BNN-VI models; every member of an ensemble or BatchEnsemble; K·S draws of an iBNN); returns
-  the aggregates (:func:`corruption_aggregates`)."""
+  """The sweep for ``run``: ``num_samples`` MC samples per prediction for MC dropout and BNN-VI
+  models (``--num_samples``, default 1), every member of a deep ensemble or BatchEnsemble, K·S
+  draws of an iBNN; returns the aggregates (:func:`corruption_aggregates`)."""
   config, model = run.config, run.model
   output_dir = workdir_lib.workdir_path(output_dir)
   base = run.pipeline.dataset_spec.base
   baseline_csv = baseline_csv or default_baseline(base)
   baseline = read_corruption_table(baseline_csv) if baseline_csv else None  # bad files fail first
-  # The run's whole predictive: num_samples MC samples, or every member / component draw.
+  # num_samples MC samples, or every member / component draw.
   sampled = predictive(run, sizes=(num_samples,))
   size = max(sampled.sizes)
   step = sharded_eval_step(ensemble_metrics_step, run.mesh, sampled.kind, model, (size,),

@@ -21,9 +21,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from smoothing_jax.layers.mean_field import he_normal  # uncertainty-baselines' kernel initialiser
+
 FAST_WEIGHTS = ("fast_in", "fast_out")
-# Keras ``he_normal`` (truncated normal, fan-in): uncertainty-baselines' slow-kernel initialiser.
-he_normal = nn.initializers.variance_scaling(2.0, "fan_in", "truncated_normal")
+RANDOM_SIGN_INIT = -0.5  # uncertainty-baselines' CIFAR default: fast weights ~ N(1, 0.5²)
 
 
 def random_sign_init(random_sign_init: float) -> Callable:
@@ -48,7 +49,7 @@ def member_indices(members, batch: int, ensemble_size: int):
 class _BatchEnsemble(nn.Module):
   """Fast weights and per-member biases shared by the BatchEnsemble layers."""
   ensemble_size: int = 4
-  random_sign_init: float = 0.5
+  random_sign_init: float = RANDOM_SIGN_INIT
 
   def scale_input(self, x, members):
     """``(x ∘ s_member, members)``, s broadcast over the spatial axes."""

@@ -17,7 +17,8 @@ convolution with one sampled kernel; Flipout costs the same two convolutions and
 uncertainty-baselines' VI baseline uses (edward2 ``Conv2DFlipout`` / ``DenseFlipout``).
 
 Initialisation (uncertainty-baselines ``wide_resnet_variational``, edward2
-``TrainableHeNormal``): μ He-normal (fan-in, truncated), ρ ~ TruncatedNormal(softplus⁻¹(σ₀), 0.1)
+``TrainableHeNormal``): μ as the network's deterministic kernels (uncertainty-baselines' WRN:
+He-normal, fan-in, truncated; the layers' default), ρ ~ TruncatedNormal(softplus⁻¹(σ₀), 0.1)
 with σ₀ = 1e-3.  Parameters: ``kernel`` (μ; a deterministic checkpoint's kernel loads into it),
 ``kernel_rho`` (ρ) and ``bias``.  Noise comes from the ``"noise"`` RNG stream, at training and
 evaluation alike.
@@ -25,7 +26,7 @@ evaluation alike.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import flax
 import flax.linen as nn
@@ -36,9 +37,9 @@ POSTERIOR_STD_INIT = 1e-3  # σ₀ (uncertainty-baselines ``--stddev_init``)
 RHO_INIT_STD = 0.1          # std of the truncated normal around softplus⁻¹(σ₀) (edward2)
 
 
-def he_normal_init():
-  """μ: Keras ``he_normal`` (truncated normal, fan-in, variance 2 / fan_in)."""
-  return nn.initializers.variance_scaling(2.0, "fan_in", "truncated_normal")
+# μ: Keras ``he_normal`` (truncated normal, fan-in, variance 2 / fan_in), edward2's
+# ``TrainableHeNormal``; the models pass their family's initialiser (``CNN.kernel_init``).
+he_normal = nn.initializers.variance_scaling(2.0, "fan_in", "truncated_normal")
 
 
 def rho_init(posterior_std: float = POSTERIOR_STD_INIT, std: float = RHO_INIT_STD):
@@ -84,9 +85,10 @@ def kl_divergence(params, prior_std: float, prior_mean: Optional[float] = None):
 class _MeanField(nn.Module):
   """μ, ρ of a kernel and the Flipout draw."""
   posterior_std_init: float = POSTERIOR_STD_INIT
+  kernel_init: Callable = he_normal
 
   def kernel_posterior(self, shape):
-    mean = self.param("kernel", he_normal_init(), shape)
+    mean = self.param("kernel", self.kernel_init, shape)
     rho = self.param("kernel_rho", rho_init(self.posterior_std_init), shape)
     return mean, nn.softplus(rho)
 

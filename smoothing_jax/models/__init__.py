@@ -54,7 +54,7 @@ IBNN_COMPONENTS = 4
 BATCH_ENSEMBLE_SIZE = 4
 # uncertainty-baselines' WRN-28-10 (``wide_resnet_variational``, ``wide_resnet_batchensemble``).
 UB_WIDERESNET = dict(depth=28, widen_factor=10, conv_bias=False, stride_first=True,
-                     head_bn_momentum=0.9)
+                     head_bn_momentum=0.9, kernel_init="he_normal")
 # ViT sizes: (hidden_dim, heads, mlp_dim); depth 12, head width 64 (HV ``vit.py``).
 VIT_SIZES = {"ti": (192, 3, 768), "s": (384, 6, 1536), "b": (768, 12, 3072)}
 # Swin sizes: blocks per stage; width 96 doubling per stage, heads (3, 6, 12, 24) (HV ``swin.py``).
@@ -168,6 +168,7 @@ def is_batch_ensemble(model: nn.Module) -> bool:
 def is_stochastic(model: nn.Module) -> bool:
   """True when two evaluation passes differ: MC dropout, iBNN node noise or BNN-VI weights."""
   head_mc_dropout = getattr(model, "head_mc_dropout", False) and model.head_dropout_rate > 0
+  # (VGG refuses head dropout outside its mlp512 head.)
   return (getattr(model, "dropout_rate", 0.0) > 0 or head_mc_dropout or is_ibnn(model)
           or is_mean_field(model))
 

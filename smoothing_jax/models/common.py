@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from smoothing_jax.layers import MCDropout, Smooth
-from smoothing_jax.layers.batch_ensemble import BatchEnsembleConv, BatchEnsembleDense
+from smoothing_jax.layers.batch_ensemble import (RANDOM_SIGN_INIT, BatchEnsembleConv,
+                                                 BatchEnsembleDense)
 from smoothing_jax.layers.mean_field import POSTERIOR_STD_INIT, MeanFieldConv, MeanFieldDense
 from smoothing_jax.layers.node_noise import NodeNoiseConv, NodeNoiseDense
 
@@ -29,6 +30,13 @@ CLASSIFIERS = ("gap", "mlp", "mlp512")
 # PyTorch BatchNorm2d defaults: running = 0.9 · running + 0.1 · batch, eps 1e-5.
 batch_norm = functools.partial(nn.BatchNorm, momentum=0.9, epsilon=1e-5)
 conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
+# ``CNN.kernel_init``: (conv, dense) kernel initialisers.  "reference": the PyTorch references'
+# N(0, 2 / (k²·C_out)) convs and Flax's default (LeCun normal) dense layers; "he_normal": Keras
+# ``he_normal`` (truncated normal of variance 2 / fan_in) for both, as uncertainty-baselines.
+KERNEL_INITS = {
+    "reference": (conv_init, nn.initializers.lecun_normal()),
+    "he_normal": (nn.initializers.variance_scaling(2.0, "fan_in", "truncated_normal"),) * 2,
+}
 
 
 def conv(features,
@@ -38,11 +46,12 @@ def conv(features,
          groups=1,
          bias=False,
          name=None,
-         dtype=jnp.float32):
+         dtype=jnp.float32,
+         kernel_init=conv_init):
   """``nn.Conv2d``-equivalent: explicit symmetric zero padding, no bias by default."""
   return nn.Conv(features, (kernel_size, kernel_size), strides=(stride, stride),
                  padding=((padding, padding), (padding, padding)), feature_group_count=groups,
-                 use_bias=bias, kernel_init=conv_init, dtype=dtype, name=name)
+                 use_bias=bias, kernel_init=kernel_init, dtype=dtype, name=name)
 
 
 def staged_units(depths) -> list:
@@ -173,6 +182,8 @@ class CNN(nn.Module):
       then names each row's member (default: row r uses member r mod M).
     random_sign_init: the fast weights' initialisation (uncertainty-baselines): p > 0 random
       signs, +1 with probability p; p < 0 N(1, p²).
+    kernel_init: the conv and dense kernels' (BNN-VI: their means') initialisation, a key of
+      ``KERNEL_INITS`` (the conv and dense layers built through ``conv`` / ``dense``).
   """
   num_classes: int = 10
   dropout_rate: float = 0.0
@@ -192,7 +203,8 @@ class CNN(nn.Module):
   mean_field: bool = False
   posterior_std_init: float = POSTERIOR_STD_INIT
   ensemble_size: int = 0
-  random_sign_init: float = -0.5
+  random_sign_init: float = RANDOM_SIGN_INIT
+  kernel_init: str = "reference"
 
   @property
   def weights(self) -> str:
@@ -224,6 +236,9 @@ class CNN(nn.Module):
           "num_components (iBNN K) must be >= 1, or 0 for no node noise; got "
           f"{self.num_components}."
       )
+    if self.kernel_init not in KERNEL_INITS:
+      raise ValueError(f"Unknown kernel_init {self.kernel_init!r}; choose one of "
+                       f"{sorted(KERNEL_INITS)}.")
     if self.ensemble_size < 0:
       raise ValueError("ensemble_size (BatchEnsemble M) must be >= 1, or 0 for no fast weights; "
                        f"got {self.ensemble_size}.")
@@ -246,14 +261,16 @@ class CNN(nn.Module):
                 mean_field=self.mean_field,
                 posterior_std_init=self.posterior_std_init,
                 ensemble_size=self.ensemble_size,
-                random_sign_init=self.random_sign_init)
+                random_sign_init=self.random_sign_init,
+                kernel_init=self.kernel_init)
 
   def conv(self, x, components, features, kernel_size, stride=1, padding=0, bias=False, name=None,
            groups=1):
     """A ``conv`` layer applied to ``x``, its weights as ``weights`` says (``components``: each
     row's iBNN component or BatchEnsemble member)."""
-    if self.weights != "point" and groups != 1 and self.weights != "batch_ensemble":
+    if groups != 1 and self.weights in ("ibnn", "mean_field"):
       raise ValueError(f"Grouped convolutions have no {self.weights} variant.")
+    init = KERNEL_INITS[self.kernel_init][0]
     if self.weights == "ibnn":
       return NodeNoiseConv(self.num_components,
                            self.bias_noise,
@@ -263,36 +280,39 @@ class CNN(nn.Module):
                            stride=stride,
                            padding=padding,
                            use_bias=bias,
+                           kernel_init=init,
                            dtype=self.dtype,
                            name=name)(x, components)
     if self.weights == "mean_field":
       return MeanFieldConv(self.posterior_std_init, features=features, kernel_size=kernel_size,
-                           stride=stride, padding=padding, use_bias=bias, dtype=self.dtype,
-                           name=name)(x)
+                           stride=stride, padding=padding, use_bias=bias, kernel_init=init,
+                           dtype=self.dtype, name=name)(x)
     if self.weights == "batch_ensemble":
       return BatchEnsembleConv(self.ensemble_size, self.random_sign_init, features=features,
                                kernel_size=kernel_size, stride=stride, padding=padding,
-                               groups=groups, use_bias=bias, dtype=self.dtype,
+                               groups=groups, use_bias=bias, kernel_init=init, dtype=self.dtype,
                                name=name)(x, components)
     return conv(features, kernel_size, stride, padding, groups, bias=bias, dtype=self.dtype,
-                name=name)(x)
+                name=name, kernel_init=init)(x)
 
   def dense(self, x, components, features, name=None):
     """``nn.Dense`` applied to ``x``, its weights as ``weights`` says."""
+    init = KERNEL_INITS[self.kernel_init][1]
     if self.weights == "ibnn":
       return NodeNoiseDense(self.num_components,
                             self.bias_noise,
                             self.noise_init_std,
                             features=features,
+                            kernel_init=init,
                             dtype=self.dtype,
                             name=name)(x, components)
     if self.weights == "mean_field":
-      return MeanFieldDense(self.posterior_std_init, features=features, dtype=self.dtype,
-                            name=name)(x)
+      return MeanFieldDense(self.posterior_std_init, features=features, kernel_init=init,
+                            dtype=self.dtype, name=name)(x)
     if self.weights == "batch_ensemble":
       return BatchEnsembleDense(self.ensemble_size, self.random_sign_init, features=features,
-                                dtype=self.dtype, name=name)(x, components)
-    return nn.Dense(features, dtype=self.dtype, name=name)(x)
+                                kernel_init=init, dtype=self.dtype, name=name)(x, components)
+    return nn.Dense(features, kernel_init=init, dtype=self.dtype, name=name)(x)
 
   def smooth(self, x, name: str):
     """The stage-end smoothing block (identity unless ``smoothing``)."""

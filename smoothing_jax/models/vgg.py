@@ -83,6 +83,9 @@ class VGG(CNN):
                      dropout_rate=self.dropout_rate, dtype=self.dtype, **self.weight_options(),
                      name=f"layer{stage}_{j + offset}")(x, train, components)
       x = self.smooth(x, f"smooth{stage}_0")
+    if self.head_dropout_rate and classifier != "mlp512":
+      raise ValueError("head_dropout_rate is the mlp512 head's (the iBNN reference's DetVGG16); "
+                       f"classifier {classifier!r} has its own.")
     if self.weights != "point" and classifier != "mlp512":
       raise ValueError(f"A VGG with {self.weights} weights needs classifier='mlp512' (the iBNN "
                        "reference's 512-512-C head).")
