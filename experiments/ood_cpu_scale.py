@@ -55,8 +55,11 @@ def summarise(results: dict) -> dict:
   for row in results["ood"]:
     out.setdefault(row["ensemble_size"], {})[f"auroc_{row['score']}"] = row["auroc"]
   for row in results["calibration"]:
-    out[row["ensemble_size"]].update({k: row[k] for k in (
-        "temperature", "nll_before", "nll_after", "ece_before", "ece_after", "accuracy")})
+    out[row["ensemble_size"]].update({"nll_before": row["nll_before"],
+                                      "ece_before": row["ece_before"],
+                                      "accuracy": row["accuracy"]})
+    out[row["ensemble_size"]].update({f"{k}_{row['placement']}": row[k] for k in (
+        "temperature", "nll_after", "ece_after")})
   for row in results["selective"]:
     if row["score"] == "msp":
       out[row["ensemble_size"]].update(aurc=row["aurc"], excess_aurc=row["excess_aurc"])

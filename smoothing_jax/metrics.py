@@ -8,7 +8,11 @@ pred = argmax_c p̄_c, "certain" = conf > cutoff, cutoff 0.9):
 
 * NLL = mean −log p̄(y);  Acc;  Top-5;  Brier = mean Σ_c (onehot_c − p̄_c)²
 * ECE = Σ_b (n_b/N)|acc_b − conf_b| over ``num_bins`` equal-width bins (lo, hi];
-  signed ECSE = Σ_b (n_b/N)(conf_b − acc_b)
+  signed ECSE = Σ_b (n_b/N)(conf_b − acc_b).  ``ece_convention="ss"`` computes them as SS's
+  ``ops/tests.py`` does (HV's too): counts and accuracies over (lo, hi], but the confidences
+  summed over [lo, hi), so a confidence of exactly 1.0 (saturated float32 softmax) is counted
+  without its confidence and the ECE comes out lower; for comparisons with SS's published
+  numbers only.
 * Acc-90 = P(correct | certain), Unc-90 = P(not certain | wrong), Freq-90 = P(certain)
 * IoU = mean over classes present in the labels of TP/(TP+FP+FN); IoU-90 on
   the certain examples only.
@@ -92,6 +96,9 @@ def add_statistics(a, b):
   return jax.tree.map(jnp.add, a, b)
 
 
+ECE_CONVENTIONS = ("consistent", "ss")
+
+
 @functools.partial(jax.jit, static_argnames=("num_bins", "cutoff"))
 def batch_statistics(probs, labels, mask, num_bins: int, cutoff: float) -> dict:
   """The fields of :meth:`UncertaintyMetrics.from_model_output` (``probs [..., C]``, ``labels
@@ -118,13 +125,16 @@ def batch_statistics(probs, labels, mask, num_bins: int, cutoff: float) -> dict:
   # Bin b holds confidences in (b/nb, (b+1)/nb].
   bins = jnp.clip(jnp.ceil(conf * num_bins).astype(jnp.int32) - 1, 0, num_bins - 1)
   bin_onehot = jax.nn.one_hot(bins, num_bins) * w[:, None]
+  # SS's confidence sums: [b/nb, (b+1)/nb), so 1.0 falls in no bin (one_hot of nb is all zeros).
+  ss_bins = jnp.floor(conf * num_bins).astype(jnp.int32)
+  ss_bin_onehot = jax.nn.one_hot(ss_bins, num_bins) * w[:, None]
   pred_onehot = jax.nn.one_hot(pred, num_classes)
   weighted_true = onehot * w[:, None]
   return dict(
       count=jnp.sum(w), nll_sum=jnp.sum(w * nll), correct=jnp.sum(w * correct),
       top5_correct=jnp.sum(w * in_top5), brier_sum=jnp.sum(w * brier),
       bin_count=jnp.sum(bin_onehot, axis=0), bin_correct=correct @ bin_onehot,
-      bin_confidence=conf @ bin_onehot,
+      bin_confidence=conf @ bin_onehot, bin_confidence_ss=conf @ ss_bin_onehot,
       certain_count=jnp.sum(w * certain), certain_correct=jnp.sum(w * certain * correct),
       wrong_uncertain=jnp.sum(w * (1 - correct) * (1 - certain)),
       confusion=weighted_true.T @ pred_onehot,
@@ -142,16 +152,18 @@ class UncertaintyMetrics(clu.metrics.Metric):
   bin_count: jax.Array          # [num_bins]
   bin_correct: jax.Array        # [num_bins]
   bin_confidence: jax.Array     # [num_bins]
+  bin_confidence_ss: jax.Array  # [num_bins], SS's [lo, hi) bins
   certain_count: jax.Array
   certain_correct: jax.Array
   wrong_uncertain: jax.Array
   confusion: jax.Array          # [C, C], rows = true class, columns = prediction
   certain_confusion: jax.Array  # [C, C]
   cutoff: float = flax.struct.field(pytree_node=False, default=0.9)
+  ece_convention: str = flax.struct.field(pytree_node=False, default="consistent")
 
   @classmethod
   def from_model_output(cls, probs, labels, mask=None, *, num_bins: int = 10, cutoff: float = 0.9,
-                        **_) -> "UncertaintyMetrics":
+                        ece_convention: str = "consistent", **_) -> "UncertaintyMetrics":
     """Statistics of one batch.
 
     Args:
@@ -161,14 +173,22 @@ class UncertaintyMetrics(clu.metrics.Metric):
         (a per-example ``[B]`` mask covers every pixel of a label map).
       num_bins: ECE bins (10 in the SS reference, 15 in iBNN / Guo et al.).
       cutoff: confidence threshold of the "-90" metrics (strictly greater is certain).
+      ece_convention: ``"consistent"`` (ours) or ``"ss"`` (SS's mixed bin edges; see the module
+        docstring).  Both sums are kept, so ``.replace(ece_convention=...)`` switches later.
     """
+    if ece_convention not in ECE_CONVENTIONS:
+      raise ValueError(f"Unknown ece_convention {ece_convention!r}; choose one of "
+                       f"{ECE_CONVENTIONS}.")
     probs, labels = jnp.asarray(probs), jnp.asarray(labels)
     _check_predictions(probs, labels, mask)
-    return cls(**batch_statistics(probs, labels, mask, num_bins, cutoff), cutoff=cutoff)
+    return cls(**batch_statistics(probs, labels, mask, num_bins, cutoff), cutoff=cutoff,
+               ece_convention=ece_convention)
 
   def merge(self, other: "UncertaintyMetrics") -> "UncertaintyMetrics":
-    if self.cutoff != other.cutoff or self.bin_count.shape != other.bin_count.shape:
-      raise ValueError("Cannot merge metrics computed with different cutoff or num_bins.")
+    if (self.cutoff != other.cutoff or self.bin_count.shape != other.bin_count.shape
+        or self.ece_convention != other.ece_convention):
+      raise ValueError("Cannot merge metrics computed with different cutoff, num_bins or "
+                       "ece_convention.")
     return add_statistics(self, other)
 
   def reliability(self) -> dict:
@@ -176,9 +196,10 @@ class UncertaintyMetrics(clu.metrics.Metric):
     ``edges``."""
     count = np.asarray(self.bin_count, np.float64)
     safe = np.maximum(count, 1.0)
+    confidence = self.bin_confidence_ss if self.ece_convention == "ss" else self.bin_confidence
     return {
         "accuracy": np.asarray(self.bin_correct) / safe,
-        "confidence": np.asarray(self.bin_confidence) / safe,
+        "confidence": np.asarray(confidence) / safe,
         "count": count,
         "edges": np.linspace(0.0, 1.0, count.shape[0] + 1)
     }
@@ -259,7 +280,9 @@ def mean_iou(confusion) -> float:
   return float(np.nanmean(iou)) if np.any(~np.isnan(iou)) else 0.0
 
 
-def evaluate(probs, labels, mask=None, *, num_bins: int = 10, cutoff: float = 0.9) -> dict:
+def evaluate(probs, labels, mask=None, *, num_bins: int = 10, cutoff: float = 0.9,
+             ece_convention: str = "consistent") -> dict:
   """All metrics of one set of predictions ``probs [..., C]`` with ``labels [...]``."""
   return UncertaintyMetrics.from_model_output(probs, labels, mask, num_bins=num_bins,
-                                              cutoff=cutoff).compute()
+                                              cutoff=cutoff,
+                                              ece_convention=ece_convention).compute()

@@ -180,10 +180,15 @@ def _curve_style(label: str) -> dict:
 def plot_detection_curves(curves: dict, title: str = ""):
   """OOD detection: ROC (left) and precision-recall with in-distribution positive (right) of
   each ``{label: {"fpr", "tpr", "recall", "precision"}}`` (``ranking.roc_curve`` /
-  ``precision_recall_curve``)."""
+  ``precision_recall_curve``), with the operating points of FPR@95 in both conventions where a
+  curve carries ``fpr95_id_positive`` / ``fpr95_ood_positive``: ○ at 95% of in-distribution
+  accepted, × at 95% of OOD rejected (``ranking.detection_metrics``)."""
   fig, (roc, pr) = _pyplot().subplots(1, 2, figsize=(10, 4))
   for label, c in curves.items():
-    roc.plot(c["fpr"], c["tpr"], label=label, **_curve_style(label))
+    line, = roc.plot(c["fpr"], c["tpr"], label=label, **_curve_style(label))
+    if "fpr95_id_positive" in c:
+      roc.plot(c["fpr95_id_positive"], 0.95, "o", color=line.get_color(), fillstyle="none")
+      roc.plot(0.05, 1 - c["fpr95_ood_positive"], "x", color=line.get_color())
     pr.plot(c["recall"], c["precision"], label=label, **_curve_style(label))
   roc.plot([0, 1], [0, 1], color="0.7", linewidth=0.8)
   roc.set(xlabel="False-positive rate (OOD accepted)", ylabel="True-positive rate (in accepted)",

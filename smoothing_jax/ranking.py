@@ -6,16 +6,21 @@ A *confidence* ranks examples, higher meaning "more likely in-distribution / cor
 (MSP, Hendrycks & Gimpel 2017), minus the predictive entropy, and minus the mutual information
 between prediction and weights (the epistemic part; 0 for a single deterministic pass).
 
-**Detection** (:func:`detection_metrics`): in-distribution examples are the positives, accepted
-when their confidence is at least a threshold (the convention of Hendrycks & Gimpel and of ODIN;
-uncertainty-baselines issue #286 is about mixing it up):
+**Detection** (:func:`detection_metrics`): an example is accepted as in-distribution when its
+confidence is at least a threshold; the metrics name which class is the positive one:
 
 * AUROC: P(c_in > c_out) + ½ P(c_in = c_out), the area under the ROC curve (the same with OOD
   as the positive class and −c as its score);
 * AUPR-In: average precision with in-distribution positive and score c; AUPR-Out: with OOD
-  positive and score −c (the two differ);
-* FPR@95: the fraction of OOD examples accepted at the highest threshold that accepts 95% of
-  the in-distribution ones.
+  positive and score −c (the two differ).  Average precision is the step sum
+  Σ (Rₖ − Rₖ₋₁) Pₖ (scikit-learn's); OpenOOD integrates the PR curve with trapezoids, which
+  differs with ties (by up to 0.006 in an audit of ours);
+* FPR@95 in its two conventions.  ``fpr95_id_positive`` (Hendrycks & Gimpel, ODIN): the
+  fraction of OOD examples accepted at the highest threshold that accepts 95% of the
+  in-distribution ones.  ``fpr95_ood_positive`` (OpenOOD's ``auc_and_fpr_recall``,
+  uncertainty-baselines' ``SpecificityAtSensitivity(0.95)`` on OOD labels): the fraction of
+  in-distribution examples flagged at the threshold that flags 95% of the OOD ones.  On the same
+  scores they can differ a lot (uncertainty-baselines issue #286 is about mixing them up).
 
 **Selective prediction** (:func:`selective_metrics`, Geifman & El-Yaniv 2017; Geifman et al.
 2019): keep the k most confident of n test examples; the accuracy–rejection curve is the
@@ -98,8 +103,9 @@ def fpr_at_tpr(positive, negative, tpr_level: float = 0.95) -> float:
 
 
 def detection_metrics(in_confidence, out_confidence) -> dict:
-  """AUROC, AUPR-In, AUPR-Out and FPR@95 of in-distribution against OOD confidences ``[n]``,
-  ``[m]`` (in-distribution positive; see the module docstring)."""
+  """AUROC, AUPR-In, AUPR-Out and FPR@95 in both conventions (``fpr95_id_positive``,
+  ``fpr95_ood_positive``) of in-distribution against OOD confidences ``[n]``, ``[m]`` (see the
+  module docstring)."""
   in_confidence = np.asarray(in_confidence, np.float64)
   out_confidence = np.asarray(out_confidence, np.float64)
   if not (len(in_confidence) and len(out_confidence)):
@@ -108,7 +114,8 @@ def detection_metrics(in_confidence, out_confidence) -> dict:
   return {"auroc": auroc(in_confidence, out_confidence),
           "aupr_in": average_precision(in_confidence, out_confidence),
           "aupr_out": average_precision(-out_confidence, -in_confidence),
-          "fpr95": fpr_at_tpr(in_confidence, out_confidence, 0.95)}
+          "fpr95_id_positive": fpr_at_tpr(in_confidence, out_confidence, 0.95),
+          "fpr95_ood_positive": fpr_at_tpr(-out_confidence, -in_confidence, 0.95)}
 
 
 def selective_curve(confidence, correct) -> tuple:

@@ -108,7 +108,9 @@ class _OurInfoLines(std_logging.Filter):
 
 def show_only_our_info_lines() -> None:
   """The console (absl's handler) keeps smoothing_jax's INFO lines only; every library's warnings
-  and errors still show.  orbax, for one, logs a dozen INFO lines per checkpoint."""
+  and errors still show.  orbax, for one, logs a dozen INFO lines per checkpoint.  Outside
+  ``absl.app.run`` (scripts, notebooks) it also installs absl's handler on the root logger."""
+  logging.use_absl_handler()
   handler = logging.get_absl_handler()
   if not any(isinstance(f, _OurInfoLines) for f in handler.filters):
     handler.addFilter(_OurInfoLines())

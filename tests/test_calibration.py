@@ -17,17 +17,43 @@ def _overconfident(factor: float, n: int = 4000, samples: int = 1, seed: int = 0
   return special.log_softmax(factor * noisy, axis=-1), labels
 
 
+def _numpy_nll(log_probs, labels, t, placement):
+  """−mean log p_T(y): members, 1/N Σ softmax(zᵢ/T); ensemble, softmax(log p̄ / T) (Ashukha et
+  al.'s ``apply_t``), in plain numpy."""
+  if placement == "members":
+    p = np.mean(special.softmax(log_probs / t, axis=-1), axis=0)
+  else:
+    p = special.softmax(np.log(np.mean(np.exp(log_probs), axis=0)) / t, axis=-1)
+  return -np.mean(np.log(p[np.arange(len(labels)), labels]))
+
+
+@pytest.mark.parametrize("placement", ["members", "ensemble"])
 @pytest.mark.parametrize("samples", [1, 4])
-def test_fitted_temperature_minimises_the_nll_on_a_fine_grid(samples):
+def test_fitted_temperature_minimises_the_nll_on_a_fine_grid(samples, placement):
   log_probs, labels = _overconfident(2.5, n=800, samples=samples, seed=samples)
-  fitted = calibration.fit_temperature(log_probs, labels)
-  grid = np.exp(np.linspace(np.log(0.5), np.log(6), 2001))
-  nll = [calibration.tempered_nll(log_probs, labels, t) for t in grid]
+  if samples > 1:  # members that disagree: the placements then differ
+    log_probs = log_probs + np.random.default_rng(5).normal(0, 1.5, log_probs.shape)
+  fitted = calibration.fit_temperature(log_probs, labels, placement=placement)
+  grid = np.exp(np.linspace(np.log(0.3), np.log(6), 2001))
+  nll = [_numpy_nll(log_probs, labels, t, placement) for t in grid]
   best = grid[int(np.argmin(nll))]
   assert fitted == pytest.approx(best, rel=2e-3)
-  assert calibration.tempered_nll(log_probs, labels, fitted) <= min(nll) + 1e-9
-  assert calibration.tempered_nll(log_probs, labels, fitted) < calibration.tempered_nll(
-      log_probs, labels, 1.0)
+  assert calibration.tempered_nll(log_probs, labels, fitted, placement) == pytest.approx(
+      _numpy_nll(log_probs, labels, fitted, placement), rel=1e-9)
+  assert calibration.tempered_nll(log_probs, labels, fitted, placement) <= min(nll) + 1e-9
+
+
+def test_the_two_placements_agree_for_one_sample_and_differ_for_an_ensemble():
+  one, labels = _overconfident(2.5, n=800)
+  assert calibration.fit_temperature(one, labels, placement="members") == pytest.approx(
+      calibration.fit_temperature(one, labels, placement="ensemble"), rel=1e-4)
+  members, labels = _overconfident(2.5, n=800, samples=4, seed=4)
+  members = members + np.random.default_rng(5).normal(0, 1.5, members.shape)
+  t_members, t_ensemble = (calibration.fit_temperature(members, labels, placement=p)
+                           for p in calibration.PLACEMENTS)
+  assert abs(t_members - t_ensemble) > 0.05 * t_members
+  with pytest.raises(ValueError, match="Unknown temperature placement 'logits'"):
+    calibration.fit_temperature(members, labels, placement="logits")
 
 
 def test_temperature_recovers_a_known_overconfidence_factor():
@@ -63,7 +89,10 @@ def test_the_evaluator_fits_on_the_held_out_training_examples_only(tmp_path):
     logits = run.model.apply(run.variables, pipeline.normalize(images), train=False)
     return np.asarray(jax.nn.log_softmax(logits), np.float64)[None]
 
-  (row,) = rows  # a deterministic model: N = 1
+  # A deterministic model: N = 1, where the two placements agree.
+  assert [r["placement"] for r in rows] == ["members", "ensemble"]
+  assert rows[0]["temperature"] == pytest.approx(rows[1]["temperature"], rel=1e-3)
+  row = rows[0]
   expected = calibration.fit_temperature(log_probs(held), pipeline.holdout_labels)
   assert row["temperature"] == pytest.approx(expected, rel=1e-3)
   assert row["holdout_examples"] == len(held) and row["holdout_fraction"] == 0.25
@@ -73,7 +102,7 @@ def test_the_evaluator_fits_on_the_held_out_training_examples_only(tmp_path):
   assert row["nll_after"] == pytest.approx(
       calibration.tempered_nll(test, pipeline.eval_labels, row["temperature"]), rel=1e-4)
   for name in ("calibration.json", "calibration.csv", "reliability_before.png",
-               "reliability_after.png"):
+               "reliability_after_members.png", "reliability_after_ensemble.png"):
     assert (tmp_path / "results" / name).stat().st_size > 0
   no_holdout = initialised_run(tmp_path / "none", eval_batch_size=8)
   with pytest.raises(ValueError, match="set --config.holdout_fraction"):

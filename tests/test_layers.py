@@ -51,7 +51,7 @@ def apply(module, x):
 @pytest.mark.parametrize("kind,expected", [
     ("tanh", lambda x: np.maximum(10.0 * np.tanh(x / 10.0), 0.0)),
     ("relu6", lambda x: np.minimum(np.maximum(x, 0.0), 6.0)),
-    ("scale", lambda x: np.maximum(x / 10.0, 0.0)),
+    ("scale", lambda x: x / 10.0),  # SS ScalingBlurBlock.forward: x / self.temp, no ReLU
     (None, lambda x: x),
 ])
 def test_prob_matches_numpy(kind, expected):
@@ -65,12 +65,12 @@ def test_prob_matches_numpy(kind, expected):
 def test_prob_default_temperature_per_kind():
   """SS ``TanhBlurBlock(temp=1e1)`` and ``ScalingBlurBlock(temp=5e0)`` (paper App. B.1: τ = 5)."""
   x = jnp.array([[[[-3.0, 2.0, 40.0]]]])
-  np.testing.assert_allclose(apply(Prob("scale"), x)[0, 0, 0], [0.0, 0.4, 8.0], rtol=1e-6)
+  np.testing.assert_allclose(apply(Prob("scale"), x)[0, 0, 0], [-0.6, 0.4, 8.0], rtol=1e-6)
   np.testing.assert_allclose(apply(Prob("tanh"), x)[0, 0, 0],
                              [0.0, 10 * math.tanh(0.2), 10 * math.tanh(4.0)],
                              rtol=1e-6)
   # A smoothing model with prob="scale" divides by 5 unless told otherwise: a 1×1 map of 2 becomes
-  # ReLU(2/5) = 0.4, then the size-2 zero-padded average over 2×2 windows gives 0.1 at every
+  # 2/5 = 0.4, then the size-2 zero-padded average over 2×2 windows gives 0.1 at every
   # corner.
   smooth = apply(Smooth(prob="scale"), jnp.full((1, 1, 1, 1), 2.0))
   np.testing.assert_allclose(smooth[0, :, :, 0], [[0.1, 0.1], [0.1, 0.1]], rtol=1e-6)

@@ -92,8 +92,46 @@ def test_batched_padded_accumulation_is_exact():
 def test_merging_different_bins_fails():
   a = UncertaintyMetrics.from_model_output(PROBS, LABELS, num_bins=10)
   b = UncertaintyMetrics.from_model_output(PROBS, LABELS, num_bins=15)
-  with pytest.raises(ValueError, match="different cutoff or num_bins"):
+  with pytest.raises(ValueError, match="different cutoff, num_bins or ece_convention"):
     a.merge(b)
+
+
+def _ss_ece(labels, probs, bins=np.linspace(0.0, 1.0, 11)):
+  """SS ``ops/tests.py``, transcribed: per bin the confusion-matrix count and accuracy over
+  confidences in (start, end], the confidence sum over [start, end), then ``ece``."""
+  confidence, prediction = np.amax(probs, axis=1), np.argmax(probs, axis=1)
+  count_bin, acc_bin, conf_bin = [], [], []
+  for start, end in zip(bins, bins[1:]):
+    in_cm = (confidence > start) & (confidence <= end)
+    count = np.sum(in_cm)
+    count_bin.append(count)
+    acc_bin.append(np.sum(prediction[in_cm] == labels[in_cm]) / count if count else 0.0)
+    in_sum = (confidence >= start) & (confidence < end)
+    conf_bin.append(np.sum(confidence[in_sum]) / (count + 1e-7))
+  count_bin, acc_bin, conf_bin = map(np.array, (count_bin, acc_bin, conf_bin))
+  freq = np.nan_to_num(count_bin / (sum(count_bin) + 1e-7))
+  return np.sum(np.absolute(acc_bin - conf_bin) * freq)
+
+
+def test_ss_ece_convention_matches_the_reference_on_saturated_predictions():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(0, 4, (2000, 10)).astype(np.float32)
+  logits[:200, 0] += 40.0  # 10% saturate to a float32 confidence of exactly 1.0
+  probs = np.asarray(jax.nn.softmax(jnp.asarray(logits)), np.float32)
+  labels = rng.integers(0, 10, 2000)
+  labels[:150] = 0
+  assert np.sum(probs.max(1) == 1.0) >= 150
+  ss = evaluate(probs, labels, ece_convention="ss")["ece"]
+  consistent = evaluate(probs, labels)["ece"]
+  assert ss == pytest.approx(_ss_ece(labels, probs), rel=1e-5)
+  assert ss < consistent - 0.05  # the saturated predictions' confidences left out of the sums
+  metrics = UncertaintyMetrics.from_model_output(probs, labels)
+  assert metrics.replace(ece_convention="ss").compute()["ece"] == pytest.approx(ss, rel=1e-6)
+  unsaturated = probs[200:], labels[200:]
+  assert evaluate(*unsaturated, ece_convention="ss")["ece"] == pytest.approx(
+      evaluate(*unsaturated)["ece"], abs=1e-6)
+  with pytest.raises(ValueError, match="Unknown ece_convention 'pytorch'"):
+    evaluate(probs, labels, ece_convention="pytorch")
 
 
 def test_bad_labels_are_rejected():

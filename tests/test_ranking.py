@@ -15,10 +15,13 @@ def _sklearn(positive, negative) -> dict:
   scores = np.r_[positive, negative]
   labels = np.r_[np.ones(len(positive)), np.zeros(len(negative))]
   fpr, tpr, _ = sk.roc_curve(labels, scores, drop_intermediate=False)
+  # OOD as the positive class, −confidence its score (OpenOOD, uncertainty-baselines).
+  fpr_ood, tpr_ood, _ = sk.roc_curve(1 - labels, -scores, drop_intermediate=False)
   return {"auroc": sk.roc_auc_score(labels, scores),
           "aupr_in": sk.average_precision_score(labels, scores),
           "aupr_out": sk.average_precision_score(1 - labels, -scores),
-          "fpr95": fpr[np.argmax(tpr >= 0.95)]}
+          "fpr95_id_positive": fpr[np.argmax(tpr >= 0.95)],
+          "fpr95_ood_positive": fpr_ood[np.argmax(tpr_ood >= 0.95)]}
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -39,12 +42,15 @@ def test_detection_metrics_of_a_hand_worked_case():
   1, 0.4 beats 2: AUROC = (3 + 2.5 + 2) / 9.  AUPR-In: thresholds 0.9 (R 1/3, P 1), 0.8 (R 2/3,
   P 2/3), 0.4 (R 1, P 3/4): 1/3·(1 + 2/3 + 3/4).  AUPR-Out (OOD positive, score −c): thresholds
   −0.1 (R 1/3, P 1), −0.3 (R 2/3, P 1), −0.4 (no OOD), −0.8 (R 1, P 3/5): 1/3·(1 + 1 + 3/5).
-  FPR@95: 95% of the in-distribution first reached at threshold 0.4, where 1 of 3 OOD passes."""
+  FPR@95, in-distribution positive: 95% of it first reached at threshold 0.4, where 1 of 3 OOD
+  passes; OOD positive: 95% of the OOD flagged first at −c ≥ −0.8, where 2 of 3 in-distribution
+  (0.8 and 0.4) are flagged too."""
   out = ranking.detection_metrics([0.9, 0.8, 0.4], [0.8, 0.3, 0.1])
   assert out["auroc"] == pytest.approx(7.5 / 9)
   assert out["aupr_in"] == pytest.approx((1 + 2 / 3 + 3 / 4) / 3)
   assert out["aupr_out"] == pytest.approx((1 + 1 + 3 / 5) / 3)
-  assert out["fpr95"] == pytest.approx(1 / 3)
+  assert out["fpr95_id_positive"] == pytest.approx(1 / 3)
+  assert out["fpr95_ood_positive"] == pytest.approx(2 / 3)
   with pytest.raises(ValueError, match="need in-distribution and OOD examples, got 2 and 0"):
     ranking.detection_metrics([0.1, 0.2], [])
 

@@ -1,8 +1,10 @@
 """``calibration``: temperature scaling (``smoothing_jax.calibration``) fitted for each ensemble
-size N on the held-out part of the training set (``config.holdout_fraction``, seeded by
-``config.seed``, never trained on), and the test NLL, ECE and Brier score before and after.
-Writes ``calibration.{json,csv}`` and the reliability diagrams of the largest N before and after
-(``reliability_before.png``, ``reliability_after.png``).
+size N and each placement of the temperature (``"members"``: each sample tempered, then averaged;
+``"ensemble"``: the average tempered, Ashukha et al. 2020) on the held-out part of the training
+set (``config.holdout_fraction``, seeded by ``config.seed``, never trained on), and the test NLL,
+ECE and Brier score before and after.  Writes ``calibration.{json,csv}`` and the reliability
+diagrams of the largest N before and after (``reliability_before.png``,
+``reliability_after_{members,ensemble}.png``).
 """
 from __future__ import annotations
 
@@ -20,17 +22,18 @@ from smoothing_jax.parallel import eval_batch_size, sharded_eval_step
 from smoothing_jax.plots import plot_reliability_diagram
 
 
-def _metrics(sample_log_probs, labels, temperature: float, num_bins: int) -> UncertaintyMetrics:
-  probs = np.exp(calibration.tempered_log_mean_probs(sample_log_probs, temperature))
+def _metrics(sample_log_probs, labels, temperature: float, num_bins: int,
+             placement: str = "members") -> UncertaintyMetrics:
+  probs = np.exp(calibration.tempered_log_mean_probs(sample_log_probs, temperature, placement))
   return UncertaintyMetrics.from_model_output(jnp.asarray(probs, jnp.float32), jnp.asarray(labels),
                                               num_bins=num_bins)
 
 
 def evaluate(run, output_dir, *, members: Sequence[str] = (),
              sizes: Optional[Sequence[int]] = None, seed: int = 0) -> list:
-  """Rows ``{"ensemble_size", "temperature", "nll_before", "nll_after", "ece_before",
-  "ece_after", "brier_before", "brier_after", "accuracy", "holdout_examples",
-  "holdout_fraction", "seed"}``."""
+  """Rows ``{"ensemble_size", "placement", "temperature", "nll_before", "nll_after",
+  "ece_before", "ece_after", "brier_before", "brier_after", "accuracy", "holdout_examples",
+  "holdout_fraction", "seed"}``, one per N and placement."""
   config = run.config
   pred = predictive(run, members, sizes)
   step = sharded_eval_step(sample_log_probs_step, run.mesh, pred.kind, run.model,
@@ -42,29 +45,36 @@ def evaluate(run, output_dir, *, members: Sequence[str] = (),
   test_log_probs = np.swapaxes(test["log_probs"], 0, 1)
   rows, diagrams = [], {}
   for n in pred.sizes:
-    temperature = calibration.fit_temperature(held_log_probs[:n], held["label"])
     before = _metrics(test_log_probs[:n], test["label"], 1.0, config.ece_bins)
-    after = _metrics(test_log_probs[:n], test["label"], temperature, config.ece_bins)
-    b, a = before.compute(), after.compute()
-    rows.append({"ensemble_size": n, "temperature": temperature,
-                 "nll_before": b["nll"], "nll_after": a["nll"], "ece_before": b["ece"],
-                 "ece_after": a["ece"], "brier_before": b["brier"], "brier_after": a["brier"],
-                 "accuracy": b["acc"], "holdout_examples": len(held["label"]),
-                 "holdout_fraction": config.get("holdout_fraction", 0.0), "seed": config.seed})
-    diagrams = {"before": (before, b["ece"], 1.0), "after": (after, a["ece"], temperature)}
+    b = before.compute()
+    diagrams = {"before": (before, b["ece"], 1.0)}
+    for placement in calibration.PLACEMENTS:
+      temperature = calibration.fit_temperature(held_log_probs[:n], held["label"],
+                                                placement=placement)
+      after = _metrics(test_log_probs[:n], test["label"], temperature, config.ece_bins,
+                       placement)
+      a = after.compute()
+      rows.append({"ensemble_size": n, "placement": placement, "temperature": temperature,
+                   "nll_before": b["nll"], "nll_after": a["nll"], "ece_before": b["ece"],
+                   "ece_after": a["ece"], "brier_before": b["brier"], "brier_after": a["brier"],
+                   "accuracy": b["acc"], "holdout_examples": len(held["label"]),
+                   "holdout_fraction": config.get("holdout_fraction", 0.0), "seed": config.seed})
+      diagrams[f"after_{placement}"] = (after, a["ece"], temperature)
   write_results(output_dir, "calibration", rows, {
       f"reliability_{when}.png": functools.partial(
           plot_reliability_diagram, metrics, f"{config.model}, N={pred.sizes[-1]}, T = "
-          f"{temperature:.3f} ({when}): ECE {100 * ece:.2f}%")
+          f"{temperature:.3f} ({when.replace('_', ', T on the ')}): ECE {100 * ece:.2f}%")
       for when, (metrics, ece, temperature) in diagrams.items()})
   return rows
 
 
 def summary(rows: list, output_dir) -> str:
-  lines = ["N  | T      | NLL before → after | ECE (%) before → after | Brier before → after"]
-  lines += [f"{r['ensemble_size']:2d} | {r['temperature']:.3f} | {r['nll_before']:.4f} → "
+  lines = ["N  | T on     | T      | NLL before → after | ECE (%) before → after | "
+           "Brier before → after"]
+  lines += [f"{r['ensemble_size']:2d} | {r['placement']:8s} | {r['temperature']:.3f} | "
+            f"{r['nll_before']:.4f} → "
             f"{r['nll_after']:.4f}    | {100 * r['ece_before']:6.2f} → {100 * r['ece_after']:6.2f}"
             f"        | {r['brier_before']:.4f} → {r['brier_after']:.4f}" for r in rows]
   lines.append(f"Results: {output_dir}/calibration.{{json,csv}}, "
-               f"{output_dir}/reliability_{{before,after}}.png")
+               f"{output_dir}/reliability_{{before,after_members,after_ensemble}}.png")
   return "\n".join(lines)

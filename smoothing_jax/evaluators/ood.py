@@ -49,8 +49,9 @@ def resolve_ood_datasets(base: str, names: Sequence[str]) -> list:
 def evaluate(run, output_dir, *, members: Sequence[str] = (),
              sizes: Optional[Sequence[int]] = None,
              ood_datasets: Optional[Sequence[str]] = None, seed: int = 0) -> list:
-  """Rows ``{"ood_dataset", "ensemble_size", "score", "auroc", "aupr_in", "aupr_out", "fpr95",
-  "count_in", "count_out"}`` (``ood_datasets`` default ``config.ood_datasets``)."""
+  """Rows ``{"ood_dataset", "ensemble_size", "score", "auroc", "aupr_in", "aupr_out",
+  "fpr95_id_positive", "fpr95_ood_positive", "count_in", "count_out"}`` (``ood_datasets``
+  default ``config.ood_datasets``; the FPR@95 conventions: ``ranking``'s docstring)."""
   config = run.config
   names = resolve_ood_datasets(
       run.pipeline.dataset_spec.base,
@@ -66,13 +67,14 @@ def evaluate(run, output_dir, *, members: Sequence[str] = (),
     for j, n in enumerate(pred.sizes):
       for score in ranking.SCORES:
         positive, negative = inside[score][:, j], outside[score][:, j]
-        rows.append({"ood_dataset": name, "ensemble_size": n, "score": score,
-                     **ranking.detection_metrics(positive, negative),
+        detection = ranking.detection_metrics(positive, negative)
+        rows.append({"ood_dataset": name, "ensemble_size": n, "score": score, **detection,
                      "count_in": len(positive), "count_out": len(negative)})
         fpr, tpr = ranking.roc_curve(positive, negative)
         recall, precision = ranking.precision_recall_curve(positive, negative)
-        curves[f"{score}, N={n}"] = {"fpr": fpr, "tpr": tpr, "recall": recall,
-                                     "precision": precision}
+        curves[f"{score}, N={n}"] = {
+            "fpr": fpr, "tpr": tpr, "recall": recall, "precision": precision,
+            **{k: detection[k] for k in ("fpr95_id_positive", "fpr95_ood_positive")}}
     file_name = f"ood_{re.sub(r'[^A-Za-z0-9_.-]+', '_', name).strip('_')}.png"
     write_results(output_dir, "ood", rows, {file_name: functools.partial(
         plot_detection_curves, curves, f"{config.model} on {config.dataset} against {name}")})
@@ -86,9 +88,12 @@ def _short(name: str) -> str:
 
 def summary(rows: list, output_dir) -> str:
   lines = ["OOD set                | N  | score              | AUROC (%) | AUPR-In | AUPR-Out | "
-           "FPR@95 (%)"]
+           "FPR@95 (%) in+ | OOD+"]
   lines += [f"{_short(r['ood_dataset'])[:22]:22s} | {r['ensemble_size']:2d} | {r['score']:18s} | "
             f"{100 * r['auroc']:9.2f} | {r['aupr_in']:7.4f} | {r['aupr_out']:8.4f} | "
-            f"{100 * r['fpr95']:10.2f}" for r in rows]
+            f"{100 * r['fpr95_id_positive']:14.2f} | {100 * r['fpr95_ood_positive']:5.2f}"
+            for r in rows]
+  lines.append("FPR@95 in+: OOD accepted at 95% of in-distribution accepted (Hendrycks & Gimpel); "
+               "OOD+: in-distribution flagged at 95% of OOD flagged (OpenOOD).")
   lines.append(f"Results: {output_dir}/ood.{{json,csv}}, {output_dir}/ood_*.png")
   return "\n".join(lines)

@@ -50,9 +50,9 @@ class Prob(nn.Module):
 
   kinds:
     ``"tanh"``  — ``ReLU(τ·tanh(x/τ))`` (the reference's TanhBlurBlock, τ = 10);
-    ``"relu6"`` — ``ReLU(min(x, 6))``;
-    ``"scale"`` — ``ReLU(x/τ)`` (τ = 5: the reference's ScalingBlurBlock, paper Appendix B.1;
-    the ReLU is the paper's Prob = ReLU ∘ bound, a no-op after a post-activation stage);
+    ``"relu6"`` — ``ReLU(min(x, 6))`` (the reference's ReLuBlurBlock, ``clamp(x, 0, 6)``);
+    ``"scale"`` — ``x/τ`` (τ = 5: the reference's ScalingBlurBlock, paper Appendix B.1, which
+    keeps the sign: after a pre-activation stage, negative inputs stay negative);
     ``None``    — identity.
 
   ``temperature`` None takes the kind's default (:data:`DEFAULT_TEMPERATURE`).
@@ -77,7 +77,7 @@ class Prob(nn.Module):
     if self.kind == "relu6":
       return jnp.clip(x, 0.0, 6.0)
     if self.kind == "scale":
-      return nn.relu(x / self.tau)
+      return x / self.tau
     return x
 
 
