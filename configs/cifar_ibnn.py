@@ -29,6 +29,9 @@ BNN-VI the ``ensemble_sizes`` samples (20 = the 5·K of iBNN-4).
   deterministic parameters only (biases, BatchNorm), one learning rate.  Its WRN is the iBNN
   reference's, as the other methods' (``wideresnet_bnnvi_28_10`` alone is uncertainty-baselines'
   WRN: no conv biases, the stride on the first conv).
+* Every method starts from the reference's initialisation (``kernel_init``): its VGG-16 draws
+  the convs from N(0, 2 / (k²·C_out)) with zero biases and keeps PyTorch's defaults for the
+  dense layers (U(±1/√fan_in) weights and biases); its WRN keeps PyTorch's defaults everywhere.
 * The VGG-16 of every method is the iBNN reference's: no BatchNorm, the 512-512-C head
   (``classifier="mlp512"``).  Its SGD and MC dropout baselines are the reference's ``DetVGG16``:
   dropout 0.5 before both hidden layers of the head, train-only for SGD, kept on at test time
@@ -52,6 +55,7 @@ METHODS = {
     "wideresnet": {"dnn": "wideresnet_dnn_28_10", "mcdo": "wideresnet_mcdo_28_10",
                    "bnnvi": "wideresnet_bnnvi_28_10", "ibnn": "wideresnet_ibnn_28_10"},
 }
+INITS = {"vgg": "pytorch_dense", "wideresnet": "pytorch_default"}  # models.common.KERNEL_INITS
 # (architecture, dataset): λ₀, λ₁, σ₀ of the iBNN μ initialisation, iBNN prior std s, weight
 # decay (paper Table 2).
 TABLE_2 = {
@@ -94,7 +98,9 @@ def get_config(arg: str = ""):
     config.model_kwargs.conv_bias = True
     config.model_kwargs.stride_first = False
     config.model_kwargs.head_bn_momentum = 0.1
-    config.model_kwargs.kernel_init = "reference"
+  # The reference's initialisation, for every method: its VGG-16 sets only the convs', its WRN
+  # none (PyTorch's defaults).
+  config.model_kwargs.kernel_init = INITS[architecture]
   if method == "ibnn":
     config.model_kwargs.num_components = args.num_components
     config.model_kwargs.noise_init_std = init_std

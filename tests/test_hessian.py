@@ -137,6 +137,23 @@ def test_power_method_keeps_pyhessian_semantics_and_reports_its_residual(problem
   assert float(result.eigenvalues[0]) == pytest.approx(float(v @ (hessian @ v)), rel=1e-4)
 
 
+def test_power_minimum_stops_on_the_unshifted_residual():
+  # Spectrum [50, 10, −0.5, 0.2, 0.1]: PyHessian's change-of-value rule on H − 50·I stopped
+  # after 7–9 HVPs at +0.47 (the shifted value −49.5… barely moves); the residual rule does not.
+  spectrum = jnp.array([50.0, 10.0, -0.5, 0.2, 0.1])
+  rotation = jnp.linalg.qr(jax.random.normal(jax.random.key(0), (5, 5)))[0]
+  hessian = rotation @ jnp.diag(spectrum) @ rotation.T
+
+  def loss_fn(theta):
+    return 0.5 * theta @ hessian @ theta
+
+  result = min_eigenvalue(loss_fn, jnp.zeros(5), max_iters=3000, tol=1e-3,
+                          rng=jax.random.key(1), top=50.0, method="power")
+  assert float(result.eigenvalues) == pytest.approx(-0.5, abs=0.02)
+  assert float(result.residuals) <= 1e-3 * 0.5 * 1.01
+  assert int(result.iterations) > 9
+
+
 @pytest.mark.parametrize("method", ["lanczos", "power"])
 def test_min_eigenvalue_matches_eigh(problem, method):
   loss_fn, params, _, hessian = problem
@@ -321,3 +338,37 @@ def test_slq_density_integrates_to_one_and_covers_the_spectrum(problem):
   grid, values = density.on_grid(sigma_squared=1e-4)
   assert np.sum(values) * (grid[1] - grid[0]) == pytest.approx(1.0, rel=1e-6)
   assert grid[0] <= true_values[0] and grid[-1] >= true_values[-1]
+
+
+def _pyhessian_density(eigenvalues, weights, num_bins=10000, sigma_squared=1e-5, overhead=0.01):
+  """PyHessian ``density_plot.density_generate``, transcribed: ``(density, grids)``."""
+  eigenvalues, weights = np.array(eigenvalues), np.array(weights)
+  lambda_max = np.mean(np.max(eigenvalues, axis=1), axis=0) + overhead
+  lambda_min = np.mean(np.min(eigenvalues, axis=1), axis=0) - overhead
+  grids = np.linspace(lambda_min, lambda_max, num=num_bins)
+  sigma = sigma_squared * max(1, (lambda_max - lambda_min))
+  density_output = np.zeros((eigenvalues.shape[0], num_bins))
+  for i in range(eigenvalues.shape[0]):
+    for j in range(num_bins):
+      tmp = np.exp(-(grids[j] - eigenvalues[i, :])**2 / (2.0 * sigma)) / np.sqrt(2 * np.pi * sigma)
+      density_output[i, j] = np.sum(tmp * weights[i, :])
+  density = np.mean(density_output, axis=0)
+  return density / (np.sum(density) * (grids[1] - grids[0])), grids
+
+
+def test_density_on_grid_is_pyhessian_s_with_its_kernel_scaled_by_the_spectrum_width():
+  from smoothing_jax.analysis.hessian import SpectralDensity
+  rng = np.random.default_rng(0)
+  # Two runs of 30 nodes over [-2, 120] (a trained network's spread), weights summing to 1.
+  nodes = np.sort(np.concatenate([rng.uniform(-2, 5, (2, 25)), rng.uniform(20, 120, (2, 5))],
+                                 axis=1), axis=1)
+  nodes[:, 0], nodes[:, -1] = -2.0, 120.0
+  weights = rng.dirichlet(np.ones(30), size=2)
+  density = SpectralDensity(nodes, weights)
+  assert density.kernel_variance() == pytest.approx(1e-5 * 122.02)
+  grid, ours = density.on_grid()
+  theirs, their_grid = _pyhessian_density(nodes, weights, num_bins=20000)
+  assert np.sum(ours) * (grid[1] - grid[0]) == pytest.approx(1.0, rel=1e-9)
+  np.testing.assert_allclose(np.interp(their_grid, grid, ours), theirs, atol=0.05 * theirs.max())
+  with pytest.warns(UserWarning, match="does not resolve the density's kernel"):
+    density.on_grid(grid_size=2000)  # step 0.06 against a kernel of std 0.035

@@ -69,6 +69,24 @@ def test_every_output_unit_gets_the_norm_of_its_weights(name, kwargs):
                                  rtol=1e-4, err_msg=f"{normalization} {path} {w.shape}")
 
 
+def test_the_class_token_is_normalised_as_each_reference_does():
+  """ViT-Ti's ``cls_token`` [1, 1, D] has PyTorch's layout: Li et al.'s ``normalize_direction``
+  scales each slice along dim 0, so the whole token (‖d‖ = ‖w‖); HV's ``normalize_filter`` divides
+  by ``torch.norm(w, dim=0)``, a norm over a size-1 axis, so element by element (|dᵢ| = |wᵢ|)."""
+  model = get_model("vit_ti", 10, **FAMILIES[1][1])
+  params = jax.eval_shape(lambda: model.init(rngs(0), jnp.zeros((1, 16, 16, 3))))["params"]
+  w = np.random.default_rng(0).normal(size=params["cls_token"].shape).astype(np.float32)
+  token = {"cls_token": jnp.asarray(w)}
+  filtered = np.asarray(landscape.random_direction(token, jax.random.key(1), "filter", ())[
+      "cls_token"], np.float64)
+  assert w.shape == (1, 1, 8)
+  assert np.linalg.norm(filtered) == pytest.approx(np.linalg.norm(w), rel=1e-5)
+  assert not np.allclose(np.abs(filtered), np.abs(w), rtol=1e-3)
+  reference = np.asarray(landscape.random_direction(token, jax.random.key(1), "reference", ())[
+      "cls_token"], np.float64)
+  np.testing.assert_allclose(np.abs(reference), np.abs(w), rtol=1e-4)
+
+
 def _at(tree, path):
   for key in path.split("/"):
     tree = tree[key]

@@ -313,3 +313,27 @@ def test_bfloat16_logits_stay_close_to_float32(name, overrides, size):
   rms = np.sqrt(np.mean(high**2))
   assert np.sqrt(np.mean((low - high)**2)) <= 0.05 * rms
   np.testing.assert_allclose(jax.nn.softmax(low), jax.nn.softmax(high), atol=0.05)
+
+
+def test_ibnn_models_start_from_the_reference_s_pytorch_initialisation():
+  """The iBNN reference's WRN never applies its ``conv_init``: PyTorch's default
+  ``reset_parameters`` (kaiming_uniform(a=√5) weights, U(±1/√fan_in) biases) everywhere; its VGG-16
+  initialises only the convs.  Against torch's own layers of the same shapes."""
+  torch = pytest.importorskip("torch")
+  wrn = init_variables(get_model("wideresnet_ibnn_28_10", 10, num_components=2, depth=10),
+                       (1, 32, 32, 3))["params"]
+  conv = wrn["layer2_0"]["conv1"]  # 160 → 320, 3×3
+  reference = torch.nn.Conv2d(160, 320, 3)
+  for ours, theirs in ((conv["kernel"], reference.weight), (conv["bias"], reference.bias)):
+    ours, theirs = np.asarray(ours), theirs.detach().numpy()
+    assert np.abs(ours).max() <= 1 / np.sqrt(9 * 160) + 1e-7
+    assert np.std(ours) == pytest.approx(np.std(theirs), rel=0.05 if ours.ndim > 1 else 0.2)
+  vgg = init_variables(get_model("vgg_ibnn_16", 10, num_components=2, width=8,
+                                 stage_sizes=(1, 1, 1, 1, 1)), (1, 32, 32, 3))["params"]
+  dense = vgg["classifier_0"]  # 64 → 64
+  linear = torch.nn.Linear(64, 64)
+  assert np.std(dense["kernel"]) == pytest.approx(float(linear.weight.detach().std()), rel=0.1)
+  assert np.abs(dense["bias"]).max() <= 1 / 8 and np.any(np.asarray(dense["bias"]) != 0)
+  assert not np.any(np.asarray(vgg["layer0_0"]["conv"]["bias"]))  # convs: N(0, 2/(k²·out)), 0
+  assert np.std(vgg["layer0_0"]["conv"]["kernel"]) == pytest.approx(np.sqrt(2 / (9 * 8)),
+                                                                     rel=0.15)

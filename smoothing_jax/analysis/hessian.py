@@ -20,11 +20,15 @@ Two eigensolvers (``method``):
 * ``"power"``: PyHessian's (Yao et al. 2020) power iteration with deflation,
   stopping when the eigenvalue changes by less than ``tol`` relative.  On a
   crowded spectrum (near-equal |λ| at the top) that rule stops early at an
-  unconverged value; the reported residuals show it.
+  unconverged value; the reported residuals show it.  The minimum, a power iteration on
+  H − |λ₁|·I, stops on the residual of the unshifted eigenvalue instead,
+  ‖Hv − λv‖ ≤ tol·|λ| as Lanczos: the shifted value ≈ −|λ₁| barely changes while λ_min is
+  still far off (PyHessian's rule returned +0.47 for a λ_min of −0.5 beside λ₁ = 50).
 """
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Callable, NamedTuple, Optional
 
 import jax
@@ -161,19 +165,24 @@ def _power_step(linear, params, v, basis, shift):
   return rayleigh, jnp.linalg.norm(hv - rayleigh * v), v, _normalize(hv)
 
 
-def _power_iteration(linear, params, v0, basis, shift, tol, max_iters):
-  """Largest-magnitude eigenpair of the deflated, shifted Hessian (PyHessian's stopping rule).
+def _power_iteration(linear, params, v0, basis, shift, tol, max_iters, stop="change"):
+  """Largest-magnitude eigenpair of the deflated, shifted Hessian.
 
-  A Python loop over a jitted step: XLA runs convolutions inside ``lax.while_loop``
-  bodies markedly slower on CPU, and one scalar per step is a negligible sync.
-  Returns ``(λ of H − shift·I, residual, unit vector, iterations)``.
+  ``stop``: ``"change"`` (PyHessian's rule: the eigenvalue of H − shift·I changes by less than
+  ``tol`` relative) or ``"residual"`` (‖Hv − λv‖ ≤ tol·|λ| for the unshifted λ = value + shift;
+  the residual is the same for H and H − shift·I).  A Python loop over a jitted step: XLA runs
+  convolutions inside ``lax.while_loop`` bodies markedly slower on CPU, and one scalar per step
+  is a negligible sync.  Returns ``(λ of H − shift·I, residual, unit vector, iterations)``.
   """
   nxt, eigenvalue = v0, None
   for iteration in range(1, max_iters + 1):
     new, residual, vector, nxt = _power_step(linear, params, nxt, basis, shift)
     new = float(new)
-    converged = (eigenvalue is not None
-                 and abs(new - eigenvalue) / (abs(eigenvalue) + 1e-6) < tol)
+    if stop == "residual":
+      converged = float(residual) <= tol * abs(new + shift)
+    else:
+      converged = (eigenvalue is not None
+                   and abs(new - eigenvalue) / (abs(eigenvalue) + 1e-6) < tol)
     eigenvalue = new
     if converged:
       break
@@ -385,7 +394,8 @@ def min_eigenvalue(loss_fn: Callable, params, max_iters: int = 100, tol: float =
   ``method="lanczos"``: Lanczos until the smallest Ritz pair has ‖Hv − λv‖ ≤ tol·|λ|.
   ``method="power"``: after the top eigenvalue λ₁ (``top`` reuses a known one), power
   iteration on ``H − |λ₁|·I``, whose spectrum lies in ``[λ_min − |λ₁|, 0]``, so its
-  largest-magnitude eigenvalue is ``λ_min − |λ₁|``.  Returns an :class:`Eigenpairs` of
+  largest-magnitude eigenvalue is ``λ_min − |λ₁|``, until ‖Hv − λv‖ ≤ tol·|λ| (slow when
+  |λ_min| ≪ λ₁: give it the iterations; the returned residual says how far it got).  Returns an :class:`Eigenpairs` of
   a scalar and one pytree, ``(λ_min, eigenvector)``.
   """
   low = top_and_min_eigenvalues(loss_fn, params, 1, max_iters, tol, rng, method, top=False,
@@ -447,7 +457,7 @@ def top_and_min_eigenvalues(loss_fn: Callable, params, k: int = 1, max_iters: in
   shift = abs(known_top)
   shifted, residual, vector, its = _power_iteration(
       linear, params, jax.random.normal(min_key, flat.shape, flat.dtype),
-      jnp.zeros((1, flat.shape[0]), flat.dtype), shift, tol, max_iters)
+      jnp.zeros((1, flat.shape[0]), flat.dtype), shift, tol, max_iters, stop="residual")
   low = record([shifted + shift], vector[None], iterations=np.asarray([its]),
                residuals=np.asarray([residual]), hvps=hvps + its)
   return (top_pairs if top else None), low
@@ -481,14 +491,37 @@ class SpectralDensity(NamedTuple):
   nodes: np.ndarray
   weights: np.ndarray
 
-  def on_grid(self, grid_size: int = 10000, sigma_squared: float = 1e-5, margin: float = 0.01):
-    """Gaussian-smoothed density on a grid covering all nodes; integrates to 1 (PyHessian's
-    estimate)."""
+  def kernel_variance(self, sigma_squared: float = 1e-5, overhead: float = 0.01) -> float:
+    """PyHessian's (``density_generate``) Gaussian kernel variance: ``sigma_squared`` ×
+    max(1, λmax − λmin), λmax / λmin the mean over runs of each run's extreme nodes ± overhead."""
+    width = (np.mean(self.nodes.max(axis=-1)) - np.mean(self.nodes.min(axis=-1))) + 2 * overhead
+    return sigma_squared * max(1.0, float(width))
+
+  def on_grid(self, grid_size: Optional[int] = None, sigma_squared: float = 1e-5,
+              overhead: float = 0.01):
+    """``(grid, density)``: PyHessian's Gaussian-smoothed density (``density_generate``: the
+    kernel of :meth:`kernel_variance`, the mean over runs of Σ wᵢ·kernel), normalised to
+    integrate to 1 on the grid.
+
+    The grid spans every node ± (``overhead`` + 3 kernel widths).  ``grid_size`` None takes
+    enough points that the kernel spans at least two grid steps (10,000 at least, PyHessian's
+    ``num_bins``); a coarser ``grid_size`` warns: nodes between grid points would vanish and
+    the rest turn into spikes.
+    """
+    variance = self.kernel_variance(sigma_squared, overhead)
+    width = np.sqrt(variance)
     lo, hi = float(self.nodes.min()), float(self.nodes.max())
-    pad = margin * max(hi - lo, 1e-12) + 3 * np.sqrt(sigma_squared)
+    pad = overhead + 3 * width
+    needed = int(np.ceil((hi - lo + 2 * pad) / (width / 2))) + 1
+    if grid_size is None:
+      grid_size = max(10000, needed)
+    elif grid_size < needed:
+      warnings.warn(f"A {grid_size}-point grid does not resolve the density's kernel (std "
+                    f"{width:.3g} over [{lo:.3g}, {hi:.3g}]): use at least {needed} points, "
+                    "or grid_size=None.", stacklevel=2)
     grid = np.linspace(lo - pad, hi + pad, grid_size)
-    kernel = np.exp(-(grid[None, None, :] - self.nodes[..., None]) ** 2 / (2 * sigma_squared))
-    kernel /= np.sqrt(2 * np.pi * sigma_squared)
+    kernel = np.exp(-(grid[None, None, :] - self.nodes[..., None]) ** 2 / (2 * variance))
+    kernel /= np.sqrt(2 * np.pi * variance)
     density = np.mean(np.sum(self.weights[..., None] * kernel, axis=1), axis=0)
     return grid, density / (np.sum(density) * (grid[1] - grid[0]))
 

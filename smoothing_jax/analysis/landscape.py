@@ -3,7 +3,9 @@
 Directions are Gaussian, normalised per weight tensor so that the surface is
 comparable across networks.  A kernel's *output units* are its trailing output axes
 (:func:`output_axes`): the last axis of Dense [in, out], Conv [kh, kw, in, out] and the MSA
-output projection [h, d, C]; the last three of the fused qkv projection [C, 3, h, d].
+output projection [h, d, C]; the last three of the fused qkv projection [C, 3, h, d].  Any other
+tensor of two or more axes (ViT's ``cls_token`` [1, 1, D]) has PyTorch's layout already, so its
+first axis plays the output units' part, as dim 0 does in the references' code.
   * ``"filter"`` (Li et al.): each output unit (filter) of d gets the norm of the same
     unit of θ: norms over the input axes;
   * ``"reference"`` (SS/HV code, ``torch.norm(w, dim=0)`` on PyTorch's [out, in, ...] layout):
@@ -34,7 +36,12 @@ MULTI_AXIS_OUTPUTS = ((r"(^|/)qkv/kernel$", 3),)
 
 
 def output_axes(name: str, w) -> tuple:
-  """The axes of the output units of the parameter ``w`` at path ``name``."""
+  """The axes of the output units of the parameter ``w`` at path ``name``: a kernel's trailing
+  ones; the first axis of any other tensor (PyTorch's dim 0: Li et al. normalise each slice
+  along it, so a [1, 1, D] token as a whole; HV's ``normalize_filter`` takes the norm over it, so
+  that token element by element)."""
+  if not re.search(r"(^|/)kernel$", name):
+    return (0,)
   count = next((n for pattern, n in MULTI_AXIS_OUTPUTS if re.search(pattern, name)), 1)
   return tuple(range(w.ndim - count, w.ndim))
 

@@ -50,6 +50,7 @@ class _BatchEnsemble(nn.Module):
   """Fast weights and per-member biases shared by the BatchEnsemble layers."""
   ensemble_size: int = 4
   random_sign_init: float = RANDOM_SIGN_INIT
+  bias_init: Callable = nn.initializers.zeros  # each member's bias
 
   def scale_input(self, x, members):
     """``(x ∘ s_member, members)``, s broadcast over the spatial axes."""
@@ -66,7 +67,7 @@ class _BatchEnsemble(nn.Module):
                           (self.ensemble_size, y.shape[-1]))
     y = y * self._per_row(fast_out[members], y)
     if use_bias:
-      bias = self.param("bias", nn.initializers.zeros, (self.ensemble_size, y.shape[-1]))
+      bias = self.param("bias", self.bias_init, (self.ensemble_size, y.shape[-1]))
       y = y + self._per_row(bias[members], y)
     return y
 

@@ -86,6 +86,7 @@ class _MeanField(nn.Module):
   """μ, ρ of a kernel and the Flipout draw."""
   posterior_std_init: float = POSTERIOR_STD_INIT
   kernel_init: Callable = he_normal
+  bias_init: Callable = nn.initializers.zeros
 
   def kernel_posterior(self, shape):
     mean = self.param("kernel", self.kernel_init, shape)
@@ -128,7 +129,7 @@ class MeanFieldConv(_MeanField):
 
     y = conv(x, mean) + self.flipout(x, std, conv)
     if self.use_bias:
-      y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(y.dtype)
+      y = y + self.param("bias", self.bias_init, (self.features,)).astype(y.dtype)
     return y
 
 
@@ -146,4 +147,4 @@ class MeanFieldDense(_MeanField):
       return inputs.astype(self.dtype) @ kernel.astype(self.dtype)
 
     y = matmul(x, mean) + self.flipout(x, std, matmul)
-    return y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(y.dtype)
+    return y + self.param("bias", self.bias_init, (self.features,)).astype(y.dtype)

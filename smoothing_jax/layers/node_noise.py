@@ -56,6 +56,7 @@ class _NodeNoise(nn.Module):
   bias_noise: bool = True
   init_mean_std: float = 0.5      # μ ~ N(1, σ₀²): σ₀ = 0.5 (0.75 for VGG in the reference)
   init_std: tuple = (0.05, 0.02)  # σ ~ |N(0.05, 0.02²)|
+  bias_init: Callable = nn.initializers.zeros
 
   def perturb_input(self, x, components):
     """``(z ⊙ x, components)`` with z drawn per example (one value per channel over H×W)."""
@@ -70,7 +71,7 @@ class _NodeNoise(nn.Module):
     return x * z.reshape((x.shape[0],) + (1,) * (x.ndim - 2) + (c,)).astype(x.dtype), components
 
   def add_bias(self, y, components, features):
-    bias = self.param("bias", nn.initializers.zeros, (features,))
+    bias = self.param("bias", self.bias_init, (features,))
     if not self.bias_noise:
       return y + bias
     b_mean = self.param("b_mean", mean_init(1.0, self.init_mean_std), (self.num_components,))

@@ -110,14 +110,17 @@ def _registry():
                                   batch_norm=False,
                                   classifier="mlp512",
                                   num_components=IBNN_COMPONENTS,
-                                  noise_init_std=0.75))
+                                  noise_init_std=0.75,
+                                  kernel_init="pytorch_dense"))
   registry["wideresnet_ibnn_28_10"] = (WideResNet,
                                        dict(depth=28,
                                             widen_factor=10,
-                                            num_components=IBNN_COMPONENTS))
+                                            num_components=IBNN_COMPONENTS,
+                                            kernel_init="pytorch_default"))
   # BNN-VI (Blundell et al.): the iBNN paper's VGG-16 and uncertainty-baselines' WRN-28-10.
   registry["vgg_bnnvi_16"] = (VGG, dict(stage_sizes=VGG_STAGES[16], batch_norm=False,
-                                        classifier="mlp512", mean_field=True))
+                                        classifier="mlp512", mean_field=True,
+                                        kernel_init="pytorch_dense"))
   registry["wideresnet_bnnvi_28_10"] = (WideResNet, dict(UB_WIDERESNET, mean_field=True))
   # BatchEnsemble (Wen et al.): uncertainty-baselines' WRN-28-10 and a CIFAR ResNet-18.
   registry["resnet_batchensemble_18"] = (ResNet, dict(stage_sizes=RESNET_STAGES[18][0],

@@ -7,9 +7,10 @@ so :mod:`smoothing_jax.convert` maps reference checkpoints one to one.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -30,12 +31,38 @@ CLASSIFIERS = ("gap", "mlp", "mlp512")
 # PyTorch BatchNorm2d defaults: running = 0.9 · running + 0.1 · batch, eps 1e-5.
 batch_norm = functools.partial(nn.BatchNorm, momentum=0.9, epsilon=1e-5)
 conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
-# ``CNN.kernel_init``: (conv, dense) kernel initialisers.  "reference": the PyTorch references'
-# N(0, 2 / (k²·C_out)) convs and Flax's default (LeCun normal) dense layers; "he_normal": Keras
-# ``he_normal`` (truncated normal of variance 2 / fan_in) for both, as uncertainty-baselines.
+# PyTorch's default ``reset_parameters`` of nn.Conv2d / nn.Linear: kaiming_uniform(a=√5), i.e.
+# U(±1/√fan_in), and biases U(±1/√fan_in).
+pytorch_default = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+
+def pytorch_default_bias(fan_in: int):
+  """PyTorch's default bias initialisation of a layer with ``fan_in`` inputs: U(±1/√fan_in)."""
+  bound = 1.0 / np.sqrt(fan_in)
+  return lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+class WeightInit(NamedTuple):
+  """Kernel initialisers of the conv and dense layers, and whether their biases start as
+  PyTorch's U(±1/√fan_in) (else zeros)."""
+  conv: Callable
+  dense: Callable
+  conv_bias_uniform: bool = False
+  dense_bias_uniform: bool = False
+
+
+# ``CNN.kernel_init``.  "reference": the SS/HV references' N(0, 2 / (k²·C_out)) convs and Flax's
+# default (LeCun normal) dense layers; "he_normal": Keras ``he_normal`` (truncated normal of
+# variance 2 / fan_in) for both, as uncertainty-baselines; "pytorch_default": PyTorch's defaults
+# everywhere (the iBNN reference's WRN, which defines ``conv_init`` but never applies it);
+# "pytorch_dense": reference convs with zero biases, PyTorch's default dense layers (the iBNN
+# reference's VGG-16, which initialises only its convs).
 KERNEL_INITS = {
-    "reference": (conv_init, nn.initializers.lecun_normal()),
-    "he_normal": (nn.initializers.variance_scaling(2.0, "fan_in", "truncated_normal"),) * 2,
+    "reference": WeightInit(conv_init, nn.initializers.lecun_normal()),
+    "he_normal": WeightInit(*(nn.initializers.variance_scaling(2.0, "fan_in",
+                                                               "truncated_normal"),) * 2),
+    "pytorch_default": WeightInit(pytorch_default, pytorch_default, True, True),
+    "pytorch_dense": WeightInit(conv_init, pytorch_default, False, True),
 }
 
 
@@ -47,11 +74,13 @@ def conv(features,
          bias=False,
          name=None,
          dtype=jnp.float32,
-         kernel_init=conv_init):
+         kernel_init=conv_init,
+         bias_init=nn.initializers.zeros):
   """``nn.Conv2d``-equivalent: explicit symmetric zero padding, no bias by default."""
   return nn.Conv(features, (kernel_size, kernel_size), strides=(stride, stride),
                  padding=((padding, padding), (padding, padding)), feature_group_count=groups,
-                 use_bias=bias, kernel_init=kernel_init, dtype=dtype, name=name)
+                 use_bias=bias, kernel_init=kernel_init, bias_init=bias_init, dtype=dtype,
+                 name=name)
 
 
 def staged_units(depths) -> list:
@@ -270,7 +299,10 @@ class CNN(nn.Module):
     row's iBNN component or BatchEnsemble member)."""
     if groups != 1 and self.weights in ("ibnn", "mean_field"):
       raise ValueError(f"Grouped convolutions have no {self.weights} variant.")
-    init = KERNEL_INITS[self.kernel_init][0]
+    scheme = KERNEL_INITS[self.kernel_init]
+    init = scheme.conv
+    bias_init = (pytorch_default_bias(kernel_size**2 * x.shape[-1] // groups)
+                 if scheme.conv_bias_uniform else nn.initializers.zeros)
     if self.weights == "ibnn":
       return NodeNoiseConv(self.num_components,
                            self.bias_noise,
@@ -281,38 +313,45 @@ class CNN(nn.Module):
                            padding=padding,
                            use_bias=bias,
                            kernel_init=init,
+                           bias_init=bias_init,
                            dtype=self.dtype,
                            name=name)(x, components)
     if self.weights == "mean_field":
       return MeanFieldConv(self.posterior_std_init, features=features, kernel_size=kernel_size,
                            stride=stride, padding=padding, use_bias=bias, kernel_init=init,
-                           dtype=self.dtype, name=name)(x)
+                           bias_init=bias_init, dtype=self.dtype, name=name)(x)
     if self.weights == "batch_ensemble":
       return BatchEnsembleConv(self.ensemble_size, self.random_sign_init, features=features,
                                kernel_size=kernel_size, stride=stride, padding=padding,
-                               groups=groups, use_bias=bias, kernel_init=init, dtype=self.dtype,
-                               name=name)(x, components)
+                               groups=groups, use_bias=bias, kernel_init=init,
+                               bias_init=bias_init, dtype=self.dtype, name=name)(x, components)
     return conv(features, kernel_size, stride, padding, groups, bias=bias, dtype=self.dtype,
-                name=name, kernel_init=init)(x)
+                name=name, kernel_init=init, bias_init=bias_init)(x)
 
   def dense(self, x, components, features, name=None):
     """``nn.Dense`` applied to ``x``, its weights as ``weights`` says."""
-    init = KERNEL_INITS[self.kernel_init][1]
+    scheme = KERNEL_INITS[self.kernel_init]
+    init = scheme.dense
+    bias_init = (pytorch_default_bias(x.shape[-1]) if scheme.dense_bias_uniform
+                 else nn.initializers.zeros)
     if self.weights == "ibnn":
       return NodeNoiseDense(self.num_components,
                             self.bias_noise,
                             self.noise_init_std,
                             features=features,
                             kernel_init=init,
+                            bias_init=bias_init,
                             dtype=self.dtype,
                             name=name)(x, components)
     if self.weights == "mean_field":
       return MeanFieldDense(self.posterior_std_init, features=features, kernel_init=init,
-                            dtype=self.dtype, name=name)(x)
+                            bias_init=bias_init, dtype=self.dtype, name=name)(x)
     if self.weights == "batch_ensemble":
       return BatchEnsembleDense(self.ensemble_size, self.random_sign_init, features=features,
-                                kernel_init=init, dtype=self.dtype, name=name)(x, components)
-    return nn.Dense(features, kernel_init=init, dtype=self.dtype, name=name)(x)
+                                kernel_init=init, bias_init=bias_init, dtype=self.dtype,
+                                name=name)(x, components)
+    return nn.Dense(features, kernel_init=init, bias_init=bias_init, dtype=self.dtype,
+                    name=name)(x)
 
   def smooth(self, x, name: str):
     """The stage-end smoothing block (identity unless ``smoothing``)."""
