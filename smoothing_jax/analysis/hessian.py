@@ -395,8 +395,8 @@ def min_eigenvalue(loss_fn: Callable, params, max_iters: int = 100, tol: float =
   ``method="power"``: after the top eigenvalue λ₁ (``top`` reuses a known one), power
   iteration on ``H − |λ₁|·I``, whose spectrum lies in ``[λ_min − |λ₁|, 0]``, so its
   largest-magnitude eigenvalue is ``λ_min − |λ₁|``, until ‖Hv − λv‖ ≤ tol·|λ| (slow when
-  |λ_min| ≪ λ₁: give it the iterations; the returned residual says how far it got).  Returns an :class:`Eigenpairs` of
-  a scalar and one pytree, ``(λ_min, eigenvector)``.
+  |λ_min| ≪ λ₁: give it the iterations; the returned residual says how far it got).  Returns an
+  :class:`Eigenpairs` of a scalar and one pytree, ``(λ_min, eigenvector)``.
   """
   low = top_and_min_eigenvalues(loss_fn, params, 1, max_iters, tol, rng, method, top=False,
                                 known_top=top)[1]
