@@ -2,8 +2,10 @@
 
 ``from tests.helpers import ...`` (``tests`` is a package).
 """
+import contextlib
 import functools
 import gc
+import logging as std_logging
 import importlib.abc
 import importlib.machinery
 import os
@@ -268,10 +270,12 @@ def initialised_run(root, **overrides):
 
 
 def train_resume_and_evaluate(config, root) -> dict:
-  """Trains ``config`` (CIFAR-10 under TFDS mock data, 16 examples) with the command line's
-  ``main.run`` (its ``config.evals``), checks that a run stopped at step 2 and resumed ends with
-  the same variables, then runs every classification evaluator on the workdir (corruptions: fog
-  only; temporal: 8 clips of 3 frames).  Returns ``{evaluator: result}``."""
+  """Trains ``config`` (CIFAR-10 under TFDS mock data, 16 examples; 4 steps, checkpoints at 2
+  and 4) with the command line's ``main.run`` (its ``config.evals``), checks that the run resumed
+  from its step-2 checkpoint ends with the same variables, then runs every classification
+  evaluator on the workdir (corruptions: fog only; temporal: 8 clips of 3 frames).  Returns
+  ``{evaluator: result}``."""
+  import shutil
   import tensorflow_datasets as tfds
   from smoothing_jax import main, train
   from smoothing_jax.evaluators import calibration, corruptions, ood, selective, temporal
@@ -279,8 +283,11 @@ def train_resume_and_evaluate(config, root) -> dict:
   results = {}
   with tfds.testing.mock_data(num_examples=16):
     results.update(main.run(config, str(root / "run")))
-    train.train_and_evaluate(config, str(root / "resumed"), stop_after_steps=2)
-    resumed = train.train_and_evaluate(config, str(root / "resumed"))
+    shutil.copytree(root / "run", root / "resumed")
+    shutil.rmtree(root / "resumed" / "checkpoints" / "4")
+    with absl_info_lines() as lines:
+      resumed = train.train_and_evaluate(config, str(root / "resumed"))
+    assert any(line.startswith("Resumed from step 2 ") for line in lines), lines
     run = Run.from_workdir(str(root / "run"))
     a, b = flat_variables(train.variables_of(resumed)), flat_variables(run.variables)
     assert a.keys() == b.keys()
@@ -295,3 +302,19 @@ def train_resume_and_evaluate(config, root) -> dict:
     ):
       results[name] = evaluate(run, root / "results" / name, **options)
   return results
+
+
+@contextlib.contextmanager
+def absl_info_lines():
+  """The absl INFO lines logged inside the block, as a list filled while it runs."""
+  from absl import logging as absl_logging
+  lines, handler = [], std_logging.Handler()
+  handler.emit = lambda record: lines.append(record.getMessage())
+  logger, verbosity = absl_logging.get_absl_logger(), absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.INFO)
+  logger.addHandler(handler)
+  try:
+    yield lines
+  finally:
+    logger.removeHandler(handler)
+    absl_logging.set_verbosity(verbosity)

@@ -87,21 +87,28 @@ def test_the_predictive_is_the_members_and_training_repeats_the_batch(tiny_batch
   labels = jnp.array([0, 1, 2, 3])
   prediction = batch_ensemble_predict(model, variables, images)
   assert prediction.sample_probs.shape == (M, 4, 5)
-  per_member = [jax.nn.softmax(model.apply(variables, images, components=jnp.full((4,), m)))
-                for m in range(M)]
+  member_probs = jax.jit(lambda m: jax.nn.softmax(model.apply(variables, images,
+                                                              components=jnp.full((4,), m))))
+  per_member = [member_probs(m) for m in range(M)]
   np.testing.assert_allclose(prediction.sample_probs, np.stack(per_member), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(prediction.mean_probs, np.mean(per_member, 0), rtol=1e-5, atol=1e-6)
   assert not np.allclose(per_member[0], per_member[1])
+
   # Training mode with BatchNorm on the batch statistics of all M copies: each member's
   # cross-entropy on the whole batch, averaged over the members.
-  loss, aux = supervised_loss(model)(variables["params"], variables["batch_stats"],
-                                     {"image": images, "label": labels}, jax.random.key(2), 0)
-  logits = model.apply(variables, jnp.repeat(images, M, axis=0), train=True,
-                       mutable=["batch_stats"])[0].reshape(4, M, 5)
-  per_member_loss = [optax.softmax_cross_entropy_with_integer_labels(logits[:, m], labels).mean()
-                     for m in range(M)]
-  np.testing.assert_allclose(loss, np.mean(per_member_loss), rtol=1e-5)
-  assert aux["labels"].tolist() == np.repeat(labels, M).tolist()
+  @jax.jit
+  def loss_and_explicit():
+    loss, aux = supervised_loss(model)(variables["params"], variables["batch_stats"],
+                                       {"image": images, "label": labels}, jax.random.key(2), 0)
+    logits = model.apply(variables, jnp.repeat(images, M, axis=0), train=True,
+                         mutable=["batch_stats"])[0].reshape(4, M, 5)
+    per_member = [optax.softmax_cross_entropy_with_integer_labels(logits[:, m], labels).mean()
+                  for m in range(M)]
+    return loss, aux["labels"], jnp.mean(jnp.stack(per_member))
+
+  loss, repeated_labels, explicit = loss_and_explicit()
+  np.testing.assert_allclose(loss, explicit, rtol=1e-5)
+  assert repeated_labels.tolist() == np.repeat(labels, M).tolist()
 
 
 def test_one_pass_per_frame_is_the_members_mean_whatever_the_batch(tiny_batch_ensemble):

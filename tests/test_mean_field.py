@@ -105,21 +105,23 @@ def test_posterior_initialisation_is_uncertainty_baselines():
 
 
 def test_the_elbo_is_mean_nll_plus_annealed_kl_over_n_and_decay_skips_the_posterior():
+  # A one-stage ResNet with mean-field kernels (BatchNorm deterministic), 16×16 inputs.
   config = override(tiny_config(), **{"bnnvi.kl_anneal_epochs": 2})
-  model = get_model("vgg_bnnvi_16", 4, width=4, stage_sizes=(1, 1, 1, 1, 1))
+  model = get_model("resnet_dnn_18", 4, width=4, stage_sizes=(1,), mean_field=True)
   assert is_stochastic(model) and model.weights == "mean_field"
   variables = jax.jit(model.init)({"params": jax.random.key(0), "noise": jax.random.key(1)},
-                                  jnp.zeros((1, 32, 32, 3)))
-  batch = {"image": jax.random.normal(jax.random.key(2), (4, 32, 32, 3)),
+                                  jnp.zeros((1, 16, 16, 3)))
+  batch = {"image": jax.random.normal(jax.random.key(2), (4, 16, 16, 3)),
            "label": jnp.array([0, 1, 2, 3])}
   loss_fn = losses.make_loss(config, model, num_train=100, steps_per_epoch=10)
 
   @jax.jit
   def elbo_and_nll(step):
-    """The loss, its metrics, and the NLL of one pass drawn from the loss's key."""
+    """The loss, its metrics, and the NLL of one training pass drawn from the loss's key."""
     key = jax.random.key(3)
-    loss, aux = loss_fn(variables["params"], {}, batch, key, step)
-    logits = model.apply(variables, batch["image"], rngs=sample_rngs(key))
+    loss, aux = loss_fn(variables["params"], variables["batch_stats"], batch, key, step)
+    logits, _ = model.apply(variables, batch["image"], train=True, mutable=["batch_stats"],
+                            rngs=sample_rngs(key))
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
     return loss, aux["metrics"], nll
 
@@ -130,17 +132,19 @@ def test_the_elbo_is_mean_nll_plus_annealed_kl_over_n_and_decay_skips_the_poster
     np.testing.assert_allclose(metrics["kl"], kl, rtol=1e-5)
     np.testing.assert_allclose(metrics["nll"], nll, rtol=1e-5)
     np.testing.assert_allclose(loss, nll + beta * kl / 100, rtol=1e-5)
-  mask = bnnvi.decay_mask(variables["params"])
-  assert mask["classifier_2"] == {"bias": True, "kernel": False, "kernel_rho": False}
-  assert mask["layer0_0"]["conv"]["bias"]
   # Zero gradients at rate 1: the update is −0.5·w where weight decay 0.5 applies, else 0.
   tx = optim.create_optimizer(override(config, weight_decay=0.5, momentum=0.0), lambda s: 1.0,
                               model)
   params = jax.tree.map(lambda p: p + 1.0, variables["params"])  # biases 0 → 1
   updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
-  for layer in (updates["classifier_2"], updates["layer0_0"]["conv"]):
-    np.testing.assert_allclose(layer["bias"], -0.5 * np.ones_like(layer["bias"]))
+  head, conv, bn = (updates["classifier_0"], updates["layer1_0"]["conv1"],
+                    updates["layer1_0"]["bn1"])
+  np.testing.assert_allclose(head["bias"], -0.5 * np.asarray(params["classifier_0"]["bias"]))
+  np.testing.assert_allclose(bn["scale"], -0.5 * np.asarray(params["layer1_0"]["bn1"]["scale"]))
+  for layer in (head, conv):  # the posterior's μ and ρ: regularised by the KL alone
     assert not np.any(np.asarray(layer["kernel"])) and not np.any(np.asarray(layer["kernel_rho"]))
+  assert bnnvi.decay_mask(variables["params"])["classifier_0"] == {
+      "bias": True, "kernel": False, "kernel_rho": False}
 
 
 def test_model_sizes_are_twice_the_kernels_plus_the_deterministic_rest():
