@@ -11,7 +11,8 @@ ensembles, with the temperature in either of the two places the field puts it (`
 The two agree for N = 1.  T is fitted to minimise the NLL of p_T on held-out examples.
 Log-probabilities serve as logits: log softmax(z) differs from z by a constant per example,
 which dividing by T and the softmax ignore.  The NLL is computed in float64 on the host and
-minimised over log T by bounded Brent search (``scipy.optimize.minimize_scalar``), T in [0.05, 20] by default.
+minimised over log T by bounded Brent search (``scipy.optimize.minimize_scalar``), T in
+[0.05, 20] by default.
 """
 from __future__ import annotations
 

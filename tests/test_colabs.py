@@ -136,6 +136,7 @@ def test_uncertainty_notebook_trains_and_runs_the_three_evaluators(analysis_work
       "'batch_size': 8, 'num_train_steps': 2, 'eval_batch_size': 16, 'num_devices': 1}\n"
       f"IN_CLASSES = (0, 1)\nSIZES = (1, 2)\nHOLDOUT_FRACTION = 0.25\nROOT = {str(tmp_path)!r}\n")
   book = execute("uncertainty", parameters)
-  assert images_in(book) == 4  # ROC/PR, reliability before and after, accuracy-rejection
+  # ROC/PR, reliability before and after (T on the members, on the ensemble), accuracy-rejection
+  assert images_in(book) == 5
   for name in ("ood.json", "calibration.json", "selective.json"):
     assert (tmp_path / "resnet_mcdo_smoothing_18" / "results" / name).stat().st_size > 0, name
