@@ -271,7 +271,8 @@ def msa_workdirs(tmp_path_factory):
 # The test files that take longest (measured on 2 cores), in that order.  They start first, and
 # the many short files fill the end of the run, so that both workers finish together.
 LONGEST_FILES = ("test_colabs.py", "test_experiments.py", "test_train.py", "test_analysis.py",
-                 "test_ibnn.py", "test_main.py", "test_steps.py", "test_models.py",
+                 "test_ibnn.py", "test_batch_ensemble.py", "test_mean_field.py", "test_main.py",
+                 "test_steps.py", "test_models.py",
                  "test_checkpoints.py", "test_landscape.py", "test_hessian.py", "test_features.py",
                  "test_camvid.py", "test_workdir_lock.py")
 
