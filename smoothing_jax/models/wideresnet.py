@@ -12,7 +12,10 @@ input nodes per component.
 The uncertainty-baselines variants (``wideresnet_bnnvi_28_10``, ``wideresnet_batchensemble_28_10``)
 follow that code's WRN instead: convolutions without biases, the stride on the first conv, and
 the final BatchNorm with momentum 0.9 like the others (``conv_bias``, ``stride_first``,
-``head_bn_momentum``).
+``head_bn_momentum``), Keras ``he_normal`` kernels (``kernel_init``).  One difference stays: Keras's
+``padding="same"`` pads a stride-2 3×3 conv on the bottom and right only, ours on every side
+(the PyTorch references'), which shifts that conv's sampling grid by one pixel; the sizes and
+parameter counts are the same.
 """
 from __future__ import annotations
 
