@@ -305,11 +305,14 @@ def absl_info_lines():
   from absl import logging as absl_logging
   lines, handler = [], std_logging.Handler()
   handler.emit = lambda record: lines.append(record.getMessage())
-  logger, verbosity = absl_logging.get_absl_logger(), absl_logging.get_verbosity()
-  absl_logging.set_verbosity(absl_logging.INFO)
+  # The logger's own level, restored as it was (NOTSET: the root's); absl's set_verbosity would
+  # leave an explicit level behind that hides INFO lines from later tests' caplog.
+  logger = absl_logging.get_absl_logger()
+  level = logger.level
+  logger.setLevel(std_logging.INFO)
   logger.addHandler(handler)
   try:
     yield lines
   finally:
     logger.removeHandler(handler)
-    absl_logging.set_verbosity(verbosity)
+    logger.setLevel(level)
