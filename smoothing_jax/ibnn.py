@@ -18,6 +18,8 @@ import optax
 
 from smoothing_jax.variables import transfer_variables
 from smoothing_jax.inference import Prediction, log_probs, map_in_chunks, mean_probs, sample_rngs
+from smoothing_jax.layers.functional import layers_holding
+from smoothing_jax.layers.mean_field import gaussian_kl
 from smoothing_jax.layers.node_noise import VARIATIONAL_PARAMS
 from smoothing_jax.models import is_ibnn
 from smoothing_jax.metrics import uncertainty_decomposition
@@ -55,26 +57,12 @@ def param_labels(params):
 
 def noise_layers(params) -> list:
   """The parameter dicts of every node-noise layer, in order."""
-  found = []
-
-  def visit(tree):
-    if isinstance(tree, (dict, flax.core.FrozenDict)):
-      if "z_mean" in tree:
-        found.append(tree)
-      for value in tree.values():
-        visit(value)
-  visit(params)
-  return found
+  return layers_holding(params, "z_mean")
 
 
 def num_noise_nodes(params) -> int:
   """Input nodes with noise per component (paper Table 1: 9,475 for WRN-28-10)."""
   return sum(layer["z_mean"].shape[1] for layer in noise_layers(params))
-
-
-def gaussian_kl(mean, std, prior_mean, prior_std):
-  """KL(N(mean, std²) ‖ N(prior_mean, prior_std²)), elementwise."""
-  return (jnp.log(prior_std / std) + (std**2 + (mean - prior_mean)**2) / (2 * prior_std**2) - 0.5)
 
 
 def kl_divergence(params, prior_std: float, prior_mean: float = 1.0):

@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from smoothing_jax.layers.functional import conv2d
 from smoothing_jax.layers.mean_field import he_normal  # uncertainty-baselines' kernel initialiser
 
 FAST_WEIGHTS = ("fast_in", "fast_out")
@@ -97,11 +98,7 @@ class BatchEnsembleConv(_BatchEnsemble):
     kernel = self.param("kernel", self.kernel_init,
                         (self.kernel_size, self.kernel_size, x.shape[-1] // self.groups,
                          self.features))
-    p = self.padding
-    y = jax.lax.conv_general_dilated(x.astype(self.dtype), kernel.astype(self.dtype),
-                                     (self.stride, self.stride), ((p, p), (p, p)),
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                     feature_group_count=self.groups)
+    y = conv2d(x, kernel, self.stride, self.padding, self.groups, dtype=self.dtype)
     return self.scale_output(y, members, self.use_bias)
 
 

@@ -28,10 +28,11 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from smoothing_jax.layers.functional import conv2d, layers_holding
 
 POSTERIOR_STD_INIT = 1e-3  # σ₀ (uncertainty-baselines ``--stddev_init``)
 RHO_INIT_STD = 0.1          # std of the truncated normal around softplus⁻¹(σ₀) (edward2)
@@ -56,16 +57,7 @@ def gaussian_kl(mean, std, prior_mean, prior_std):
 
 def mean_field_layers(params) -> list:
   """The parameter dicts of every mean-field layer (those holding ``kernel_rho``), in order."""
-  found = []
-
-  def visit(tree):
-    if isinstance(tree, (dict, flax.core.FrozenDict)):
-      if "kernel_rho" in tree:
-        found.append(tree)
-      for value in tree.values():
-        visit(value)
-  visit(params)
-  return found
+  return layers_holding(params, "kernel_rho")
 
 
 def kl_divergence(params, prior_std: float, prior_mean: Optional[float] = None):
@@ -120,12 +112,9 @@ class MeanFieldConv(_MeanField):
   def __call__(self, x):
     mean, std = self.kernel_posterior((self.kernel_size, self.kernel_size, x.shape[-1],
                                        self.features))
-    p = self.padding
 
     def conv(inputs, kernel):
-      return jax.lax.conv_general_dilated(inputs.astype(self.dtype), kernel.astype(self.dtype),
-                                          (self.stride, self.stride), ((p, p), (p, p)),
-                                          dimension_numbers=("NHWC", "HWIO", "NHWC"))
+      return conv2d(inputs, kernel, self.stride, self.padding, dtype=self.dtype)
 
     y = conv(x, mean) + self.flipout(x, std, conv)
     if self.use_bias:

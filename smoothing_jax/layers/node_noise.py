@@ -25,6 +25,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from smoothing_jax.layers.functional import conv2d
+
 VARIATIONAL_PARAMS = ("z_mean", "z_rho", "b_mean", "b_rho")
 
 
@@ -99,11 +101,7 @@ class NodeNoiseConv(_NodeNoise):
     x, components = self.perturb_input(x, components)
     kernel = self.param("kernel", self.kernel_init,
                         (self.kernel_size, self.kernel_size, x.shape[-1], self.features))
-    p = self.padding
-    y = jax.lax.conv_general_dilated(x.astype(self.dtype),
-                                     kernel.astype(self.dtype), (self.stride, self.stride),
-                                     ((p, p), (p, p)),
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    y = conv2d(x, kernel, self.stride, self.padding, dtype=self.dtype)
     return self.add_bias(y, components, self.features) if self.use_bias else y
 
 

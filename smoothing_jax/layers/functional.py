@@ -1,0 +1,33 @@
+"""Pure functions the parameterised conv / dense layers share (node noise, mean-field weights,
+BatchEnsemble): the PyTorch-padded convolution and the search for a kind of layer in a
+parameter tree."""
+from __future__ import annotations
+
+import flax
+import jax
+
+
+def conv2d(x, kernel, stride: int = 1, padding: int = 0, groups: int = 1, dtype=None):
+  """``nn.Conv2d``'s cross-correlation of ``x [B,H,W,C_in]`` with ``kernel [k,k,C_in/groups,
+  C_out]``: symmetric zero padding, computed in ``dtype`` (None: the inputs')."""
+  if dtype is not None:
+    x, kernel = x.astype(dtype), kernel.astype(dtype)
+  return jax.lax.conv_general_dilated(x, kernel, (stride, stride),
+                                      ((padding, padding), (padding, padding)),
+                                      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                      feature_group_count=groups)
+
+
+def layers_holding(params, name: str) -> list:
+  """The parameter dicts that hold a parameter ``name`` (e.g. ``"z_mean"``: the node-noise
+  layers; ``"kernel_rho"``: the mean-field ones), in order."""
+  found = []
+
+  def visit(tree):
+    if isinstance(tree, (dict, flax.core.FrozenDict)):
+      if name in tree:
+        found.append(tree)
+      for value in tree.values():
+        visit(value)
+  visit(params)
+  return found
