@@ -17,6 +17,7 @@ from typing import NamedTuple, Optional
 import jax
 
 from smoothing_jax.ibnn import kl_weight
+from smoothing_jax.layers.functional import in_layers_holding
 from smoothing_jax.layers.mean_field import kl_divergence
 
 
@@ -34,21 +35,11 @@ class Objective(NamedTuple):
     return self
 
 
-def is_variational(path) -> bool:
-  """True for the parameters of a mean-field kernel (μ ``kernel`` and ``kernel_rho`` beside it):
-  the KL regularises them, so weight decay leaves them alone."""
-  return getattr(path[-1], "key", None) == "kernel_rho"
-
-
 def decay_mask(params):
-  """True for the parameters weight decay applies to: all but the mean-field kernels' μ and ρ
-  (uncertainty-baselines: L2 on BatchNorm and biases only)."""
-  rho_parents = set()
-  jax.tree_util.tree_map_with_path(
-      lambda path, _: rho_parents.add(path[:-1]) if is_variational(path) else None, params)
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: not (path[:-1] in rho_parents and path[-1].key in ("kernel", "kernel_rho")),
-      params)
+  """True for the parameters weight decay applies to: all but the mean-field kernels' μ and ρ,
+  which the KL regularises (uncertainty-baselines: L2 on BatchNorm and biases only)."""
+  posterior = in_layers_holding(params, "kernel_rho", ("kernel", "kernel_rho"))
+  return jax.tree.map(lambda variational: not variational, posterior)
 
 
 def elbo_terms(params, objective: Objective, nll, step):

@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from smoothing_jax.layers.functional import conv2d
+from smoothing_jax.layers.functional import conv2d, in_layers_holding
 from smoothing_jax.layers.mean_field import he_normal  # uncertainty-baselines' kernel initialiser
 
 FAST_WEIGHTS = ("fast_in", "fast_out")
@@ -120,9 +120,4 @@ def fast_weight_mask(params, with_bias: bool = False):
   """True for the fast weights (``fast_in``, ``fast_out``) of every BatchEnsemble layer, and with
   ``with_bias`` their members' biases: what uncertainty-baselines' ``fast_weight_lr_multiplier``
   scales (every variable named neither ``kernel`` nor ``batch_norm``)."""
-  names = FAST_WEIGHTS + (("bias",) if with_bias else ())
-  layers = set()
-  jax.tree_util.tree_map_with_path(
-      lambda path, _: layers.add(path[:-1]) if path[-1].key == "fast_in" else None, params)
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: path[:-1] in layers and path[-1].key in names, params)
+  return in_layers_holding(params, "fast_in", FAST_WEIGHTS + (("bias",) if with_bias else ()))

@@ -31,3 +31,13 @@ def layers_holding(params, name: str) -> list:
         visit(value)
   visit(params)
   return found
+
+
+def in_layers_holding(params, name: str, keys) -> dict:
+  """A boolean tree like ``params``: True for the parameters named in ``keys`` of every layer that
+  holds a parameter ``name`` (an optax mask, e.g. a BatchEnsemble's fast weights)."""
+  layers = set()
+  jax.tree_util.tree_map_with_path(
+      lambda path, _: layers.add(path[:-1]) if path[-1].key == name else None, params)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: path[:-1] in layers and path[-1].key in keys, params)
