@@ -5,7 +5,7 @@ against a loop, and the input pipeline; one JSON object, all on the same device 
   paper's SGD recipe) for each ``--batch-sizes``, float32 and ``half_precision`` (bfloat16
   compute), with the achieved TFLOP/s from XLA's cost analysis and, on a chip in ``PEAK_TFLOPS``,
   the fraction of its peak;
-* the same step in PyTorch (``smoothing_jax.torch_reference``, SGD + cross-entropy) in float32
+* the same step in PyTorch (``tests/torch_reference.py``, SGD + cross-entropy) in float32
   and under ``torch.autocast(bfloat16)``, the faster of NCHW and channels-last (skipped without
   torch);
 * ``mc_predict`` at N = 1, 10, 50 against a Python loop of N single jitted passes;
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import jax
@@ -33,6 +34,9 @@ from timing import median_seconds
 from smoothing_jax.data import create_pipeline
 from smoothing_jax.inference import mc_predict, sample_rngs
 from smoothing_jax.models import get_model
+
+# tests.torch_reference, the PyTorch transcription, is imported from the repository root.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 # Dense peak TFLOP/s (bfloat16, and float32 as XLA runs it: TF32 tensor cores on NVIDIA GPUs).
 PEAK_TFLOPS = {
@@ -78,7 +82,7 @@ def torch_train_step(name, width, batch_size, half, steps):
     import torch
   except ImportError:
     return None
-  from smoothing_jax.torch_reference import ResNet
+  from tests.torch_reference import ResNet
   device = "cuda" if torch.cuda.is_available() else "cpu"
   best = None
   for channels_last in (False, True):

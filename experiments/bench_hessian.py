@@ -1,7 +1,7 @@
 """Benchmark: top Hessian eigenvalues, ours (Lanczos and power iteration) against PyHessian.
 
 Prints one JSON object measured in one run, on the SS reference ``resnet_dnn_18``
-at random initialisation: the PyTorch transcription (``smoothing_jax.torch_reference``)
+at random initialisation: the PyTorch transcription (``tests/torch_reference.py``)
 gives the weights, ``convert.from_torch_state_dict`` loads the same weights into our
 model, and both see the same CIFAR-10 batch (``--data``: an npz folder, else random
 images), in eval mode, with plain cross-entropy over all parameters.
@@ -29,6 +29,7 @@ import functools
 import importlib.util
 import json
 import os
+import sys
 import time
 
 import jax
@@ -44,6 +45,9 @@ from smoothing_jax.analysis.spectrum import training_loss
 from smoothing_jax.convert import from_torch_state_dict
 from smoothing_jax.data.datasets import NORMALIZATION
 from smoothing_jax.models import get_model
+
+# tests.torch_reference, the PyTorch transcription, is imported from the repository root.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 DEFAULT_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "cifar10")
 
@@ -67,7 +71,7 @@ def reference_network(width: int):
     import torch
   except ImportError:
     return None
-  from smoothing_jax.torch_reference import ResNet
+  from tests.torch_reference import ResNet
   torch.manual_seed(0)
   return ResNet((2, 2, 2, 2), False, 10, width=width).eval()
 
@@ -106,7 +110,6 @@ def has_pyhessian() -> bool:
 def time_pyhessian(net, images, labels, k, tol, max_iters, residual_of, seed, cuda=False):
   """PyHessian's power iteration, timed from its constructor (which takes the gradient); with
   ``cuda``, on the GPU (``net`` already there; PyHessian moves the batch)."""
-  import sys
   import pyhessian
   import torch
   pyhessian_module = sys.modules["pyhessian.hessian"]  # the package's name `hessian` is a class

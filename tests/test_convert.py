@@ -40,7 +40,7 @@ def test_missing_unexpected_and_mismatched_keys_are_named():
 
 
 torch = pytest.importorskip("torch")
-from smoothing_jax import torch_reference as ref  # noqa: E402
+from tests import torch_reference as ref  # noqa: E402
 
 
 PARITY_CASES = [

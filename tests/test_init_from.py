@@ -71,7 +71,7 @@ def test_evaluation_and_analyses_of_a_timm_checkpoint_file(small_npz_run, tmp_pa
   from tests.helpers import import_timm, model_options
   timm = import_timm()  # skips without torch or timm, before anything imports them
   import torch
-  from smoothing_jax.torch_reference import randomize
+  from tests.torch_reference import randomize
   data = small_npz_run[0]
   vit = randomize(timm.models.vision_transformer.VisionTransformer(
       num_classes=4, img_size=16, patch_size=2, embed_dim=16, depth=2, num_heads=2,

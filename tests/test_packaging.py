@@ -8,8 +8,8 @@ import sys
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# Third-party modules imported only by optional parts of smoothing_jax (torch: the PyTorch
-# transcription smoothing_jax/torch_reference.py), each with the requirements file that installs it;
+# Third-party modules imported only by optional parts of smoothing_jax (torch: reading checkpoint
+# files in smoothing_jax/convert/files.py), each with the requirements file that installs it;
 # they must be declared under [project.optional-dependencies] instead of the dependencies.
 OPTIONAL = {"torch": "requirements-test.txt"}
 
@@ -173,7 +173,7 @@ def test_loading_a_workdir_imports_neither_torch_nor_the_checkpoint_conversions(
   workdir = next(iter(analysis_workdirs.values()))
   code = ("import sys\nfrom smoothing_jax import main\nfrom smoothing_jax.analysis import trained\n"
           f"run = trained.load_trained({workdir!r})\nassert run.step == 0\n"
-          "loaded = [m for m in ('smoothing_jax.convert', 'smoothing_jax.torch_reference', 'torch',"
-          " 'timm') if m in sys.modules]\nassert not loaded, loaded\n")
+          "loaded = [m for m in ('smoothing_jax.convert', 'torch', 'timm') if m in sys.modules]\n"
+          "assert not loaded, loaded\n")
   result = _run_python(code)
   assert result.returncode == 0, result.stderr[-3000:]

@@ -10,6 +10,7 @@ from smoothing_jax.analysis import top_eigenvalues
 from smoothing_jax.analysis.features import feature_variance, fourier_by_depth
 from smoothing_jax.analysis.lesion import lesion_accuracy_drops
 from smoothing_jax.analysis.spectrum import training_loss
+from smoothing_jax.convert import timm_rules
 from smoothing_jax.models import get_model
 from smoothing_jax.models.swin import shifted_window_mask
 from tests.helpers import import_timm, init_variables, num_params
@@ -109,11 +110,11 @@ def test_logits_equal_timm(timm_swin):
 
 def test_fused_heads_axes_are_split_by_our_shape():
   qkv = np.arange(2 * 12).reshape(2, 12)                       # [C, 3·h·d], h = 2, d = 2
-  np.testing.assert_array_equal(convert._split_fused_axes(qkv, (2, 3, 2, 2)),
+  np.testing.assert_array_equal(timm_rules._split_fused_axes(qkv, (2, 3, 2, 2)),
                                 np.arange(24).reshape(2, 3, 2, 2))
   # Not a split of value's axes (a transpose would be needed): left for the mismatch report.
-  assert convert._split_fused_axes(qkv, (12, 2)).shape == (2, 12)
-  assert convert._split_fused_axes(qkv, (4, 6)).shape == (2, 12)
+  assert timm_rules._split_fused_axes(qkv, (12, 2)).shape == (2, 12)
+  assert timm_rules._split_fused_axes(qkv, (4, 6)).shape == (2, 12)
 
 
 def test_timm_state_dict_needs_the_timm_layout(timm_swin):

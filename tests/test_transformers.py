@@ -28,7 +28,7 @@ def images():
 
 @pytest.mark.parametrize("name, count", [
     # The reference implementation's counts (HV models/vit.py and alternet.py, CIFAR-100, 32×32,
-    # patch 2, window 4), as built by smoothing_jax/torch_reference.py; checked below when torch is
+    # patch 2, window 4), as built by tests/torch_reference.py; checked below when torch is
     # installed.
     ("vit_ti", 5_403_172),
     ("alternet_50", 34_062_538),
@@ -39,7 +39,7 @@ def test_parameter_counts_equal_the_reference(name, count):
 
 def test_parameter_counts_equal_the_torch_reference():
   torch = pytest.importorskip("torch")
-  from smoothing_jax import torch_reference as ref
+  from tests import torch_reference as ref
   torch_count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
   assert torch_count(ref.ViT(32, 2, 100, 12, 192, 3, 768)) == num_params(get_model("vit_ti", 100))
   assert torch_count(ref.AlterNet((3, 4, 6, 4), (0, 1, 3, 2), (3, 6, 12, 24), 100)) == num_params(
@@ -178,7 +178,7 @@ def _vit_params_from_torch(t, depth, heads, head_dim):
 
 def test_vit_logits_equal_the_torch_reference():
   torch = pytest.importorskip("torch")
-  from smoothing_jax import torch_reference as ref
+  from tests import torch_reference as ref
   torch.manual_seed(0)
   t = ref.ViT(16, 4, 10, depth=2, dim=16, heads=2, mlp_dim=32, dim_head=8).eval()
   x = np.random.default_rng(0).normal(size=(3, 3, 16, 16)).astype(np.float32)
@@ -193,7 +193,7 @@ def test_vit_logits_equal_the_torch_reference():
 def test_alternet_logits_equal_the_torch_reference():
   torch = pytest.importorskip("torch")
   from smoothing_jax.convert import torch_key
-  from smoothing_jax import torch_reference as ref
+  from tests import torch_reference as ref
   torch.manual_seed(0)
   t = ref.randomize(ref.AlterNet((1, 2, 2, 2), (0, 1, 1, 1), (1, 2, 2, 2), 10, width=8, dim_head=8))
   sd = {k: v.detach().numpy() for k, v in t.state_dict().items()}

@@ -4,12 +4,13 @@ Module attribute names and ``Sequential`` layouts follow the reference
 repositories (``xxxnell/spatial-smoothing``, ``trungtrinh44/ibnn``) so that its
 ``state_dict`` keys are the reference's.  Written from the reference's documented
 semantics; only the deterministic paths are needed.  Used by the parity tests
-(``tests/test_convert.py``, ``tests/test_transformers.py``) and by
-``experiments/bench_hessian.py``.
+(``tests/test_convert.py``, ``tests/test_transformers.py``, ``tests/test_init_from.py``) and by
+``experiments/bench_hessian.py`` and ``experiments/bench_accelerator.py``; not part of the
+installed package.
 
 PyTorch is an optional dependency (``pip install -r requirements-test.txt``, or the
-``torch`` extra of pyproject.toml): nothing else in ``smoothing_jax`` imports this module,
-and importing it without torch installed raises ``ImportError``.
+``torch`` extra of pyproject.toml); importing this module without torch installed raises
+``ImportError``.
 """
 import torch
 from torch import nn
