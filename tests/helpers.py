@@ -269,10 +269,13 @@ def initialised_run(root, **overrides):
   return run
 
 
-def train_resume_and_evaluate(config, root) -> dict:
+ALL_CLASSIFIER_EVALS = ("ensemble_sizes", "calibration", "selective", "ood", "temporal")
+
+
+def train_resume_and_evaluate(config, root, evals=ALL_CLASSIFIER_EVALS) -> dict:
   """Trains ``config`` (CIFAR-10 under TFDS mock data, 16 examples; 4 steps, checkpoints at 2
-  and 4) with the command line's ``main.run``, which then runs every classification evaluator
-  but corruptions (``config.evals``; OOD against CIFAR-100), runs corruptions on the workdir (fog
+  and 4) with the command line's ``main.run``, which then runs the evaluators
+  ``evals`` (``config.evals``; OOD against CIFAR-100), runs corruptions on the workdir (fog
   only: the whole sweep is 75 sets), and checks that a copy resumed from its step-2 checkpoint
   ends with the same variables.  Returns ``{evaluator: result}``."""
   import shutil
@@ -280,8 +283,7 @@ def train_resume_and_evaluate(config, root) -> dict:
   from smoothing_jax import main, train
   from smoothing_jax.evaluators import corruptions
   from smoothing_jax.run import Run
-  config = override(config, evals=("ensemble_sizes", "calibration", "selective", "ood",
-                                    "temporal"), ood_datasets=("cifar100",))
+  config = override(config, evals=evals, ood_datasets=("cifar100",))
   with tfds.testing.mock_data(num_examples=16):
     results = main.run(config, str(root / "run"))
     run = Run.from_workdir(str(root / "run"))

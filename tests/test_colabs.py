@@ -111,18 +111,6 @@ def test_quickstart_notebook_trains_and_evaluates(tmp_path):
 
 
 @pytest.mark.slow
-def test_msa_notebook_runs_on_alternet_workdirs(msa_workdirs):
-  # The AlterNet alone (its ResNet backbone is drawn alike, and test_experiments compares the two).
-  alternet = {"AlterNet": msa_workdirs["AlterNet"]}
-  book = execute("msa_analysis", load_parameters(alternet) + MSA_TINY)
-  assert images_in(book) >= 6  # spectra, Fourier (2), variance, lesion, CKA, trajectories
-  printed = "".join(out.get("text", "") for c in book.cells if c.cell_type == "code"
-                    for out in c.outputs)
-  assert "layer3_1 | msa" in printed
-  assert "AlterNet: 3 snapshots, path / distance" in printed
-
-
-@pytest.mark.slow
 def test_uncertainty_notebook_trains_and_runs_the_three_evaluators(analysis_workdirs, tmp_path):
   """From nothing: the fixture's quadrant images split into classes 0–1 (in) and 2–3 (out), a
   tiny smoothed MC dropout model trained 2 steps with a quarter of the training split held out,
@@ -140,3 +128,16 @@ def test_uncertainty_notebook_trains_and_runs_the_three_evaluators(analysis_work
   assert images_in(book) == 5
   for name in ("ood.json", "calibration.json", "selective.json"):
     assert (tmp_path / "resnet_mcdo_smoothing_18" / "results" / name).stat().st_size > 0, name
+
+
+@pytest.mark.slow
+def test_msa_notebook_runs_on_alternet_workdirs(msa_workdirs):
+  # Last in this file: the other worker trains msa_workdirs meanwhile, so nothing waits on it.
+  # The AlterNet alone (its ResNet backbone is drawn alike, and test_experiments compares the two).
+  alternet = {"AlterNet": msa_workdirs["AlterNet"]}
+  book = execute("msa_analysis", load_parameters(alternet) + MSA_TINY)
+  assert images_in(book) >= 6  # spectra, Fourier (2), variance, lesion, CKA, trajectories
+  printed = "".join(out.get("text", "") for c in book.cells if c.cell_type == "code"
+                    for out in c.outputs)
+  assert "layer3_1 | msa" in printed
+  assert "AlterNet: 3 snapshots, path / distance" in printed

@@ -140,6 +140,24 @@ def test_layers_point_down(tmp_path):
   assert "smoothing_jax.models.vgg -> smoothing_jax.train" in result.stdout
 
 
+def _cycles(graph, package: str) -> list:
+  """Pairs of modules under ``package`` that import each other, directly or through others."""
+  import itertools
+  return [(graph.find_shortest_chain(a, b), graph.find_shortest_chain(b, a))
+          for a, b in itertools.combinations(sorted(graph.find_descendants(package)), 2)
+          if graph.chain_exists(a, b) and graph.chain_exists(b, a)]
+
+
+def test_the_data_modules_import_one_way():
+  """No import cycle in smoothing_jax.data (one inside a function counts, as grimp sees it)."""
+  import pytest
+  grimp = pytest.importorskip("grimp")
+  graph = grimp.build_graph("smoothing_jax", cache_dir=None)
+  assert not _cycles(graph, "smoothing_jax.data")
+  graph.add_import(importer="smoothing_jax.data.datasets", imported="smoothing_jax.data.pipeline")
+  assert _cycles(graph, "smoothing_jax.data")
+
+
 def _private_imports(path) -> list:
   """``from smoothing_jax... import _name`` and ``alias._name`` (alias: a smoothing_jax module
   imported by ``from smoothing_jax[.x] import y [as z]`` or ``import smoothing_jax.x as z``)."""

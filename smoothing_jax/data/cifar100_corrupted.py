@@ -12,7 +12,7 @@ import os
 import numpy as np
 import tensorflow_datasets as tfds
 
-from smoothing_jax.data.datasets import CORRUPTIONS, EXTRA_CORRUPTIONS
+from smoothing_jax.data.corruption_names import CORRUPTIONS, EXTRA_CORRUPTIONS
 
 SEVERITIES = (1, 2, 3, 4, 5)
 

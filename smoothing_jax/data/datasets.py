@@ -1,7 +1,8 @@
 """Datasets: what a ``dataset`` config string names, and loading its examples.
 
 Owns the dataset specs and name parsing (:class:`DatasetSpec`, :func:`parse_dataset`,
-:func:`corruption_dataset` and the constants), the sources (TFDS CIFAR-10/100, ImageNet,
+:func:`corruption_dataset` and the constants; the corruption types are in
+:mod:`~smoothing_jax.data.corruption_names`), the sources (TFDS CIFAR-10/100, ImageNet,
 corruption sets, CamVid; local ``npz:`` arrays; scikit-learn's ``digits``),
 :class:`DatasetUnavailableError`, the class-balanced training subsets of ``train_fraction``
 (:func:`class_balanced_subset`), the per-dataset normalisation statistics and sums over
@@ -20,18 +21,16 @@ from typing import Optional
 import jax
 import numpy as np
 
+from smoothing_jax.data.corruption_names import CORRUPTIONS, EXTRA_CORRUPTIONS
+
 NORMALIZATION = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
     "cifar100": ((0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761)),
     "imagenet2012": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
 }
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "imagenet2012": 1000, "digits": 10, "camvid": 11}
-CORRUPTIONS = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur",
-               "motion_blur", "zoom_blur", "snow", "frost", "fog", "brightness", "contrast",
-               "elastic_transform", "pixelate", "jpeg_compression")
-EXTRA_CORRUPTIONS = ("speckle_noise", "gaussian_blur", "spatter", "saturate")
-# Corruption names above are the canonical ones (the paper's, SS's and Hendrycks' file names);
-# TFDS ``cifar10_corrupted`` names two of them differently.  Our CIFAR-100-C builder and TFDS
+# Corruption types are named canonically (:mod:`~smoothing_jax.data.corruption_names`); TFDS
+# ``cifar10_corrupted`` names two of them differently.  Our CIFAR-100-C builder and TFDS
 # ``imagenet2012_corrupted`` use the canonical names.
 SOURCE_CORRUPTION_NAMES = {
     "cifar10": {"glass_blur": "frosted_glass_blur", "elastic_transform": "elastic"}}

@@ -1,5 +1,6 @@
-"""Input pipelines: :class:`Pipeline` (one dataset's train/eval batches for this process) and
-:func:`create_pipeline`, which picks the path by dataset.
+"""Input pipelines: :func:`create_pipeline` picks the path by dataset and builds its
+:class:`~smoothing_jax.data.pipeline_base.Pipeline` (one dataset's train/eval batches for this
+process).
 
 * :class:`~smoothing_jax.data.resident.ResidentPipeline` (``npz:``, ``digits``, ``synthetic:``,
   CIFAR-10/100 and their -C sets once read from TFDS): the split lives on the devices as uint8
@@ -7,107 +8,24 @@
 * :class:`~smoothing_jax.data.tfdata.TFDataPipeline` (ImageNet and CamVid, streamed from disk by
   tf.data; any dataset with ``data_pipeline="tfdata"``).
 
-Both see the same examples in the same order (:meth:`Pipeline.epoch_order`, a pure function of
+Both see the same examples in the same order
+(:meth:`~smoothing_jax.data.pipeline_base.Pipeline.epoch_order`, a pure function of
 ``(seed, epoch)``); their augmentation draws differ.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import ClassVar, Optional
+from typing import Optional
 
 import jax
 import numpy as np
 
-from smoothing_jax.data.class_weights import class_pixel_counts, median_frequency_weights
-from smoothing_jax.data.datasets import (NORMALIZATION, DatasetSpec, check_train_fraction,
+from smoothing_jax.data.datasets import (NORMALIZATION, check_train_fraction,
                                          class_balanced_subset, load_arrays, normalization,
                                          parse_dataset, prepared_tfds_builder)
+from smoothing_jax.data.pipeline_base import Pipeline
 
 DATA_PIPELINES = ("auto", "resident", "tfdata")
 STREAMED = ("imagenet2012", "camvid")  # read from disk by tf.data as training goes
-
-
-@dataclasses.dataclass
-class Pipeline:
-  """Train/eval batches of one dataset for this process.
-
-  Attributes:
-    dataset_spec: the parsed dataset.
-    num_train: examples in the (global) training split (the ``train_fraction`` subset).
-    num_eval: examples in the (global) evaluation split.
-    local_batch_size / global_batch_size: per-process and global training batch.
-  """
-  dataset_spec: DatasetSpec
-  global_batch_size: int
-  seed: int
-  mean: tuple
-  std: tuple
-  train_images: Optional[np.ndarray]
-  train_labels: Optional[np.ndarray]
-  eval_images: Optional[np.ndarray]
-  eval_labels: Optional[np.ndarray]
-  num_train: int
-  num_eval: int
-  data_dir: Optional[str] = None
-  download: bool = False
-  randaugment: Optional[tuple] = None  # (num_layers, magnitude, magnitude_std) after crop + flip
-  crop_size: Optional[tuple] = None    # segmentation: random (h, w) training crop (None: whole)
-  eval_cache: str = ""  # a file prefix: preprocessed evaluation images kept there ("": off)
-  # The held-out part of the training split (``holdout_fraction``; not trained on): what
-  # post-hoc recalibration fits on.
-  holdout_images: Optional[np.ndarray] = None
-  holdout_labels: Optional[np.ndarray] = None
-  resident: ClassVar[bool] = False  # batches made on the devices inside the step
-
-  @property
-  def is_segmentation(self) -> bool:
-    """Label maps ``[H, W]`` per example (per-pixel classes) rather than one class per image."""
-    labels = self.eval_labels if self.eval_labels is not None else self.train_labels
-    return labels is not None and labels.ndim == 3
-
-  def class_weights(self, num_classes: int) -> np.ndarray:
-    """Median-frequency weights ``[C]`` of the training label maps of all processes
-    (segmentation only; :mod:`smoothing_jax.data.class_weights`)."""
-    if not self.is_segmentation:
-      raise ValueError("Class balancing needs a segmentation dataset; "
-                       f"{self.dataset_spec.name!r} has one label per image.")
-    counts = class_pixel_counts(self.train_labels, num_classes)  # the whole split
-    return median_frequency_weights(None, num_classes, counts)
-
-  def normalize(self, images: np.ndarray) -> np.ndarray:
-    """uint8 images ``[..., 3]`` → the float32 inputs the model was trained on."""
-    mean, std = np.asarray(self.mean, np.float32), np.asarray(self.std, np.float32)
-    return (np.asarray(images, np.float32) / 255.0 - mean) / std
-
-  def holdout_batches(self, batch_size: Optional[int] = None):
-    """Evaluation batches of the held-out training examples (``holdout_fraction``)."""
-    raise ValueError("Held-out training examples are evaluated on the device-resident pipeline "
-                     "only: use --config.data_pipeline=resident (or auto, for in-memory sets).")
-
-  @property
-  def local_batch_size(self) -> int:
-    return self.global_batch_size // jax.process_count()
-
-  @property
-  def steps_per_epoch(self) -> int:
-    if self.train_images is not None:  # every process holds the split: global batches
-      return self.num_train // self.global_batch_size
-    return (self.num_train // jax.process_count()) // self.local_batch_size
-
-  @property
-  def image_shape(self):
-    if self.dataset_spec.geometry == "imagenet":
-      return (224, 224, 3)
-    return tuple(self.eval_images.shape[1:])
-
-  def epoch_order(self, epoch: int) -> np.ndarray:
-    """int ``[steps_per_epoch, global_batch_size]``: the rows of the (in-memory) training split in
-    each global batch of ``epoch``, a permutation of the split (its last partial batch dropped)
-    that depends on ``(seed, epoch)`` alone (not on the process or device count)."""
-    order = np.random.default_rng([self.seed, epoch, 0, 1]).permutation(len(self.train_images))
-    steps = self.steps_per_epoch
-    return order[:steps * self.global_batch_size].reshape(steps, self.global_batch_size)
-
 
 
 def create_pipeline(dataset: str, global_batch_size: int, seed: int,

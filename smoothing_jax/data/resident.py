@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from smoothing_jax.data import device_randaugment
 from smoothing_jax.data.datasets import load_arrays, parse_dataset
-from smoothing_jax.data.pipeline import Pipeline
+from smoothing_jax.data.pipeline_base import Pipeline
 from smoothing_jax.parallel import create_mesh, shardings
 
 MAX_DEVICE_FRACTION = 0.25  # of one device's memory; the rest is the model's

@@ -28,7 +28,7 @@ from smoothing_jax.data.augment import (cifar_train_augment, imagenet_eval_prepr
                                         imagenet_train_augment, normalize,
                                         segmentation_train_augment)
 from smoothing_jax.data.datasets import load_arrays, parse_dataset, tfds_builder, tfds_split
-from smoothing_jax.data.pipeline import Pipeline
+from smoothing_jax.data.pipeline_base import Pipeline
 from smoothing_jax.data.randaugment import randaugment
 
 

@@ -50,8 +50,8 @@ import numpy as np
 from smoothing_jax.layers.attention import (MultiHeadAttention, dense_init,
                                             relative_position_index, window_merge,
                                             window_partition)
-from smoothing_jax.models.common import (STEMS, check_images, conv, drop_path, staged_taps,
-                                         staged_units)
+from smoothing_jax.models.common import STEMS, check_images, conv, staged_taps, staged_units
+from smoothing_jax.models.vit import PreNormUnit
 
 PATCH_SIZES = {"cifar": 1, "imagenet": 4}
 WINDOW_SIZES = {"cifar": 4, "imagenet": 7}
@@ -76,31 +76,14 @@ def shifted_window_mask(height: int, width: int, window_size: int, shift: int) -
   return np.where(region[:, :, None] == region[:, None, :], 0.0, -np.inf).astype(np.float32)
 
 
-class SwinUnit(nn.Module):
-  """One pre-norm residual unit on an NHWC map ``[B, H, W, C] -> [B, H, W, C]``: ``kind``
-  "msa" (MSA within w×w windows, shifted by ``shift`` when > 0) or "mlp"."""
-  kind: str
-  num_heads: int = 3
-  head_dim: int = 32
-  mlp_dim: int = 384
+class SwinUnit(PreNormUnit):
+  """:class:`~smoothing_jax.models.vit.PreNormUnit` on an NHWC map ``[B, H, W, C]`` whose MSA
+  attends within w×w windows, shifted by ``shift`` when > 0."""
   window_size: int = 4
   shift: int = 0
   bias_table: str = "shared"
-  drop_path_rate: float = 0.0
-  dtype: Any = jnp.float32
 
-  @nn.compact
-  def __call__(self, x, train: bool = False, keep=None):
-    y = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype, name="norm")(x)
-    if self.kind == "msa":
-      y = self._window_attention(y, train)
-    else:
-      y = nn.gelu(nn.Dense(self.mlp_dim, kernel_init=dense_init, dtype=self.dtype, name="fc1")(y),
-                  approximate=False)
-      y = nn.Dense(x.shape[-1], kernel_init=dense_init, dtype=self.dtype, name="fc2")(y)
-    return x + drop_path(y, self.drop_path_rate, train, keep)
-
-  def _window_attention(self, x, train: bool):
+  def _attention(self, x, train: bool):
     b, h, w, _ = x.shape
     p, s = self.window_size, self.shift
     per_head = (self.num_heads,) if self.bias_table == "per_head" else ()
@@ -238,11 +221,11 @@ class Swin(nn.Module):
                        heads,
                        self.head_dim,
                        self.mlp_ratio * width,
-                       window,
-                       shift,
-                       self.bias_table,
-                       rate,
-                       self.dtype,
+                       drop_path_rate=rate,
+                       dtype=self.dtype,
+                       window_size=window,
+                       shift=shift,
+                       bias_table=self.bias_table,
                        name=name)(x, train, None if block_mask is None else block_mask[i])
         block += 1
 

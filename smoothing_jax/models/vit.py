@@ -37,28 +37,51 @@ PATCH_SIZES = {"cifar": 2, "imagenet": 16}
 CLASSIFIERS = ("token", "gap")
 
 
-class TransformerUnit(nn.Module):
-  """One pre-norm residual unit on tokens [B, N, D]: ``kind`` "msa" or "mlp".
-
-  Windowed / convolutional attention treats the N tokens as a ``grid`` (h, w).
-  """
+class PreNormUnit(nn.Module):
+  """One pre-norm residual unit ``x + DropPath(f(LN(x)))`` of ViT, PiT and Swin: ``kind`` "msa"
+  (f = the subclass's ``_attention(y, train)``) or "mlp" (f = Dense-GELU-Dense, each Dense
+  followed by the subclass's ``_dropout(y, train)``, none here)."""
   kind: str
   num_heads: int = 3
   head_dim: int = 64
   mlp_dim: int = 768
-  dropout_rate: float = 0.0
   drop_path_rate: float = 0.0
-  window_size: Optional[int] = None
-  kernel_size: Optional[int] = None
-  grid: Optional[tuple] = None
   dtype: Any = jnp.float32
-  qkv_bias: bool = False
   layer_norm_epsilon: float = 1e-5
 
   @nn.compact
   def __call__(self, x, train: bool = False, keep=None):
     y = nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype, name="norm")(x)
-    if self.kind == "msa" and self.window_size:
+    if self.kind == "msa":
+      y = self._attention(y, train)
+    else:
+      y = nn.gelu(nn.Dense(self.mlp_dim, kernel_init=dense_init, dtype=self.dtype, name="fc1")(y),
+                  approximate=False)
+      y = self._dropout(y, train)
+      y = nn.Dense(x.shape[-1], kernel_init=dense_init, dtype=self.dtype, name="fc2")(y)
+      y = self._dropout(y, train)
+    return x + drop_path(y, self.drop_path_rate, train, keep)
+
+  def _dropout(self, y, train: bool):
+    return y
+
+
+class TransformerUnit(PreNormUnit):
+  """:class:`PreNormUnit` on tokens [B, N, D] with train-only dropout (MSA and MLP outputs).
+
+  Windowed / convolutional attention treats the N tokens as a ``grid`` (h, w); neither: global.
+  """
+  dropout_rate: float = 0.0
+  window_size: Optional[int] = None
+  kernel_size: Optional[int] = None
+  grid: Optional[tuple] = None
+  qkv_bias: bool = False
+
+  def _dropout(self, y, train: bool):
+    return nn.Dropout(self.dropout_rate, deterministic=not train)(y)
+
+  def _attention(self, y, train: bool):
+    if self.window_size:
       b, _, d = y.shape
       y = WindowAttention(self.window_size,
                           self.num_heads,
@@ -66,23 +89,15 @@ class TransformerUnit(nn.Module):
                           dropout_rate=self.dropout_rate,
                           dtype=self.dtype,
                           name="attention")(y.reshape(b, *self.grid, d), train)
-      y = y.reshape(b, -1, d)
-    elif self.kind == "msa":
-      bias = jnp.asarray(neighbourhood_mask(*self.grid,
-                                            self.kernel_size)) if self.kernel_size else None
-      y = MultiHeadAttention(self.num_heads,
-                             self.head_dim,
-                             dropout_rate=self.dropout_rate,
-                             dtype=self.dtype,
-                             qkv_bias=self.qkv_bias,
-                             name="attention")(y, bias, train)
-    else:
-      y = nn.gelu(nn.Dense(self.mlp_dim, kernel_init=dense_init, dtype=self.dtype, name="fc1")(y),
-                  approximate=False)
-      y = nn.Dropout(self.dropout_rate, deterministic=not train)(y)
-      y = nn.Dense(x.shape[-1], kernel_init=dense_init, dtype=self.dtype, name="fc2")(y)
-      y = nn.Dropout(self.dropout_rate, deterministic=not train)(y)
-    return x + drop_path(y, self.drop_path_rate, train, keep)
+      return y.reshape(b, -1, d)
+    bias = jnp.asarray(neighbourhood_mask(*self.grid,
+                                          self.kernel_size)) if self.kernel_size else None
+    return MultiHeadAttention(self.num_heads,
+                              self.head_dim,
+                              dropout_rate=self.dropout_rate,
+                              dtype=self.dtype,
+                              qkv_bias=self.qkv_bias,
+                              name="attention")(y, bias, train)
 
 
 class ViT(nn.Module):
@@ -176,14 +191,14 @@ class ViT(nn.Module):
                                self.num_heads,
                                self.head_dim,
                                self.mlp_dim,
-                               self.dropout_rate_train,
-                               rate,
-                               self.window_size,
-                               self.kernel_size,
-                               grid,
-                               self.dtype,
-                               self.qkv_bias,
-                               self.layer_norm_epsilon,
+                               drop_path_rate=rate,
+                               dtype=self.dtype,
+                               layer_norm_epsilon=self.layer_norm_epsilon,
+                               dropout_rate=self.dropout_rate_train,
+                               window_size=self.window_size,
+                               kernel_size=self.kernel_size,
+                               grid=grid,
+                               qkv_bias=self.qkv_bias,
                                name=name)(tokens, train,
                                           None if block_mask is None else block_mask[i])
 
