@@ -1,7 +1,7 @@
 """The CamVid segmentation recipe of the paper (Appendix A.2) for the U-Nets.
 
-Arguments (``:<args>``, parsed by ``smoothing_jax.config_base.parse_config_arg``): ``model``
-(default ``unet_mcdo_smoothing``), ``dataset`` (default ``camvid``; or ``npz:<dir>``),
+Arguments (``:<args>``, parsed by ``smoothing_jax.experiment.config_base.parse_config_arg``):
+``model`` (default ``unet_mcdo_smoothing``), ``dataset`` (default ``camvid``; or ``npz:<dir>``),
 positionally or as ``name=value``; flag ``runlocal``: a CPU smoke run.
 
   --config=configs/camvid_unet.py                                  # unet_mcdo_smoothing on camvid
@@ -20,7 +20,8 @@ Evaluate temporal smoothing with ``--mode=streams``.  The global batch of 3 need
 1 or 3 devices (``--config.num_devices=1``), or a batch size the devices divide.
 """
 
-from smoothing_jax.config_base import base_config, finalize, parse_config_arg, shrink_for_cpu
+from smoothing_jax.experiment.config_base import (base_config, finalize, parse_config_arg,
+                                                  shrink_for_cpu)
 
 ARGS = {"model": "unet_mcdo_smoothing", "dataset": "camvid"}  # positional, with defaults
 

@@ -1,8 +1,8 @@
 """The iBNN paper's comparison on CIFAR (Trinh et al., Table 2, Algorithm 1, Figs. 5–7): a DNN,
 MC dropout, BNN-VI and iBNN with K components, VGG-16 or WRN-28-10, under one protocol.
 
-Arguments (``:<args>``, parsed by ``smoothing_jax.config_base.parse_config_arg``): ``model``
-(default ``vgg_ibnn_16``; any of ``METHODS``' models), ``dataset`` (default ``cifar10``;
+Arguments (``:<args>``, parsed by ``smoothing_jax.experiment.config_base.parse_config_arg``):
+``model`` (default ``vgg_ibnn_16``; any of ``METHODS``' models), ``dataset`` (default ``cifar10``;
 ``cifar100``, or ``npz:<dir>`` with the CIFAR-10 setting), ``num_components`` K of an iBNN
 (default ``4``), positionally or as ``name=value``; flag ``runlocal``: a CPU smoke run.
 
@@ -43,7 +43,8 @@ Start an iBNN from a deterministic run of the same architecture with
 ``--config.ibnn.pretrained_workdir=<dir>`` (add ``--config.ibnn.freeze_deterministic`` to train
 only the posterior): the ``vgg_dnn_16`` / ``wideresnet_dnn_28_10`` runs of this config.
 """
-from smoothing_jax.config_base import base_config, finalize, parse_config_arg, shrink_for_cpu
+from smoothing_jax.experiment.config_base import (base_config, finalize, parse_config_arg,
+                                                  shrink_for_cpu)
 
 ARGS = {"model": "vgg_ibnn_16", "dataset": "cifar10",  # positional, with defaults
         "num_components": 4}

@@ -1,7 +1,7 @@
 """CIFAR recipe of the paper (Appendix A) for any registered CNN.
 
-Arguments (``:<args>``, parsed by ``smoothing_jax.config_base.parse_config_arg``): ``model``
-(default ``resnet_mcdo_smoothing_18``), ``dataset`` (default ``cifar10``; TFDS name or
+Arguments (``:<args>``, parsed by ``smoothing_jax.experiment.config_base.parse_config_arg``):
+``model`` (default ``resnet_mcdo_smoothing_18``), ``dataset`` (default ``cifar10``; TFDS name or
 ``npz:<dir>``), positionally or as ``name=value``; flag ``runlocal``: a CPU smoke run; flag
 ``uncertainty``: after training also OOD detection (CIFAR-10: SVHN and CIFAR-100, CIFAR-100:
 SVHN and CIFAR-10), temperature scaling on 10% of the training set held out, and selective
@@ -25,8 +25,8 @@ with 1 warm-up epoch, lr × 0.2 at epochs 100/200/225, Keras L2 3e-4 on all but 
 (weight decay 6e-4 here: L2 λ·‖w‖² is decay 2λ), the fast weights and member biases at half the
 rate, fast weights initialised N(1, 0.5²) (``random_sign_init`` −0.5).
 """
-from smoothing_jax.config_base import (base_config, finalize, parse_config_arg, shrink_for_cpu,
-                                       with_uncertainty_evals)
+from smoothing_jax.experiment.config_base import (base_config, finalize, parse_config_arg,
+                                                  shrink_for_cpu, with_uncertainty_evals)
 
 ARGS = {"model": "resnet_mcdo_smoothing_18", "dataset": "cifar10"}  # positional, with defaults
 

@@ -1,7 +1,7 @@
 """The HV training recipe for ViTs (and, in the paper, the CNNs compared with them) on CIFAR.
 
-Arguments (``:<args>``, parsed by ``smoothing_jax.config_base.parse_config_arg``): ``model``
-(default ``vit_ti``), ``dataset`` (default ``cifar100``; TFDS name or ``npz:<dir>``),
+Arguments (``:<args>``, parsed by ``smoothing_jax.experiment.config_base.parse_config_arg``):
+``model`` (default ``vit_ti``), ``dataset`` (default ``cifar100``; TFDS name or ``npz:<dir>``),
 positionally or as ``name=value``; flag ``runlocal``: a CPU smoke run.
 
   --config=configs/cifar_vit.py                          # vit_ti on cifar100
@@ -19,7 +19,8 @@ dropout (HV; ``--config.model_kwargs.dropout_rate_train`` and ``.embedding_dropo
 set it), AlterNets window 4.
 """
 
-from smoothing_jax.config_base import base_config, finalize, parse_config_arg, shrink_for_cpu
+from smoothing_jax.experiment.config_base import (base_config, finalize, parse_config_arg,
+                                                  shrink_for_cpu)
 
 ARGS = {"model": "vit_ti", "dataset": "cifar100"}  # positional, with defaults
 

@@ -7,10 +7,10 @@ CIFAR-10 with ``--config.dataset=cifar10`` (TFDS) or ``--config.dataset=npz:<dir
 The CIFAR CNN recipe, shortened: SGD (momentum 0.9, no Nesterov), lr 0.1 at batch 128 (scaled
 linearly to batch 64), weight decay 5e-4, 12 epochs after 1 warm-up epoch, lr × 0.2 at epochs 6/9.
 
-Arguments (``:<args>``, parsed by ``smoothing_jax.config_base.parse_config_arg``): no positional
-ones; flag ``runlocal``: a 10-step smoke run of a narrower model.
+Arguments (``:<args>``, parsed by ``smoothing_jax.experiment.config_base.parse_config_arg``): no
+positional ones; flag ``runlocal``: a 10-step smoke run of a narrower model.
 """
-from smoothing_jax.config_base import base_config, finalize, parse_config_arg
+from smoothing_jax.experiment.config_base import base_config, finalize, parse_config_arg
 
 ARGS = {}  # no positional arguments
 

@@ -34,12 +34,12 @@ import numpy as np
 from bench_train import recipe_config, train_loop_images_per_s, use_persistent_compilation_cache
 from timing import median_seconds
 
-from smoothing_jax import ensemble
-from smoothing_jax.losses import supervised_loss
+from smoothing_jax.training import ensemble
+from smoothing_jax.training.losses import supervised_loss
 from smoothing_jax.models import get_model
-from smoothing_jax.optim import create_learning_rate_schedule
+from smoothing_jax.training.optim import create_learning_rate_schedule
 from smoothing_jax.parallel import create_mesh, shard_batch, shardings
-from smoothing_jax.steps import create_train_state, train_step
+from smoothing_jax.training.steps import create_train_state, train_step
 
 MODEL = "resnet_dnn_18"
 RECIPE = ("cifar_resnet", "resnet_dnn_18,cifar10")

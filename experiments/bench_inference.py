@@ -21,7 +21,7 @@ import jax
 
 from timing import median_seconds
 
-from smoothing_jax.ibnn import ibnn_predict
+from smoothing_jax.methods.ibnn import ibnn_predict
 from smoothing_jax.inference import mc_predict, sample_rngs
 from smoothing_jax.models import get_model
 

@@ -43,11 +43,11 @@ import time
 import jax
 import numpy as np
 
-from smoothing_jax import config as config_lib
-from smoothing_jax import train
-from smoothing_jax.losses import make_loss
-from smoothing_jax.optim import create_learning_rate_schedule
-from smoothing_jax.steps import compile_steps, create_train_state
+from smoothing_jax.experiment import config as config_lib
+from smoothing_jax.training import train
+from smoothing_jax.training.losses import make_loss
+from smoothing_jax.training.optim import create_learning_rate_schedule
+from smoothing_jax.training.steps import compile_steps, create_train_state
 from smoothing_jax.parallel import create_mesh, shard_batch, shardings
 from smoothing_jax.data import create_pipeline
 from smoothing_jax.models import get_model

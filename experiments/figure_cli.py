@@ -14,7 +14,7 @@ import os
 import numpy as np
 from etils import epath
 
-from smoothing_jax import workdir as workdir_lib
+from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.analysis import trained
 
 
@@ -63,7 +63,8 @@ def sizes_with_overrides(parser, args, sizes: dict) -> dict:
 
 
 def load_workdirs(specs) -> dict:
-  """``{label: TrainedModel}`` from ``LABEL=DIR`` (or ``DIR``, labelled by its name), in order."""
+  """``{label: Run}`` (``trained.load_trained``) from ``LABEL=DIR`` (or ``DIR``, labelled by its
+  name), in order."""
   pairs = [w.split("=", 1) if "=" in w else (os.path.basename(w.rstrip("/")), w) for w in specs]
   return {label: trained.load_trained(path) for label, path in pairs}
 

@@ -38,8 +38,8 @@ from smoothing_jax.analysis.features import block_kinds  # noqa: E402
 from smoothing_jax.analysis.lesion import lesion_table  # noqa: E402
 from smoothing_jax.analysis.similarity import stage_block_structure  # noqa: E402
 from smoothing_jax.analysis.spectrum import spectrum_caption  # noqa: E402
-from smoothing_jax.workdir import workdir_path, write_atomically  # noqa: E402
-from smoothing_jax.trajectory import TRAJECTORY_FILE  # noqa: E402
+from smoothing_jax.experiment.workdir import workdir_path, write_atomically  # noqa: E402
+from smoothing_jax.training.trajectory_recorder import TRAJECTORY_FILE  # noqa: E402
 from smoothing_jax.plots import (plot_by_depth, plot_delta_log_amplitude, plot_lesion,  # noqa: E402
                                  plot_similarity, plot_spectra, plot_trajectories)
 

@@ -23,7 +23,7 @@ from figure_cli import (figure_parser, load_workdirs, output_dir, save_figure,  
 
 from smoothing_jax.analysis import trained  # noqa: E402
 from smoothing_jax.plots import plot_stream_table  # noqa: E402
-from smoothing_jax.workdir import write_atomically  # noqa: E402
+from smoothing_jax.experiment.workdir import write_atomically  # noqa: E402
 
 SIZES = {"num_images": 1000, "length": 6, "max_shift": 3, "num_samples": 10}
 COLUMNS = (("nll", "NLL", 1, ".4f"), ("acc", "Acc (%)", 100, ".2f"), ("ece", "ECE (%)", 100, ".2f"),

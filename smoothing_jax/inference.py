@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from smoothing_jax.models.common import check_images
+from smoothing_jax.models.cnn import check_images
 
 
 class Prediction(NamedTuple):

@@ -24,14 +24,14 @@ import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from smoothing_jax import config as config_lib  # noqa: E402
+from smoothing_jax.experiment import config as config_lib  # noqa: E402
 from smoothing_jax import evaluators  # noqa: E402
-from smoothing_jax import workdir as workdir_lib  # noqa: E402
+from smoothing_jax.experiment import workdir as workdir_lib  # noqa: E402
 from smoothing_jax.data import DatasetUnavailableError  # noqa: E402
-from smoothing_jax.run import Run  # noqa: E402
-from smoothing_jax.train import train  # noqa: E402
-from smoothing_jax.workdir_lock import lock_workdir  # noqa: E402
-from smoothing_jax.writers import show_only_our_info_lines  # noqa: E402
+from smoothing_jax.experiment.run import Run  # noqa: E402
+from smoothing_jax.training.train import train  # noqa: E402
+from smoothing_jax.experiment.workdir_lock import lock_workdir  # noqa: E402
+from smoothing_jax.training.writers import show_only_our_info_lines  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config",

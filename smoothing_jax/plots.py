@@ -2,11 +2,11 @@
 ``Figure`` (save it with ``fig.savefig("name.png")``).
 
 The inputs are plain results: an :class:`~smoothing_jax.metrics.UncertaintyMetrics` accumulator,
-the rows of :mod:`smoothing_jax.evaluate`, iBNN OOD curves, or what the ``*_study`` functions of
-:mod:`smoothing_jax.analysis.trained` (and the analysis modules under them) return.
+the evaluators' rows (:mod:`smoothing_jax.evaluators`), iBNN OOD curves, or what the ``*_study``
+functions of :mod:`smoothing_jax.analysis.trained` (and the analysis modules under them) return.
 
 matplotlib is imported when a figure is drawn, not when this module is imported, so importing
-:mod:`smoothing_jax.evaluate` does not need it; choose a backend (``matplotlib.use("Agg")``)
+:mod:`smoothing_jax.evaluators` does not need it; choose a backend (``matplotlib.use("Agg")``)
 before the first figure where there is no display.
 """
 from __future__ import annotations

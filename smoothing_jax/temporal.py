@@ -34,7 +34,7 @@ import numpy as np
 from smoothing_jax.inference import batch_ensemble_predict, check_rng, log_probs, mc_predict
 from smoothing_jax.metrics import TemporalConsistency, UncertaintyMetrics, label_mask
 from smoothing_jax.models import is_batch_ensemble, is_stochastic
-from smoothing_jax.models.common import check_images
+from smoothing_jax.models.cnn import check_images
 
 NUM_FRAMES = 5      # L: predictions kept (the current one included)
 DECAY_RATE = 0.8    # λ: importance e^{-λ t} of the frame t steps back
@@ -173,7 +173,7 @@ def stream_predictions(model,
   forward pass per frame: the deterministic net, one MC dropout or BNN-VI sample, or a
   BatchEnsemble's members' mean),
   ``"mc"`` (mean of ``num_samples`` MC dropout passes; dropout models only — iBNN
-  ensembles are ``smoothing_jax.ibnn.ibnn_predict``)
+  ensembles are ``smoothing_jax.methods.ibnn.ibnn_predict``)
   and ``"temporal"`` (VQ-BNN: one pass per frame, smoothed over the last
   ``num_frames`` frames with π_t ∝ exp(−λ t); the clip must hold ≥ num_frames + 1
   frames for both outputs to be fully smoothed).

@@ -58,7 +58,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 import pytest  # noqa: E402
 
 from smoothing_jax.models import get_model  # noqa: E402
-from smoothing_jax.workdir import write_json  # noqa: E402
+from smoothing_jax.experiment.workdir import write_json  # noqa: E402
 from tests.helpers import (MICRO_VIT, TINY_UNET, init_variables, max_memory_maps,  # noqa: E402
                            memory_maps, model_options, override, release_compiled_executables)
 
@@ -179,9 +179,9 @@ def _initialised_workdir(config, workdir, **model_kwargs) -> str:
   """What ``train.train_and_evaluate(config, workdir)`` leaves at step 0 (``model_kwargs``
   overriding the model's options): ``config.json`` with the model spec, and an orbax checkpoint
   of the initial train state.  No train or eval step is compiled."""
-  from smoothing_jax.optim import create_learning_rate_schedule
-  from smoothing_jax.run import Run
-  from smoothing_jax.steps import create_train_state
+  from smoothing_jax.training.optim import create_learning_rate_schedule
+  from smoothing_jax.experiment.run import Run
+  from smoothing_jax.training.steps import create_train_state
   override(config, **model_options(**model_kwargs))
   with Run.from_config(config, str(workdir)) as run:
     schedule = create_learning_rate_schedule(config, run.pipeline.steps_per_epoch)
@@ -195,7 +195,7 @@ def _initialised_workdir(config, workdir, **model_kwargs) -> str:
 def _train_briefly(config, workdir, **model_kwargs) -> str:
   """Train ``config`` (with ``model_kwargs`` overrides) for 4 steps of batch 16 on one device into
   ``workdir``."""
-  from smoothing_jax import train
+  from smoothing_jax.training import train
   override(config, **model_options(**model_kwargs), batch_size=16, num_train_steps=4,
            checkpoint_every_steps=4, num_devices=1)
   train.train_and_evaluate(config, str(workdir))
@@ -229,8 +229,8 @@ def mock_cifar10_workdir(tmp_path_factory):
 def small_npz_run(tmp_path_factory):
   """``(data_dir, workdir, final variables)`` of ``small_npz_config``: 4 steps on 8 devices
   (checkpoints 2 and 4), made once per test run.  Tests copy the workdir before changing it."""
-  from smoothing_jax import train
-  from smoothing_jax.checkpoints import load_variables
+  from smoothing_jax.training import train
+  from smoothing_jax.experiment.checkpoints import load_variables
   from smoothing_jax.parallel import create_mesh
   from tests.helpers import small_npz, small_npz_config
 

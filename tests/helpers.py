@@ -260,7 +260,7 @@ def initialised_run(root, **overrides):
   """A ``Run`` of :func:`small_npz_config` (``overrides`` applied) on a fresh :func:`small_npz` in
   ``root``, with initial variables and no training: what the evaluators' tests evaluate."""
   from smoothing_jax.parallel import shardings
-  from smoothing_jax.run import Run
+  from smoothing_jax.experiment.run import Run
   os.makedirs(os.path.join(root, "data"), exist_ok=True)
   data = small_npz(os.path.join(root, "data"))
   run = Run.from_config(small_npz_config(data, **overrides), os.path.join(root, "run"))
@@ -280,9 +280,11 @@ def train_resume_and_evaluate(config, root, evals=ALL_CLASSIFIER_EVALS) -> dict:
   ends with the same variables.  Returns ``{evaluator: result}``."""
   import shutil
   import tensorflow_datasets as tfds
-  from smoothing_jax import main, train
+  from smoothing_jax import main
+  from smoothing_jax.training import train
+  from smoothing_jax.training.steps import variables_of
   from smoothing_jax.evaluators import corruptions
-  from smoothing_jax.run import Run
+  from smoothing_jax.experiment.run import Run
   config = override(config, evals=evals, ood_datasets=("cifar100",))
   with tfds.testing.mock_data(num_examples=16):
     results = main.run(config, str(root / "run"))
@@ -294,7 +296,7 @@ def train_resume_and_evaluate(config, root, evals=ALL_CLASSIFIER_EVALS) -> dict:
     with absl_info_lines() as lines:
       resumed = train.train_and_evaluate(config, str(root / "resumed"))
     assert any(line.startswith("Resumed from step 2 ") for line in lines), lines
-  a, b = flat_variables(train.variables_of(resumed)), flat_variables(run.variables)
+  a, b = flat_variables(variables_of(resumed)), flat_variables(run.variables)
   assert a.keys() == b.keys()
   for key in a:
     np.testing.assert_array_equal(a[key], b[key], err_msg=key)
@@ -318,3 +320,12 @@ def absl_info_lines():
   finally:
     logger.removeHandler(handler)
     logger.setLevel(level)
+
+
+def evaluate_workdir(name: str, workdir, output_dir, config=None, **options):
+  """The result of evaluator ``name`` with ``options`` on ``workdir`` (``Run.for_evaluation``;
+  ``config``: the evaluation config), as ``--mode=<name>`` runs it."""
+  from smoothing_jax import evaluators
+  from smoothing_jax.experiment.run import Run
+  with Run.for_evaluation(str(workdir), config) as run:
+    return evaluators.run_evaluator(name, run, output_dir, options)[0]

@@ -110,8 +110,8 @@ def test_two_processes_stop_together_and_match_one_process(tmp_path):
   import time
   import jax
   from configs import quickstart
-  from smoothing_jax import train
-  from smoothing_jax.checkpoints import load_variables
+  from smoothing_jax.training import train
+  from smoothing_jax.experiment.checkpoints import load_variables
   from smoothing_jax.parallel import create_mesh
   from tests.helpers import override
   with socket.socket() as s:

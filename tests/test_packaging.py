@@ -77,7 +77,7 @@ def test_source_lines_are_at_most_100_columns():
 
 # What a machine without TensorFlow (the accelerator images) runs: training, evaluation, the
 # analyses and every experiment script.  TensorFlow stays where data streams from disk.
-TENSORFLOW_FREE = ("smoothing_jax.train", "smoothing_jax.main", "smoothing_jax.evaluate",
+TENSORFLOW_FREE = ("smoothing_jax.training.train", "smoothing_jax.main", "smoothing_jax.evaluators",
                    "smoothing_jax.analysis.trained", "smoothing_jax.data.resident")
 
 
@@ -137,7 +137,7 @@ def test_layers_point_down(tmp_path):
     f.write("\n\ndef _upward():\n  from smoothing_jax import train  # noqa: F401\n")
   result = _lint_imports(tmp_path)
   assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout[-3000:]
-  assert "smoothing_jax.models.vgg -> smoothing_jax.train" in result.stdout
+  assert "smoothing_jax.models.vgg -> smoothing_jax.training.train" in result.stdout
 
 
 def _cycles(graph, package: str) -> list:

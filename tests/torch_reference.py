@@ -4,7 +4,8 @@ Module attribute names and ``Sequential`` layouts follow the reference
 repositories (``xxxnell/spatial-smoothing``, ``trungtrinh44/ibnn``) so that its
 ``state_dict`` keys are the reference's.  Written from the reference's documented
 semantics; only the deterministic paths are needed.  Used by the parity tests
-(``tests/test_convert.py``, ``tests/test_transformers.py``, ``tests/test_init_from.py``) and by
+(``tests/convert/test_convert_reference.py``, ``tests/models/test_transformers.py``,
+``tests/experiment/test_init_from.py``) and by
 ``experiments/bench_hessian.py`` and ``experiments/bench_accelerator.py``; not part of the
 installed package.
 

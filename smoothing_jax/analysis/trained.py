@@ -33,8 +33,9 @@ import ml_collections
 import numpy as np
 from jax.tree_util import Partial
 
-from smoothing_jax import checkpoints, temporal
-from smoothing_jax import config as config_lib
+from smoothing_jax.experiment import checkpoints
+from smoothing_jax import temporal
+from smoothing_jax.experiment import config as config_lib
 from smoothing_jax.analysis.features import feature_variance, fourier_by_depth
 from smoothing_jax.analysis.frequency_noise import accuracy_vs_frequency
 from smoothing_jax.analysis.landscape import loss_surface, random_direction
@@ -44,15 +45,11 @@ from smoothing_jax.analysis.robustness import ensemble_nll, fgsm, pgd
 from smoothing_jax.analysis.similarity import cross_model_similarity, feature_similarity
 from smoothing_jax.analysis.spectrum import max_eigenvalue_spectrum, training_loss
 from smoothing_jax.analysis.trajectory import polar_trajectory
-from smoothing_jax.evaluators import temporal as temporal_evaluator
-from smoothing_jax.run import Run
+from smoothing_jax.evaluators import temporal_smoothing as temporal_evaluator
+from smoothing_jax.experiment.run import Run
 from smoothing_jax.temporal import translate_sequences
-from smoothing_jax.train import train
-from smoothing_jax.trajectory import load_trajectory
-
-# A trained model, as the analyses use it: a ``Run`` with its variables.
-TrainedModel = Run
-
+from smoothing_jax.training.train import train
+from smoothing_jax.training.trajectory_recorder import load_trajectory
 
 def load_trained(workdir: str, member: Optional[int] = None) -> Run:
   """The run of ``workdir`` with the variables of its latest intact checkpoint
@@ -83,7 +80,8 @@ def load_or_train(workdir: str,
   A workdir with a checkpoint (or recording an ``init_from``) is loaded as it is: its
   ``config.json`` rules, and ``config`` and ``overrides`` are not used (rerun the training
   command to resume an interrupted run).  Otherwise ``config`` — a ConfigDict or
-  ``"<file>.py[:<args>]"`` — with ``overrides`` (``smoothing_jax.config.load``) is trained into
+  ``"<file>.py[:<args>]"`` — with ``overrides`` (``smoothing_jax.experiment.config.load``) is
+  trained into
   ``workdir`` (``train.train``) and that same run is returned; with ``init_from`` set (a workdir,
   an SS or HV torch checkpoint) and ``num_train_steps`` 0 nothing is trained: the workdir records
   the config and stands for the checkpoint's variables, as ``--mode=evaluate``.

@@ -1,5 +1,6 @@
 """Learning trajectories in polar coordinates (HV Fig. 1b: "ViT converges to the optimum along a
-smooth trajectory"), from the record training keeps (``smoothing_jax.trajectory``).
+smooth trajectory"), from the record training keeps
+(``smoothing_jax.training.trajectory_recorder``).
 
 **Estimator.**  For snapshots s, t, ‖y_s − y_t‖² = ‖G(θ_s − θ_t)‖² / D is an unbiased estimate
 of ‖θ_s − θ_t‖², distributed as ‖θ_s − θ_t‖² · χ²_D / D (Johnson–Lindenstrauss): relative
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from smoothing_jax.trajectory import Trajectory
+from smoothing_jax.training.trajectory_recorder import Trajectory
 
 
 def polar_coordinates(points) -> dict:

@@ -146,7 +146,7 @@ def apply_op(index, image, magnitude, sign):
 
   The TF module's operations and arguments in float32, as there; but XLA fuses multiply-adds and
   the arguments round once (below), so the blends and warps may differ from it by 1 grey level
-  where float32 rounding decides (≤ 0.4% of pixels in ``tests/test_device_randaugment.py``).
+  where float32 rounding decides (≤ 0.4% of pixels in ``tests/data/test_device_randaugment.py``).
   """
   m = jnp.asarray(magnitude, jnp.float32)
   sign = jnp.asarray(sign, jnp.float32)

@@ -4,8 +4,8 @@
 trained workdir.  Each evaluator is one module here with
 
 * ``evaluate(run, output_dir, **options) -> result``: computes on the ``run``
-  (``smoothing_jax.run.Run``) through the shared sharded step (``parallel.sharded_eval_step``)
-  and writes its table (JSON + CSV) and figure into ``output_dir``;
+  (``smoothing_jax.experiment.run.Run``) through the shared sharded step
+  (``parallel.sharded_eval_step``) and writes its table (JSON + CSV) and figure into ``output_dir``;
 * ``summary(result, output_dir) -> str``: the lines the command line prints.
 
 A new evaluator is one file plus one line in ``REGISTRY``.  ``options`` come from the command
@@ -24,7 +24,7 @@ REGISTRY = {  # name → module
     "ensemble_sizes": "smoothing_jax.evaluators.ensemble_sizes",
     "corruptions": "smoothing_jax.evaluators.corruptions",
     "streams": "smoothing_jax.evaluators.streams",
-    "temporal": "smoothing_jax.evaluators.temporal",
+    "temporal": "smoothing_jax.evaluators.temporal_smoothing",
     "ood": "smoothing_jax.evaluators.ood",
     "calibration": "smoothing_jax.evaluators.calibration",
     "selective": "smoothing_jax.evaluators.selective",

@@ -1,4 +1,4 @@
-"""``calibration``: temperature scaling (``smoothing_jax.calibration``) fitted for each ensemble
+"""``calibration``: temperature scaling (``smoothing_jax.recalibration``) fitted for each ensemble
 size N and each placement of the temperature (``"members"``: each sample tempered, then averaged;
 ``"ensemble"``: the average tempered, Ashukha et al. 2020) on the held-out part of the training
 set (``config.holdout_fraction``, seeded by ``config.seed``, never trained on), and the test NLL,
@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from smoothing_jax import calibration
+from smoothing_jax import recalibration
 from smoothing_jax.evaluators.common import (gather, predictive, sample_log_probs_step,
                                              write_results)
 from smoothing_jax.metrics import UncertaintyMetrics
@@ -24,7 +24,7 @@ from smoothing_jax.plots import plot_reliability_diagram
 
 def _metrics(sample_log_probs, labels, temperature: float, num_bins: int,
              placement: str = "members") -> UncertaintyMetrics:
-  probs = np.exp(calibration.tempered_log_mean_probs(sample_log_probs, temperature, placement))
+  probs = np.exp(recalibration.tempered_log_mean_probs(sample_log_probs, temperature, placement))
   return UncertaintyMetrics.from_model_output(jnp.asarray(probs, jnp.float32), jnp.asarray(labels),
                                               num_bins=num_bins)
 
@@ -48,8 +48,8 @@ def evaluate(run, output_dir, *, members: Sequence[str] = (),
     before = _metrics(test_log_probs[:n], test["label"], 1.0, config.ece_bins)
     b = before.compute()
     diagrams = {"before": (before, b["ece"], 1.0)}
-    for placement in calibration.PLACEMENTS:
-      temperature = calibration.fit_temperature(held_log_probs[:n], held["label"],
+    for placement in recalibration.PLACEMENTS:
+      temperature = recalibration.fit_temperature(held_log_probs[:n], held["label"],
                                                 placement=placement)
       after = _metrics(test_log_probs[:n], test["label"], temperature, config.ece_bins,
                        placement)

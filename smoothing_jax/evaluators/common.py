@@ -12,9 +12,9 @@ import jax.numpy as jnp
 from etils import epath
 
 from smoothing_jax import plots, ranking, temporal
-from smoothing_jax import workdir as workdir_lib
-from smoothing_jax.checkpoints import load_variables
-from smoothing_jax.ibnn import ibnn_predict
+from smoothing_jax.experiment import workdir as workdir_lib
+from smoothing_jax.experiment.checkpoints import load_variables
+from smoothing_jax.methods.ibnn import ibnn_predict
 from smoothing_jax.inference import (batch_ensemble_predict, ensemble_predict, mc_predict,
                                      stack_variables)
 from smoothing_jax.metrics import UncertaintyMetrics

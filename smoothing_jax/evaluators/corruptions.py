@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from smoothing_jax import workdir as workdir_lib
+from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.data import CORRUPTIONS, corruption_dataset
 from smoothing_jax.evaluators.common import ensemble_metrics_step, predictive, write_table
 from smoothing_jax.parallel import evaluate_batches, sharded_eval_step, shardings

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from smoothing_jax import temporal
-from smoothing_jax import workdir as workdir_lib
+from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.evaluators.common import (check_single_model, save_figure, stream_metrics_step,
                                              stream_rows, stream_table, write_table)
 from smoothing_jax.metrics import class_iou

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-from smoothing_jax.models.common import (CNN, GAPHead, MLPHead, adaptive_avg_pool, check_images,
+from smoothing_jax.models.cnn import (CNN, GAPHead, MLPHead, adaptive_avg_pool, check_images,
                                          conv, max_pool)
 
 

@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from smoothing_jax.layers.attention import WindowAttention
-from smoothing_jax.models.common import (STEMS, GAPHead, batch_norm, check_images, conv, drop_path,
+from smoothing_jax.models.cnn import (STEMS, GAPHead, batch_norm, check_images, conv, drop_path,
                                          max_pool)
 from smoothing_jax.models.resnet import EXPANSION, PreActBlock
 

@@ -45,7 +45,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from smoothing_jax.layers.attention import dense_init
-from smoothing_jax.models.common import STEMS, check_images, staged_taps, staged_units
+from smoothing_jax.models.cnn import STEMS, check_images, staged_taps, staged_units
 from smoothing_jax.models.vit import TransformerUnit
 
 PATCH_SIZES = {"cifar": 2, "imagenet": 16}

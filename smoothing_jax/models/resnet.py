@@ -19,7 +19,7 @@ from typing import Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
-from smoothing_jax.models.common import (CNN, GAPHead, MLPHead, adaptive_avg_pool, batch_norm,
+from smoothing_jax.models.cnn import (CNN, GAPHead, MLPHead, adaptive_avg_pool, batch_norm,
                                          check_images, drop_path, max_pool)
 
 EXPANSION = {"basic": 1, "bottleneck": 4}

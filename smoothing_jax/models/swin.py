@@ -50,7 +50,7 @@ import numpy as np
 from smoothing_jax.layers.attention import (MultiHeadAttention, dense_init,
                                             relative_position_index, window_merge,
                                             window_partition)
-from smoothing_jax.models.common import STEMS, check_images, conv, staged_taps, staged_units
+from smoothing_jax.models.cnn import STEMS, check_images, conv, staged_taps, staged_units
 from smoothing_jax.models.vit import PreNormUnit
 
 PATCH_SIZES = {"cifar": 1, "imagenet": 4}

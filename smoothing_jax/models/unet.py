@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-from smoothing_jax.models.common import CNN, check_images
+from smoothing_jax.models.cnn import CNN, check_images
 
 
 class UNet(CNN):

@@ -21,7 +21,7 @@ import flax.linen as nn
 
 from smoothing_jax.layers import MCDropout
 
-from smoothing_jax.models.common import (CLASSIFIERS, CNN, WEIGHTS, GAPHead, MLPHead,
+from smoothing_jax.models.cnn import (CLASSIFIERS, CNN, WEIGHTS, GAPHead, MLPHead,
                                          adaptive_avg_pool, check_images, max_pool)
 
 VGG_STAGES = {11: (1, 1, 2, 2, 2), 13: (2, 2, 2, 2, 2), 16: (2, 2, 3, 3, 3), 19: (2, 2, 4, 4, 4)}

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from smoothing_jax.layers.attention import (MultiHeadAttention, WindowAttention, dense_init,
                                             neighbourhood_mask)
-from smoothing_jax.models.common import STEMS, check_images, drop_path
+from smoothing_jax.models.cnn import STEMS, check_images, drop_path
 
 PATCH_SIZES = {"cifar": 2, "imagenet": 16}
 CLASSIFIERS = ("token", "gap")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from smoothing_jax.models.common import CNN, WEIGHTS, check_images
+from smoothing_jax.models.cnn import CNN, WEIGHTS, check_images
 
 
 class WideBasic(CNN):

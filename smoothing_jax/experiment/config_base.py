@@ -1,0 +1,275 @@
+"""Config keys shared by every experiment config: infrastructure defaults, and the recipe keys
+that each recipe in ``configs/`` sets (``check_recipe`` names any it left unset)."""
+import difflib
+import types
+from typing import Any, Mapping, NoReturn, Sequence
+
+import ml_collections
+from ml_collections.config_dict import placeholder
+
+from smoothing_jax.models import model_options
+
+# Recipe keys: None in ``base_config()``; each recipe sets those its optimiser and schedule read.
+RECIPE_KEYS = ("model", "dataset", "optimizer", "batch_size", "base_batch_size", "learning_rate",
+               "weight_decay", "num_epochs", "warmup_epochs", "lr_schedule")
+# Recipe keys read only with one choice of ``(key, value)``.
+RECIPE_KEYS_OF = {
+    ("optimizer", "sgd"): ("momentum", "nesterov"),
+    ("lr_schedule", "multistep"): ("lr_milestones", "lr_decay"),
+    ("lr_schedule", "flat_linear"): ("lr_final_ratio",),
+}
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every key a config has, with recipe-neutral defaults; not a runnable config by itself.
+
+  Infrastructure keys (model options, dataset handling, seed, devices, logging, evaluation,
+  checkpoints) hold neutral defaults, and every optional feature (class balancing, gradient
+  clipping, label smoothing, Mixup/CutMix, RandAugment) is off; ``init_from`` ("": off) names a
+  workdir or torch checkpoint file whose variables training fine-tunes and an evaluation without
+  checkpoints uses; the iBNN block holds the method's defaults, read only by models with node
+  noise.  The recipe keys (``RECIPE_KEYS`` and
+  ``RECIPE_KEYS_OF``: model name, dataset, optimiser and learning-rate schedule) are None here:
+  a recipe's ``get_config()`` sets them and ends with ``finalize`` (``check_recipe``, then lock).
+  """
+  config = ml_collections.ConfigDict()
+  # Model: a registry name (set by the recipe) plus module options; None means the family's
+  # default (stem defaults to the dataset's geometry).
+  config.model = placeholder(str)
+  # Module options: ``finalize`` declares every option of ``config.model`` (None: the registry's).
+  config.model_kwargs = ml_collections.ConfigDict()
+  config.num_classes = -1           # -1: from the dataset
+  # Start from other variables ("": off): a workdir (its latest checkpoint) or a torch checkpoint
+  # file (SS / HV CNNs, HV's timm ViT / PiT / Swin; ``convert.load_torch_checkpoint``).  Training
+  # fine-tunes from it (an output layer of another class count is re-initialised); evaluation
+  # and analyses of a workdir without checkpoints use it.
+  config.init_from = ""
+  # Data.
+  config.dataset = placeholder(str)  # TFDS name, "npz:<dir>", "digits" or "synthetic:…" (recipe)
+  # "auto": in-memory splits (npz:, digits, synthetic:, CIFAR and -C) stay on the devices and each
+  # step gathers and augments its batch there; ImageNet and CamVid stream from disk by tf.data.
+  # "resident" or "tfdata" forces a path.
+  config.data_pipeline = "auto"
+  config.data_dir = placeholder(str)  # TFDS data_dir (None: TFDS default)
+  config.download = True            # let TFDS download missing datasets
+  config.seed = 0
+  # Small-data regime (HV: "ViT using 6% dataset"): train on a fixed class-balanced subset, each
+  # class keeping round(fraction × its count), seeded by ``seed`` (in-memory splits only; the
+  # number of examples used is recorded as ``model_spec.num_train_examples`` in config.json).
+  config.train_fraction = 1.0
+  # A class-balanced part of the training split held out (seeded by ``seed``, never trained on):
+  # the examples the ``calibration`` evaluator fits its temperature on (0: none).
+  config.holdout_fraction = 0.0
+  # The seed of those two draws (-1: ``seed``).  An ensemble's members share its split; a member
+  # written out as a run of its own (seed + m) records the ensemble's seed here.
+  config.data_split_seed = -1
+  config.num_devices = -1           # -1: all devices of all hosts
+  config.half_precision = False     # compute in bfloat16 (parameters and statistics stay float32)
+  config.prefetch_batches = 2       # tf.data: global batches put on the devices ahead of the step
+  # Segmentation: random (h, w) training crop (None: whole image).
+  config.crop_size = placeholder(tuple)
+  # Optimisation: the recipe sets these.
+  config.batch_size = placeholder(int)       # global batch
+  config.base_batch_size = placeholder(int)  # batch of the recipe's learning rate (linear scaling)
+  config.optimizer = placeholder(str)  # "sgd" (coupled L2, the paper's CNN recipe), "adam" or
+                                       # "adamw" (decoupled)
+  config.learning_rate = placeholder(float)
+  config.momentum = placeholder(float)       # sgd (and the iBNN optimiser)
+  config.nesterov = placeholder(bool)        # sgd
+  config.weight_decay = placeholder(float)
+  config.num_epochs = placeholder(int)
+  config.warmup_epochs = placeholder(int)
+  config.lr_schedule = placeholder(str)  # "multistep", "cosine" (ViT recipe), "flat_linear" (iBNN)
+  config.lr_milestones = placeholder(tuple)  # multistep: epochs of the decays
+  config.lr_decay = placeholder(float)       # multistep: factor at each milestone
+  config.lr_final_ratio = placeholder(float)  # flat_linear: final rate / base rate
+  config.num_train_steps = -1       # -1: (warmup_epochs + num_epochs) × steps per epoch
+  config.grad_clip_norm = 0.0       # clip the global gradient norm (0: off)
+  config.grad_accum_steps = 1       # micro-batches per optimiser step (steps.train_step)
+  config.class_balancing = "none"   # or "median_frequency" (segmentation loss weights)
+  # Regularisation (the ViT recipe's; all off by default).
+  config.label_smoothing = 0.0
+  config.mixup_alpha = 0.0          # Mixup Beta(α, α) (on device, in the train step)
+  config.cutmix_alpha = 0.0         # CutMix Beta(α, α)
+  config.mixup_switch_prob = 0.5    # P(CutMix) when both are on
+  config.randaugment = ml_collections.ConfigDict({
+      "num_layers": 0,
+      "magnitude": 9.0,
+      "magnitude_std": 0.0
+  })
+  # iBNN (models with node noise, e.g. vgg_ibnn_16): ELBO and posterior optimiser.
+  config.ibnn = ml_collections.ConfigDict({
+      "num_train_samples": 2,  # S: repeats of each example per step (Algorithm 1)
+      "prior_mean": 1.0,
+      "prior_std": 0.1,  # s of N(1, s²): 0.1 WRN, 0.3 VGG
+      "kl_anneal_epochs": 200,  # β: 0 → 1 linearly per epoch
+      "variational_lr": 2.4,  # constant, no weight decay
+      "eval_samples": 5,  # S at evaluation: K×S predictions
+      "freeze_deterministic": False,  # train only the posterior (with pretrained_workdir)
+      "pretrained_workdir":
+          placeholder(str),  # initialise W from a deterministic run of the same architecture
+  })
+  # BNN-VI (mean-field models, e.g. vgg_bnnvi_16): the ELBO's prior and annealing.
+  config.bnnvi = ml_collections.ConfigDict({
+      "prior_std": 0.1,  # s of the prior N(μ, s²) (uncertainty-baselines' --prior_stddev)
+      "prior_mean": placeholder(float),  # None: tied to the posterior mean (uncertainty-baselines)
+      "kl_anneal_epochs": 200,  # β: 0 → 1 linearly per epoch (the iBNN protocol)
+  })
+  # BatchEnsemble (models with ensemble_size, e.g. resnet_batchensemble_18): uncertainty-baselines'
+  # CIFAR settings.  The fast weights (and the members' biases) learn at the multiplied rate;
+  # weight decay skips the fast weights unless fast_weight_decay says otherwise.
+  config.batch_ensemble = ml_collections.ConfigDict({
+      "fast_weight_lr_multiplier": 0.5,
+      "fast_weight_decay": 0.0,
+  })
+  # Logging, evaluation and checkpoints.
+  config.log_every_steps = 100
+  config.eval_every_epochs = 10
+  config.eval_batch_size = 500
+  config.ece_bins = 10
+  config.checkpoint_every_steps = 1000
+  config.keep_checkpoints = 3
+  # Learning trajectory (HV Fig. 1b): every k steps (and at step 0) the parameters projected on
+  # ``trajectory_dims`` fixed random Gaussian directions, and ‖θ‖², appended to
+  # ``<workdir>/trajectory.npz`` (``smoothing_jax.analysis.trajectory``; 0: off).
+  config.trajectory_every_steps = 0
+  config.trajectory_dims = 256
+  # Evaluators run after training, by name (``smoothing_jax.evaluators.REGISTRY``: e.g.
+  # "ensemble_sizes", "corruptions", "temporal"); ``--mode=<name>`` runs one on a trained workdir.
+  config.evals = ("ensemble_sizes",)
+  # The ``ood`` evaluator's out-of-distribution sets: dataset names (TFDS, "npz:<dir>", ...) and
+  # "corruptions" (every corruption of the dataset at severity 5); empty: the standard pairs
+  # (CIFAR-10: SVHN and CIFAR-100; CIFAR-100: SVHN and CIFAR-10).
+  config.ood_datasets = ()
+  # MC ensemble sizes evaluated (deterministic models use N = 1).
+  config.ensemble_sizes = (1, 2, 3, 4, 5, 10, 20, 50)
+  # A deep ensemble of M members trained as one job (smoothing_jax.training.ensemble): member m is
+  # the single run with seed + m; the evaluators report the ensembles of its first N = 1..M members.
+  config.ensemble_members = 1
+  # Every member trains on the batches of ``seed`` (for speed comparisons; members then differ by
+  # initialisation and dropout only).
+  config.ensemble_shared_batches = False
+  # Members vmapped together in the step (1: unrolled, M: all vmapped; 0: per backend).
+  config.ensemble_vmap_size = 0
+  # Samples evaluated together (None: inference.default_chunk_size, 1 on CPU, 10 on GPU/TPU).
+  config.eval_chunk_size = placeholder(int)
+  # A file prefix keeping the preprocessed evaluation images after the first evaluation ("": off;
+  # ImageNet's validation JPEGs are otherwise decoded at every evaluation).
+  config.eval_cache = ""
+  return config
+
+
+def missing_recipe_keys(config: ml_collections.ConfigDict) -> list:
+  """The recipe keys ``config`` reads with its optimiser and schedule but leaves None."""
+  keys = list(RECIPE_KEYS)
+  for (key, value), needed in RECIPE_KEYS_OF.items():
+    if config[key] == value:
+      keys.extend(needed)
+  return [key for key in keys if config[key] is None]
+
+
+def check_recipe(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Returns ``config``; raises ValueError naming every recipe key it left unset (None)."""
+  missing = missing_recipe_keys(config)
+  if missing:
+    raise ValueError(f"The recipe leaves {', '.join(missing)} unset: a config's get_config() "
+                     "sets every recipe key of smoothing_jax.experiment.config_base (RECIPE_KEYS, "
+                     "and RECIPE_KEYS_OF for its optimizer and lr_schedule).")
+  return config
+
+
+def declare_model_options(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Add every module option of ``config.model`` (``models.model_options``) missing from
+  ``config.model_kwargs`` as None, so ``--config.model_kwargs.<option>=…`` can set any of them;
+  an unknown model name adds nothing (training reports it)."""
+  try:
+    options = model_options(config.model)
+  except ValueError:
+    return config
+  for key, kind in options.items():
+    if key not in config.model_kwargs:
+      config.model_kwargs[key] = placeholder(kind)
+  return config
+
+
+def finalize(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The end of every ``get_config()``: ``check_recipe``, declare the model's options, then lock
+  (the CLI sets existing keys only)."""
+  declare_model_options(check_recipe(config)).lock()
+  return config
+
+
+def shrink_for_cpu(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The ``runlocal`` variant: a narrow model and a few steps, for CPU smoke runs."""
+  config.model_kwargs.width = 8
+  config.batch_size = 32
+  config.num_train_steps = 20
+  config.log_every_steps = 5
+  config.eval_every_epochs = 1000
+  config.checkpoint_every_steps = 10
+  config.eval_batch_size = 256
+  config.ensemble_sizes = (1, 2, 5)
+  return config
+
+
+UNCERTAINTY_EVALS = ("ensemble_sizes", "ood", "calibration", "selective")
+
+
+def with_uncertainty_evals(config: ml_collections.ConfigDict,
+                           holdout_fraction: float = 0.1) -> ml_collections.ConfigDict:
+  """The preset of the ``uncertainty`` config flag: after training, the ensemble sizes, then OOD
+  detection, temperature scaling (fitted on ``holdout_fraction`` of the training split, held out
+  of training) and selective prediction."""
+  config.evals = UNCERTAINTY_EVALS
+  config.holdout_fraction = holdout_fraction
+  return config
+
+
+def parse_config_arg(arg: str, positional: Mapping[str, Any],
+                     flags: Sequence[str] = ("runlocal",)) -> types.SimpleNamespace:
+  """Parses the ``<args>`` of ``--config=configs/<file>.py:<args>`` (``get_config``'s argument).
+
+  ``arg`` is comma-separated: values of the ``positional`` arguments in order, then ``name=value``
+  pairs for them, and bare ``flags`` anywhere (values may hold ':' and '/', not ',').
+  ``positional`` maps each name to its default, which a missing argument takes and whose type
+  converts the value.  Returns the arguments and the flags (True when given) as attributes.
+  Raises ValueError naming the bad argument and listing the accepted ones.
+  """
+  def fail(item: str, reason: str) -> NoReturn:
+    listed = ", ".join(f"{name} (default {default!r})" for name, default in positional.items())
+    accepted = (f"positional arguments {listed} (in this order, or as name=value)" if positional
+                else "no positional arguments")
+    raise ValueError(f"Bad config argument {item!r} in {arg!r}: {reason}. Accepted: {accepted}; "
+                     f"flags {', '.join(flags) or '(none)'}.")
+
+  values, given, raised, keyword = dict(positional), [], set(), False
+  names = list(positional)
+  for item in arg.split(",") if arg else ():
+    if item in flags:
+      raised.add(item)
+      continue
+    name, eq, value = item.partition("=")
+    if eq and name.isidentifier():
+      keyword = True
+      if name not in positional:
+        fail(item, f"unknown name {name!r}")
+    else:
+      name, value = names[len(given)] if len(given) < len(names) else None, item
+      close = difflib.get_close_matches(item, flags, n=1, cutoff=0.8)
+      if close:
+        fail(item, f"unknown flag (did you mean {close[0]!r}?)")
+      if keyword:
+        fail(item, "a positional argument after name=value")
+      if name is None:
+        fail(item, f"too many positional arguments (at most {len(names)})")
+    if not value:
+      fail(item, "empty value")
+    if name in given:
+      fail(item, f"{name} given twice")
+    given.append(name)
+    kind = type(positional[name])
+    try:
+      values[name] = kind(value)
+    except ValueError:
+      fail(item, f"{name} must be {kind.__name__}")
+  return types.SimpleNamespace(**values, **{flag: flag in raised for flag in flags})

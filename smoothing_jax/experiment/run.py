@@ -1,0 +1,288 @@
+"""``Run``: one experiment in one process — its config, model spec, model, data, mesh, variables
+and checkpoint manager, each made once.
+
+* ``Run.from_config(config, workdir)``: a run to train (``train.train``) or, with ``init_from``
+  and no checkpoints, to stand for another run's variables (``record_init_from``);
+* ``Run.from_workdir(workdir, overrides)``: a trained run, restored (its ``config.json`` rebuilds
+  the model; ``overrides`` change evaluation settings);
+* ``Run.for_evaluation(workdir, config)``: what ``--mode=evaluate`` opens (either of the above).
+
+Training, every evaluator (``smoothing_jax.evaluators``), the analyses
+(``analysis.trained.load_trained`` / ``load_or_train``), the colabs and the benchmarks take a
+``Run``; the data is loaded the first time ``run.pipeline`` is read, and never twice.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh
+
+from smoothing_jax.experiment import checkpoints, init_from
+from smoothing_jax.experiment import workdir as workdir_lib
+from smoothing_jax.experiment.config import with_overrides
+from smoothing_jax.data import Pipeline, create_pipeline
+from smoothing_jax.inference import (batch_ensemble_predict, ensemble_predict, mc_predict,
+                                     member_of)
+from smoothing_jax.models import is_batch_ensemble, is_stochastic
+from smoothing_jax.parallel import (create_mesh, evaluate_batches, eval_batch_size,
+                                    sharded_eval_step, shardings)
+from smoothing_jax.experiment import spec as spec_lib
+from smoothing_jax.experiment.spec import ModelSpec, build_model, check_model_fits
+from smoothing_jax.variables import abstract_variables
+from smoothing_jax.experiment.workdir_lock import lock_workdir
+
+
+# Config keys that decide which training examples a run trained on and held out.
+DATA_SPLIT_KEYS = ("seed", "data_split_seed", "train_fraction", "holdout_fraction")
+# Config keys an evaluation config never replaces: the split, and how many members the
+# checkpoint stacks.
+RECORDED_KEYS = DATA_SPLIT_KEYS + ("ensemble_members",)
+
+
+def create_run_pipeline(config, mesh: Mesh) -> Pipeline:
+  """The input pipeline ``config`` describes, on ``mesh`` (training batches augmented as in
+  training).  Configs recorded by older versions may lack the newer keys: their defaults."""
+  rand = config.get("randaugment")
+  return create_pipeline(
+      config.dataset, config.batch_size, config.seed, config.get("data_dir"),
+      config.get("download", True),
+      (rand.num_layers, rand.magnitude, rand.magnitude_std) if rand else None,
+      config.get("crop_size"), config.get("eval_cache", ""), config.get("train_fraction", 1.0),
+      config.get("data_pipeline", "auto"), mesh, config.get("holdout_fraction", 0.0),
+      split_seed(config))
+
+
+def split_seed(config) -> int:
+  """The seed of the training split's ``train_fraction`` / ``holdout_fraction`` draws:
+  ``config.data_split_seed``, or ``config.seed`` where it is -1 (or unrecorded)."""
+  seed = config.get("data_split_seed", -1)
+  return config.seed if seed == -1 else seed
+
+
+def _mean_probs(model, num_samples, chunk_size, variables, batch, rng):
+  """``[B, C]`` mean predictive of one batch of normalised images (``Run.predict``): over MC
+  samples, or a BatchEnsemble's members."""
+  if is_batch_ensemble(model):
+    return batch_ensemble_predict(model, variables, batch["image"], rng=rng).mean_probs
+  return mc_predict(model, variables, batch["image"], num_samples=num_samples, rng=rng,
+                    chunk_size=chunk_size).mean_probs
+
+
+def _ensemble_mean_probs(model, variables, batch, rng):
+  """``[B, C]`` mean predictive of a stacked ensemble on one batch (``Run.predict``)."""
+  return ensemble_predict(model, variables, batch["image"], rng=rng).mean_probs
+
+
+@dataclasses.dataclass(eq=False)
+class Run:
+  """One run: ``config`` (evaluation overrides applied), ``model_spec`` and ``model`` (always from
+  the recorded config), the ``mesh``, and once trained or restored its ``variables`` at ``step``.
+  ``pipeline`` and ``manager`` are made on first use, once."""
+  config: ml_collections.ConfigDict
+  workdir: str
+  model_spec: ModelSpec
+  model: Any
+  mesh: Mesh
+  variables: Optional[dict] = None
+  step: int = 0
+  read_only: bool = False  # a restored run never writes checkpoints (nor cleans up others')
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict, workdir: str, *,
+                  mesh: Optional[Mesh] = None) -> "Run":
+    """``config.model`` on ``config.dataset`` for ``workdir``: loads the data, builds the model.
+    Resuming a run that recorded the model options of a timm ``init_from`` reads no
+    ``init_from`` file."""
+    mesh = mesh or create_mesh(config.num_devices)
+    pipeline = create_run_pipeline(config, mesh)
+    if checkpoints.has_checkpoint(workdir) and checkpoints.has_run(workdir):
+      options = workdir_lib.read_config(workdir)[1].model_options
+    else:
+      options = init_from.model_options(config)
+    spec = spec_lib.model_spec(config, pipeline, options)
+    model = build_model(config, spec)
+    check_model_fits(config, model, pipeline)
+    run = cls(config, str(workdir), spec, model, mesh)
+    run.__dict__["pipeline"] = pipeline
+    return run
+
+  @classmethod
+  def from_workdir(cls, workdir: str,
+                   overrides: Union[Mapping[str, Any], ml_collections.ConfigDict, None] = None, *,
+                   mesh: Optional[Mesh] = None) -> "Run":
+    """The run recorded in ``workdir``, with the variables of its latest intact checkpoint (or,
+    recorded to stand for its ``init_from``, those at step 0).  ``overrides``: dotted keys
+    (``config.with_overrides``) or a whole ConfigDict replacing the recorded config (evaluation
+    settings; the recorded ``RECORDED_KEYS`` are kept); the model is always the recorded one."""
+    recorded, spec = workdir_lib.read_config(workdir)
+    if isinstance(overrides, ml_collections.ConfigDict):
+      # The recorded split of the training data (the held-out examples are those never trained
+      # on), whatever the evaluation config says.
+      config = with_overrides(overrides, {k: recorded[k] for k in RECORDED_KEYS
+                                          if k in recorded and k in overrides})
+    else:
+      config = with_overrides(recorded, overrides or {})
+    mesh = mesh or create_mesh(config.get("num_devices", -1))
+    run = cls(config, str(workdir), spec, build_model(recorded, spec), mesh, read_only=True)
+    if spec.evaluates_init_from and not checkpoints.has_checkpoint(workdir):
+      run.variables = init_from.variables(recorded, spec, run.abstract_variables(), mesh)
+      run.variables = jax.device_put(run.variables, shardings(mesh)[0])
+    else:
+      run.restore()
+    return run
+
+  @classmethod
+  def for_evaluation(cls, workdir: str, config: Optional[ml_collections.ConfigDict] = None
+                     ) -> "Run":
+    """The run ``--mode=evaluate`` (and every evaluator alias) opens: ``workdir``'s, or for an
+    empty workdir and a ``config`` with ``init_from``, that ``init_from`` recorded in
+    ``workdir`` (:meth:`record_init_from`)."""
+    if (config is not None and config.get("init_from") and not checkpoints.has_checkpoint(workdir)
+        and not checkpoints.has_run(workdir)):
+      run = cls.from_config(config, workdir)
+      run.record_init_from()
+      return run
+    return cls.from_workdir(workdir, config)
+
+  @functools.cached_property
+  def pipeline(self) -> Pipeline:
+    return create_run_pipeline(self.config, self.mesh)
+
+  @functools.cached_property
+  def manager(self) -> ocp.CheckpointManager:
+    """This run's orbax manager of ``<workdir>/checkpoints`` (read-only for a restored run)."""
+    keep = None if self.read_only else self.config.get("keep_checkpoints")  # a reader deletes none
+    return checkpoints.checkpoint_manager(self.workdir, max_to_keep=keep, read_only=self.read_only)
+
+  def abstract_variables(self):
+    """Shapes and dtypes of the model's variables (``jax.eval_shape``; nothing computed)."""
+    return abstract_variables(self.model, self.model_spec.image_shape)
+
+  def restore(self, target=None):
+    """Restore the latest intact checkpoint (``checkpoints.restore_latest``) onto this run's
+    mesh, replicated: ``target`` (an abstract tree, e.g. the train state's) or, by default, the
+    variables as saved; sets ``variables`` and ``step`` and returns the restored tree, or None
+    when there is no checkpoint (FileNotFoundError for a read-only run)."""
+    replicated, _ = shardings(self.mesh)
+    restored = checkpoints.restore_latest(
+        self.manager,
+        checkpoints.abstract_tree(target, replicated) if target is not None else
+        lambda step: checkpoints.abstract_tree(self.manager.item_metadata(step).tree, replicated))
+    if restored is None:
+      if self.read_only:
+        raise FileNotFoundError(f"No checkpoint in {workdir_lib.checkpoint_dir(self.workdir)}.")
+      return None
+    self.step, tree = restored
+    self.variables = ({"params": tree["params"], "batch_stats": tree["batch_stats"]}
+                      if isinstance(tree, Mapping) else
+                      {"params": tree.params, "batch_stats": tree.batch_stats})
+    return tree
+
+  def record(self) -> None:
+    """Write ``config.json`` (config and model spec; process 0), holding the workdir's lock."""
+    with lock_workdir(self.workdir):
+      workdir_lib.record_run(self.workdir, self.config, self.model_spec)
+
+  def record_init_from(self) -> None:
+    """Make this (empty) workdir stand for ``config.init_from``: record the config with
+    ``model_spec.evaluates_init_from`` and take its variables, at step 0."""
+    self.model_spec = dataclasses.replace(self.model_spec, evaluates_init_from=True)
+    self.record()
+    variables = init_from.variables(self.config, self.model_spec, self.abstract_variables(),
+                                    self.mesh)
+    self.variables, self.step = jax.device_put(variables, shardings(self.mesh)[0]), 0
+
+  # Deep ensembles trained as one job (``config.ensemble_members``;
+  # smoothing_jax.training.ensemble).
+  @property
+  def ensemble_members(self) -> int:
+    """M: the members stacked along the leading axis of :attr:`variables` (1: one model)."""
+    return self.config.get("ensemble_members", 1)
+
+  def member(self, m: int) -> "Run":
+    """Member ``m`` of an ensemble run as a run of its own (read-only, in this workdir): the
+    single run with seed + ``m``, its variables the ensemble's slice ``m``; what per-model
+    analyses take.  :meth:`write_member` writes it out as a workdir."""
+    if not 0 <= m < self.ensemble_members:
+      raise ValueError(f"{self.workdir} holds an ensemble of {self.ensemble_members} members; "
+                       f"there is no member {m}.")
+    config = with_overrides(self.config, {"seed": self.config.seed + m, "ensemble_members": 1,
+                                          "data_split_seed": split_seed(self.config)})
+    return dataclasses.replace(self, config=config, variables=member_of(self.variables, m),
+                               read_only=True)
+
+  def write_member(self, m: int, workdir: str) -> "Run":
+    """Write member ``m`` of this ensemble workdir into the empty ``workdir`` as the single run
+    it is (config with seed + m, the checkpoint of the latest step with that member's slice of
+    the train state: parameters, BatchNorm statistics, optimizer state; it resumes and every
+    evaluator and analysis reads it); returns it, restored."""
+    member = self.member(m)
+    if checkpoints.has_checkpoint(workdir) or checkpoints.has_run(workdir):
+      raise ValueError(f"{workdir} already holds a run; write the member into a new workdir.")
+    with lock_workdir(workdir):
+      replicated, _ = shardings(self.mesh)
+      with checkpoints.checkpoint_manager(self.workdir, read_only=True) as source:
+        tree = source.restore(self.step, args=ocp.args.StandardRestore(checkpoints.abstract_tree(
+            source.item_metadata(self.step).tree, replicated)))
+      tree = {k: v if k == "step" else member_of(v, m) for k, v in tree.items()}
+      workdir_lib.record_run(workdir, member.config, self.model_spec)
+      with checkpoints.checkpoint_manager(workdir) as target:
+        target.save(self.step, args=ocp.args.StandardSave(tree))
+        target.wait_until_finished()
+    return Run.from_workdir(workdir, mesh=self.mesh)
+
+  def close(self) -> None:
+    """Wait for checkpoints being written, then close the manager (if one was opened)."""
+    manager = self.__dict__.pop("manager", None)
+    if manager is not None:
+      manager.wait_until_finished()
+      manager.close()
+
+  def __enter__(self) -> "Run":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  # What the analyses and notebooks use.
+  @property
+  def stochastic(self) -> bool:
+    return is_stochastic(self.model)
+
+  def normalize(self, pixels):
+    """Pixels in [0, 1], NHWC → the model's normalised input."""
+    return (pixels - jnp.asarray(self.pipeline.mean)) / jnp.asarray(self.pipeline.std)
+
+  def predict(self, images, num_samples: int = 1, rng: Optional[jax.Array] = None,
+              batch_size: int = 500) -> np.ndarray:
+    """Mean predictive ``[B, C]`` (numpy) of normalised ``images`` over ``num_samples`` MC
+    samples (an ensemble run's: over its members, one sample each), in batches of
+    ``batch_size`` (at most the number of images, rounded up to the mesh) through the sharded
+    evaluation loop."""
+    rng = jax.random.key(0) if rng is None else rng
+    num_samples = num_samples if self.stochastic else 1
+    images = np.asarray(images, np.float32)
+    size = -(-min(batch_size, len(images)) // self.mesh.size) * self.mesh.size
+    pad = -len(images) % size
+    padded = np.concatenate([images, np.zeros((pad,) + images.shape[1:], np.float32)])
+    if self.ensemble_members > 1:  # the mean of the members' probabilities, one sample each
+      step = sharded_eval_step(_ensemble_mean_probs, self.mesh, self.model)
+    else:
+      step = sharded_eval_step(_mean_probs, self.mesh, self.model, num_samples,
+                               self.config.get("eval_chunk_size"))
+    batches = ({"image": padded[i:i + size]} for i in range(0, len(padded), size))
+    probs = evaluate_batches(step, self.variables, batches, shardings(self.mesh)[1], rng,
+                             concatenate=True)
+    return probs[:len(images)]
+
+  def eval_batches(self, dataset: Optional[str] = None):
+    """Padded, masked evaluation batches of ``dataset`` (default: the run's evaluation split),
+    ``config.eval_batch_size`` rounded up to the mesh."""
+    return self.pipeline.eval_batches(eval_batch_size(self.config, self.mesh), dataset)

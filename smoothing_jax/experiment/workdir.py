@@ -1,0 +1,106 @@
+"""A run's directory and its files (the run layer's I/O):
+
+  <workdir>/config.json            the run's config, plus ``model_spec`` (``spec.ModelSpec``:
+                                   classes, stem, image shape): the model without the dataset
+  <workdir>/checkpoints/<step>/    orbax checkpoints of the train state (``checkpoints``)
+  <workdir>/results/               evaluators' tables and figures
+
+A workdir is any path ``etils.epath`` opens: a local folder or ``gs://bucket/run``.
+Every file under it is written through :func:`write_atomically` / :func:`save_figure`
+(a temporary file renamed over the target), never through ``open``/``os.path``.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import uuid
+
+import jax
+import ml_collections
+from etils import epath
+
+from smoothing_jax.experiment.spec import ModelSpec
+
+CONFIG_FILE = "config.json"
+CHECKPOINTS = "checkpoints"
+
+
+def is_uri(workdir) -> bool:
+  """``gs://bucket/run`` and other ``scheme://`` paths (object stores), not local paths."""
+  return bool(re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", str(workdir)))
+
+
+def workdir_path(workdir) -> epath.Path:
+  """``workdir`` as an ``epath.Path``: URIs (``gs://bucket/run``) as given, local paths made
+  absolute (orbax needs absolute paths)."""
+  path = epath.Path(workdir)
+  return path if is_uri(workdir) else path.absolute()
+
+
+def write_atomically(path, data) -> None:
+  """Write ``data`` (str or bytes) to a temporary file beside ``path``, then rename it over
+  ``path``: readers see the old file or the new one, never half of one, and two processes
+  writing the same file (two evaluators) each replace it whole.  Creates the parent folder."""
+  path = epath.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+  if isinstance(data, bytes):
+    tmp.write_bytes(data)
+  else:
+    tmp.write_text(data)
+  tmp.replace(path)
+
+
+def write_json(path, obj, indent: int = 2) -> None:
+  """``obj`` as JSON at ``path`` (:func:`write_atomically`)."""
+  write_atomically(path, json.dumps(obj, indent=indent))
+
+
+def save_figure(fig, path, **savefig_kwargs) -> None:
+  """A matplotlib figure at ``path`` (format from the suffix; :func:`write_atomically`)."""
+  path = epath.Path(path)
+  buffer = io.BytesIO()
+  fig.savefig(buffer, format=path.suffix.lstrip(".") or "png", **savefig_kwargs)
+  write_atomically(path, buffer.getvalue())
+
+
+def checkpoint_dir(workdir) -> epath.Path:
+  """``<workdir>/checkpoints`` (:func:`workdir_path`)."""
+  return workdir_path(workdir) / CHECKPOINTS
+
+
+def write_config(workdir, config: ml_collections.ConfigDict, model_spec: ModelSpec):
+  """Record ``config`` and the ``model_spec`` in ``<workdir>/config.json`` (written atomically)."""
+  record = json.loads(config.to_json_best_effort())
+  record["model_spec"] = model_spec.to_record()
+  write_json(workdir_path(workdir) / CONFIG_FILE, record)
+
+
+def record_run(workdir, config: ml_collections.ConfigDict, model_spec: ModelSpec):
+  """:func:`write_config` by process 0; every process returns once the file is written."""
+  if jax.process_index() == 0:
+    write_config(workdir, config, model_spec)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("record_run")
+
+
+def read_record(workdir) -> dict:
+  """The JSON of ``<workdir>/config.json``; FileNotFoundError naming the workdir without one."""
+  path = workdir_path(workdir) / CONFIG_FILE
+  if not path.exists():
+    raise FileNotFoundError(f"No run in {workdir}: {path} does not exist (train into it first).")
+  return json.loads(path.read_text())
+
+
+def read_config(workdir) -> tuple:
+  """``(config, ModelSpec)`` recorded in ``<workdir>/config.json``."""
+  record = read_record(workdir)
+  spec = record.pop("model_spec", None)
+  if spec is None:
+    raise ValueError(f"{workdir_path(workdir) / CONFIG_FILE} has no model_spec (written by an "
+                     "older version); rerun the training command once to record it (it resumes "
+                     "from the last checkpoint).")
+  return ml_collections.ConfigDict(record), ModelSpec.from_record(spec)

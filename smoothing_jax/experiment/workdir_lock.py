@@ -1,0 +1,283 @@
+"""One writer per workdir: the lock that training (and anything else that writes checkpoints or
+``config.json``) holds on ``<workdir>/lock.json`` while it runs.
+
+Two runs writing into one workdir interleave their checkpoints, TensorBoard files and
+``config.json`` and leave a folder that belongs to neither.  ``lock_workdir(workdir)`` refuses
+the second writer before it reads or writes anything, with one line naming the holder (host,
+pid, since when): :class:`WorkdirLockedError`.
+
+* **Local disks** (and NFS, where Linux turns ``flock`` into a lock on the server): an exclusive
+  ``fcntl.flock`` on the lock file, whose text records the holder.  The kernel drops the lock
+  when its process ends, however it ends, so a lock whose holder was SIGKILLed is free: the next
+  writer takes it over and warns, naming the run that died.
+* **Object stores** (``gs://``, any other URI) have no lock primitive that ``etils.epath``
+  reaches (GCS has conditional writes, ``if_generation_match=0``, but no epath or gfile call
+  exposes them), so the lock there is a **lease**: the holder rewrites the record every
+  ``heartbeat_seconds``; a record not renewed for ``lease_seconds`` is stale and is taken over
+  with a warning.  A newcomer writes its record, waits ``settle_seconds`` and reads it back:
+  of writers that start within the same instant, the one whose record stayed wins, the others
+  are refused.  Two writers whose writes are further apart than ``settle_seconds`` can both pass
+  that check only if the second read the lock as absent before the first wrote it, which the
+  settle time makes unlikely rather than impossible; then the heartbeat of the loser finds the
+  other's record and :meth:`WorkdirLock.check` (called by training before every checkpoint)
+  stops it before it writes one.  A lease assumes the hosts' clocks agree to well within
+  ``lease_seconds``.
+
+The lock is re-entrant within a process (``main`` takes it, ``train.train`` takes it again), and
+in a multi-process job only process 0 takes it; the others learn from process 0 whether it did.
+Readers (the evaluators, the analyses) take no lock: their results replace files atomically
+(``workdir.write_atomically``).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Iterator, Optional
+
+import jax
+import numpy as np
+from absl import logging
+
+from smoothing_jax.experiment.workdir import is_uri, workdir_path
+
+LOCK_FILE = "lock.json"
+
+
+class WorkdirLockedError(OSError):
+  """Another run holds the workdir (the message names it), or this run lost its lease."""
+
+
+def _now() -> str:
+  return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _holder_record(lease_seconds: Optional[float] = None, token: Optional[str] = None) -> dict:
+  record = {"host": socket.gethostname(), "pid": os.getpid(), "since": _now()}
+  if token is not None:
+    record.update(token=token, heartbeat=time.time(), lease_seconds=lease_seconds)
+  return record
+
+
+def describe(record: Optional[dict]) -> str:
+  """``pid 123 on host h since 2026-… UTC`` (what a refused writer is told)."""
+  if not record:
+    return "another process (it has not recorded itself yet)"
+  text = f"pid {record.get('pid')} on host {record.get('host')} since {record.get('since')}"
+  if "heartbeat" in record:
+    text += f", last heartbeat {time.time() - float(record['heartbeat']):.0f} s ago"
+  return text
+
+
+def _parse(text: str) -> Optional[dict]:
+  try:
+    record = json.loads(text)
+  except ValueError:  # empty (being written) or not ours
+    return None
+  return record if isinstance(record, dict) else None
+
+
+class WorkdirLock:
+  """The exclusive right to write ``workdir`` (see the module docstring); ``acquire`` raises
+  :class:`WorkdirLockedError` naming the holder.  ``lease=None`` chooses by path: a lease for
+  URIs, ``flock`` for local paths."""
+
+  def __init__(self, workdir, *, lease: Optional[bool] = None, lease_seconds: float = 120.0,
+               heartbeat_seconds: float = 30.0, settle_seconds: float = 2.0):
+    self.workdir = str(workdir)
+    self.path = workdir_path(workdir) / LOCK_FILE
+    self.lease = is_uri(self.workdir) if lease is None else lease
+    self.lease_seconds, self.heartbeat_seconds = lease_seconds, heartbeat_seconds
+    self.settle_seconds = settle_seconds
+    self._fd: Optional[int] = None
+    self._token: Optional[str] = None
+    self._stop = threading.Event()
+    self._heartbeat: Optional[threading.Thread] = None
+    self._lost: Optional[dict] = None
+
+  def _refuse(self, holder: Optional[dict]) -> WorkdirLockedError:
+    return WorkdirLockedError(
+        f"{self.workdir} is in use by {describe(holder)} (lock: {self.path}); wait for that run "
+        "to end or choose another workdir.")
+
+  def _take_over(self, previous: dict, why: str) -> None:
+    logging.warning("Taking over the lock of %s: it was held by %s, %s.", self.workdir,
+                    describe(previous), why)
+
+  # flock on a local (or NFS) file.
+  def _acquire_flock(self) -> None:
+    path = os.fspath(self.path)
+    while True:
+      fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        holder = self._read_fd(fd, wait_for_record=True)
+        os.close(fd)
+        raise self._refuse(holder) from None
+      except OSError as error:
+        os.close(fd)
+        if error.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+          logging.warning("%s does not support file locks (%s): locking %s with a lease instead.",
+                          path, error.strerror, self.workdir)
+          self.lease = True
+          return self._acquire_lease()
+        raise
+      try:  # the file a releasing holder unlinks after we opened it is not the lock any more
+        current = os.stat(path).st_ino == os.fstat(fd).st_ino
+      except FileNotFoundError:
+        current = False
+      if current:
+        break
+      os.close(fd)
+    previous = self._read_fd(fd)
+    if previous:  # its holder ended without releasing it: killed, or its machine went down
+      self._take_over(previous, "a run that ended without releasing it (killed?)")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(_holder_record()).encode(), 0)
+    os.fsync(fd)
+    self._fd = fd
+
+  @staticmethod
+  def _read_fd(fd: int, wait_for_record: bool = False) -> Optional[dict]:
+    """The record in the lock file; a holder that has just taken the lock writes it within
+    moments, so a refused writer waits up to a second for it."""
+    for _ in range(20 if wait_for_record else 1):
+      record = _parse(os.pread(fd, 1 << 16, 0).decode(errors="replace"))
+      if record:
+        return record
+      time.sleep(0.05)
+    return None
+
+  # A lease object with a heartbeat (object stores).
+  def _read_lease(self) -> Optional[dict]:
+    try:
+      return _parse(self.path.read_text())
+    except FileNotFoundError:
+      return None
+
+  def _write_lease(self, since: Optional[str] = None) -> dict:
+    """Write this holder's record (``since`` kept across heartbeats); returns it."""
+    record = _holder_record(self.lease_seconds, self._token)
+    if since:
+      record["since"] = since
+    self.path.write_text(json.dumps(record))
+    return record
+
+  def _acquire_lease(self) -> None:
+    holder = self._read_lease()
+    if holder is not None:
+      age = time.time() - float(holder.get("heartbeat", 0))
+      if age < float(holder.get("lease_seconds", self.lease_seconds)):
+        raise self._refuse(holder)
+      self._take_over(holder, f"whose lease expired {age:.0f} s after its last heartbeat")
+    self._token = uuid.uuid4().hex
+    since = self._write_lease()["since"]
+    time.sleep(self.settle_seconds)
+    holder = self._read_lease()
+    if not holder or holder.get("token") != self._token:
+      self._token = None
+      raise self._refuse(holder)
+    self._stop.clear()
+    self._heartbeat = threading.Thread(target=self._beat, args=(since,), daemon=True,
+                                       name="workdir_lease")
+    self._heartbeat.start()
+
+  def _beat(self, since: str) -> None:
+    while not self._stop.wait(self.heartbeat_seconds):
+      holder = self._read_lease()
+      if not holder or holder.get("token") != self._token:
+        self._lost = holder or {}
+        logging.error("Lost the lock of %s to %s.", self.workdir, describe(holder))
+        return
+      self._write_lease(since)
+
+  def acquire(self) -> "WorkdirLock":
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    if self.lease:
+      self._acquire_lease()
+    else:
+      self._acquire_flock()
+    return self
+
+  def check(self) -> None:
+    """Raise :class:`WorkdirLockedError` if this run's lease was taken by another writer."""
+    if self._lost is not None:
+      raise WorkdirLockedError(
+          f"Lost the lock of {self.workdir} to {describe(self._lost)}: stopped before writing "
+          "into a workdir another run now writes.")
+
+  def release(self) -> None:
+    if self._fd is not None:
+      with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.fspath(self.path))  # while still holding it: see _acquire_flock
+      os.close(self._fd)
+      self._fd = None
+    if self._token is not None:
+      self._stop.set()
+      if self._heartbeat is not None:
+        self._heartbeat.join()
+      holder = self._read_lease()
+      if holder and holder.get("token") == self._token:
+        with contextlib.suppress(FileNotFoundError):
+          self.path.unlink()
+      self._token = None
+
+  def __enter__(self) -> "WorkdirLock":
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+
+class _NotHeld:
+  """What processes other than 0 of a multi-process job hold: process 0 holds the lock."""
+
+  def check(self) -> None:
+    pass
+
+
+_HELD: dict = {}  # path -> the lock this process holds on it
+_HELD_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def lock_workdir(workdir, **options) -> Iterator[WorkdirLock]:
+  """Hold ``workdir``'s lock for the ``with`` body (re-entrant: a nested call for the same workdir
+  shares the outer lock).  In a multi-process job process 0 takes it, and every process raises
+  :class:`WorkdirLockedError` when process 0 could not."""
+  key = str(workdir_path(workdir))
+  with _HELD_GUARD:
+    held = _HELD.get(key)
+  if held is not None:
+    yield held
+    return
+  lock, error = WorkdirLock(workdir, **options) if jax.process_index() == 0 else _NotHeld(), None
+  if isinstance(lock, WorkdirLock):
+    try:
+      lock.acquire()
+    except WorkdirLockedError as refused:
+      error = refused
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    refused_on_0 = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+    if refused_on_0 and error is None:
+      error = WorkdirLockedError(f"{workdir} is in use by another run (process 0 was refused).")
+  if error is not None:
+    raise error
+  with _HELD_GUARD:
+    _HELD[key] = lock
+  try:
+    yield lock
+  finally:
+    with _HELD_GUARD:
+      del _HELD[key]
+    if isinstance(lock, WorkdirLock):
+      lock.release()

@@ -1,0 +1,49 @@
+"""BNN-VI (Blundell et al. 2015): the ELBO of the mean-field models (``vgg_bnnvi_16``,
+``wideresnet_bnnvi_28_10``; the layers are in :mod:`smoothing_jax.layers.mean_field`).
+
+The objective is the iBNN paper's, so the two compare under one protocol: per example,
+
+    −ELBO / N = mean NLL of one Flipout pass + β · KL(q(W) ‖ p(W)) / N,
+
+β annealed linearly per epoch from 0 to 1 (:func:`smoothing_jax.methods.ibnn.kl_weight`), N the
+training-set size.  The prior is uncertainty-baselines' (``variational_inference.py``): N(μ, s²)
+with its mean tied to the posterior's and s = 0.1, so the KL pulls every σ towards s; a fixed
+prior mean (``config.bnnvi.prior_mean``) gives Blundell et al.'s N(m, s²) instead.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+
+from smoothing_jax.methods.ibnn import kl_weight
+from smoothing_jax.layers.functional import in_layers_holding
+from smoothing_jax.layers.mean_field import kl_divergence
+
+
+class Objective(NamedTuple):
+  """Static settings of the BNN-VI ELBO (hashable: a ``jit`` static argument)."""
+  prior_std: float
+  prior_mean: Optional[float]  # None: tied to the posterior mean
+  num_train: int
+  steps_per_epoch: int
+  kl_anneal_epochs: int
+
+  def check(self):
+    if not self.prior_std > 0:
+      raise ValueError(f"bnnvi.prior_std must be > 0, got {self.prior_std}.")
+    return self
+
+
+def decay_mask(params):
+  """True for the parameters weight decay applies to: all but the mean-field kernels' μ and ρ,
+  which the KL regularises (uncertainty-baselines: L2 on BatchNorm and biases only)."""
+  posterior = in_layers_holding(params, "kernel_rho", ("kernel", "kernel_rho"))
+  return jax.tree.map(lambda variational: not variational, posterior)
+
+
+def elbo_terms(params, objective: Objective, nll, step):
+  """``(loss, metrics)``: ``nll + β·KL/N`` and the KL, β of ``step``."""
+  kl = kl_divergence(params, objective.prior_std, objective.prior_mean)
+  beta = kl_weight(step, objective)
+  return nll + beta * kl / objective.num_train, {"nll": nll, "kl": kl, "kl_weight": beta}

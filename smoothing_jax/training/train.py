@@ -1,0 +1,254 @@
+"""The training loop (in the style of the Flax ImageNet example).
+
+``train(run)`` reads top to bottom: the schedule, ``create_train_state``, restore the latest
+checkpoint (or start from ``init_from``), then loop the compiled ``train_step`` with periodic
+logging, evaluation (``eval_step``), checkpoints and the callbacks (``callbacks.Preemption``,
+``trajectory.TrajectoryRecorder``, your own).  Data parallelism is ``jax.jit`` over the run's 1-D
+``Mesh`` with axis ``data`` (``steps.compile_steps``).  ``train_and_evaluate(config, workdir)``
+is ``train(Run.from_config(config, workdir))``.
+
+The pieces live one idea a module: ``optim`` (schedules, optimisers), ``losses`` (the objective),
+``steps`` (the state and the compiled steps), ``callbacks``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+from smoothing_jax.training import ensemble
+from smoothing_jax.methods import ibnn
+from smoothing_jax.experiment import init_from
+from smoothing_jax.training.callbacks import Callback, Preempted, Preemption
+from smoothing_jax.experiment.checkpoints import load_variables, set_aside_newer_steps
+from smoothing_jax.training.losses import class_weights, make_loss
+from smoothing_jax.models import is_ibnn
+from smoothing_jax.training.optim import create_learning_rate_schedule
+from smoothing_jax.parallel import (DispatchWindow, evaluate_batches, prefetch_to_devices,
+                                    shardings)
+from smoothing_jax.experiment.run import Run
+from smoothing_jax.training.steps import (TrainState, compile_steps, create_train_state,
+                                 train_batch_sharding, variables_of)
+from smoothing_jax.training.trajectory_recorder import TrajectoryRecorder
+from smoothing_jax.experiment import workdir as workdir_lib
+from smoothing_jax.experiment.workdir_lock import lock_workdir
+from smoothing_jax.training.writers import MetricWriter, ProgressReporter
+
+
+def initialize_from(run: Run, state: TrainState) -> TrainState:
+  """``state`` (fresh) starting from other variables: ``config.init_from`` (fine-tuning; an
+  output layer of another class count stays fresh), or for iBNN models the deterministic weights
+  of ``config.ibnn.pretrained_workdir`` (``ibnn.load_deterministic``; the posterior stays
+  fresh)."""
+  config = run.config
+  if config.init_from and is_ibnn(run.model) and config.ibnn.pretrained_workdir:
+    raise ValueError("Set config.init_from or config.ibnn.pretrained_workdir, not both.")
+  if config.init_from:
+    variables = init_from.variables(config, run.model_spec, variables_of(state), run.mesh,
+                                    new_classifier=True)
+  else:
+    det_step, det = load_variables(config.ibnn.pretrained_workdir, run.mesh)
+    variables = {k: ibnn.load_deterministic(v, det[k]) for k, v in variables_of(state).items()}
+    logging.info("Deterministic weights from step %d of %s", det_step,
+                 config.ibnn.pretrained_workdir)
+  return state.replace(params=variables["params"], batch_stats=variables["batch_stats"])
+
+
+@jax.jit
+def _all_finite(state: TrainState):
+  return jnp.all(
+      jnp.stack(
+          [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves((state.params, state.batch_stats))]))
+
+
+def _check_finite(pending: list, last_good_step: int, checkpoint_dir):
+  """Raise ``FloatingPointError`` naming the first step whose loss (an ensemble's: any member's)
+  is not finite."""
+  for step, loss in pending:
+    loss = np.asarray(loss)
+    if not np.all(np.isfinite(loss)):
+      raise FloatingPointError(
+          f"Non-finite training loss ({loss.tolist()}) at step {step}. Training stopped; the last "
+          f"good checkpoint (step {last_good_step}) is kept in {checkpoint_dir}.")
+  pending.clear()
+
+
+def train(run: Run, *, stop_after_steps: Optional[int] = None,
+          callbacks: Sequence[Callback] = ()) -> TrainState:
+  """Train ``run.model`` on ``run.pipeline``, writing checkpoints and metrics to ``run.workdir``
+  while holding its lock (``workdir_lock.lock_workdir``: another run writing there is refused,
+  and this one is if another holds it); ``run.variables`` and ``run.step`` are the trained ones
+  afterwards.
+
+  Resumes from the latest intact checkpoint onto the run's devices, whatever device count wrote
+  it (``checkpoints.restore_latest``; newer steps that fail to restore are renamed by
+  ``set_aside_newer_steps``, not deleted).  ``stop_after_steps`` ends this run early (after a
+  checkpoint), as a preemption would.  ``callbacks`` join the preemption handler and the
+  trajectory recorder.
+  """
+  with lock_workdir(run.workdir) as lock:
+    return _train(run, lock, stop_after_steps, callbacks)
+
+
+def _train(run: Run, lock, stop_after_steps: Optional[int], callbacks: Sequence[Callback]
+           ) -> TrainState:
+  config, pipeline, mesh = run.config, run.pipeline, run.mesh
+  workdir_lib.workdir_path(run.workdir).mkdir(parents=True, exist_ok=True)
+  writer = MetricWriter(  # other processes log only
+      str(workdir_lib.workdir_path(run.workdir)) if jax.process_index() == 0 else None)
+  replicated, data_sharding = shardings(mesh)
+  batch_sharding = train_batch_sharding(config, mesh)
+
+  steps_per_epoch = pipeline.steps_per_epoch
+  if steps_per_epoch == 0:
+    raise ValueError(
+        f"batch_size {config.batch_size} is larger than the training set ({pipeline.num_train}).")
+  num_steps = config.num_train_steps if config.num_train_steps > 0 else int(
+      (config.warmup_epochs + config.num_epochs) * steps_per_epoch)
+  schedule = create_learning_rate_schedule(config, steps_per_epoch)
+  preemption = Preemption(config.log_every_steps)
+  callbacks = [TrajectoryRecorder.for_run(config, run.workdir, num_steps), preemption,
+               *callbacks]
+
+  members = ensemble.check_ensemble_config(config, run.model)
+  init_rng, dropout_rng, eval_rng = jax.random.split(jax.random.key(config.seed), 3)
+  if members == 1:
+    state = create_train_state(config, run.model, init_rng, pipeline.image_shape, schedule)
+  else:  # stacked members; member m's keys are those of the single run with seed + m
+    ensemble.check_ensemble_fits(config, run.model, members, pipeline.image_shape, schedule,
+                                 mesh.devices.flat)
+    state = ensemble.create_ensemble_state(config, run.model, members, pipeline.image_shape,
+                                           schedule)
+    dropout_rng = ensemble.member_keys(config, members, 1)
+  state = jax.device_put(state, replicated)
+  checkpoint_dir = workdir_lib.checkpoint_dir(run.workdir)
+  loss_fn = make_loss(config, run.model, num_train=pipeline.num_train,
+                      steps_per_epoch=steps_per_epoch,
+                      class_weights=class_weights(config, run.model, pipeline))
+  resumed = run.restore(state)  # onto this run's mesh, whatever device count wrote it
+  if resumed is not None:
+    set_aside_newer_steps(run.manager, run.step)
+    state = resumed
+    logging.info("Resumed from step %d of %s", int(state.step), checkpoint_dir)
+  elif config.init_from or (is_ibnn(run.model) and config.ibnn.pretrained_workdir):
+    state = jax.device_put(initialize_from(run, state), replicated)
+  start_step = int(state.step)
+  if jax.process_index() == 0:
+    workdir_lib.write_config(run.workdir, config, run.model_spec)
+
+  if members == 1:
+    member_pipelines = [pipeline]
+    train_step_fn, eval_step_fn = compile_steps(run.model, schedule, mesh, config.ece_bins,
+                                                loss_fn, config.grad_accum_steps, batch_sharding,
+                                                pipeline)
+  else:
+    member_pipelines = ensemble.member_pipelines(config, pipeline, members)
+    train_step_fn, eval_step_fn = ensemble.compile_ensemble_steps(
+        run.model, schedule, mesh, config.ece_bins, loss_fn, config.grad_accum_steps,
+        batch_sharding, pipeline, member_pipelines,
+        config.get("ensemble_vmap_size", 0) or ensemble.DEFAULT_VMAP_SIZE)
+
+  report_progress = ProgressReporter(num_steps, writer)
+  eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))
+  stop_at = num_steps if stop_after_steps is None else min(num_steps, start_step + stop_after_steps)
+  train_metrics, pending_losses = [], []
+  in_flight = DispatchWindow()  # the host runs at most a few steps ahead (see parallel.py)
+  last_good, stopped_by = start_step, []
+  logging.info("Training %s%s on %s: %d steps (%d per epoch), global batch %d on %d devices.",
+               config.model, f" (an ensemble of {members})" if members > 1 else "",
+               config.dataset, num_steps, steps_per_epoch, config.batch_size, mesh.size)
+
+  if pipeline.resident:  # the step takes its batch from the arrays on the devices
+    batches = None
+    if members == 1:
+      step_inputs = lambda step: (pipeline.arrays,  # noqa: E731
+                                  pipeline.device_order((step - 1) // steps_per_epoch))
+    else:  # each member's order of the epoch
+      step_inputs = lambda step: (pipeline.arrays, tuple(  # noqa: E731
+          p.device_order((step - 1) // steps_per_epoch) for p in member_pipelines))
+  else:  # the next global batches are assembled on the devices while the current step runs
+    iterators = [p.train_iterator(start_step) for p in member_pipelines]
+    batches = prefetch_to_devices(iterators[0] if members == 1 else zip(*iterators),
+                                  batch_sharding, config.prefetch_batches)
+    step_inputs = lambda step: (next(batches),)  # noqa: E731
+  try:
+    for callback in callbacks:
+      callback.on_start(start_step, state)
+    for step in range(start_step + 1, stop_at + 1):
+      with jax.profiler.StepTraceAnnotation("train", step_num=step):
+        state, metrics = train_step_fn(state, *step_inputs(step), dropout_rng)
+      in_flight(metrics)  # not the state, whose buffers the next step takes over (donated)
+      for callback in callbacks:
+        callback.on_step(step, state)
+      train_metrics.append(metrics)
+      pending_losses.append((step, metrics["loss"]))
+
+      # Every callback is asked (a multi-process one gathers from all processes), and the save
+      # and the exit below agree.
+      stopped_by = [callback for callback in callbacks if callback.should_stop(step)]
+      is_last = step == stop_at or bool(stopped_by)
+      if step % config.log_every_steps == 0 or is_last:
+        _check_finite(pending_losses, last_good, checkpoint_dir)
+        means = jax.tree.map(lambda *xs: np.mean(np.stack(xs), axis=0),
+                             *jax.device_get(train_metrics))  # an ensemble's: [M] each
+        summary = {f"train_{k}": float(np.mean(v)) for k, v in means.items()}
+        if members > 1:
+          means.pop("learning_rate")
+          summary.update(ensemble.member_summaries("train_", means, members))
+        writer.write_scalars(step, summary)
+        train_metrics = []
+      report_progress(step)  # after the summary, which waits for the step: honest steps/s
+      if step % eval_every == 0 or step == num_steps:
+        with report_progress.timed("eval"):
+          results = evaluate_batches(eval_step_fn, variables_of(state), run.eval_batches(),
+                                     data_sharding, eval_rng)
+        reported = ("nll", "acc", "ece")
+        if members == 1:
+          writer.write_scalars(step, {f"eval_{k}": v for k, v in results.compute().items()
+                                      if k in reported})
+        else:  # the ensemble (the mean of the members' probabilities), then each member
+          whole, *each = (r.compute() for r in results)
+          writer.write_scalars(step, {
+              **{f"eval_{k}": whole[k] for k in reported},
+              **ensemble.member_summaries("eval_", {k: [r[k] for r in each] for k in reported},
+                                          members)})
+      if step % config.checkpoint_every_steps == 0 or is_last:
+        _check_finite(pending_losses, last_good, checkpoint_dir)
+        if not bool(_all_finite(state)):
+          raise FloatingPointError(
+              f"Non-finite parameters after step {step}. Training stopped; the last good "
+              f"checkpoint (step {last_good}) is kept in {checkpoint_dir}.")
+        for callback in callbacks:
+          callback.on_checkpoint(step)
+        lock.check()  # a lease lost to another writer: stop before writing into its workdir
+        run.manager.save(step, args=ocp.args.StandardSave(state))
+        last_good = step
+      writer.flush()
+      if stopped_by:
+        break
+  finally:
+    if batches is not None:
+      batches.close()
+    for callback in callbacks:
+      callback.close()
+    run.manager.wait_until_finished()  # commits any checkpoint still being written
+    writer.close()
+  run.variables, run.step = variables_of(state), int(state.step)
+  if stopped_by:
+    reason = "after SIGTERM" if preemption in stopped_by else "at a callback's request"
+    raise Preempted(f"Stopped at step {step} {reason} (checkpoint saved in {checkpoint_dir}); "
+                    "rerun the same command to resume.")
+  return state
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       stop_after_steps: Optional[int] = None) -> TrainState:
+  """:func:`train` of ``Run.from_config(config, workdir)`` (the evaluators then run on
+  ``Run.from_workdir(workdir)``, or ``main`` passes them the same run)."""
+  with lock_workdir(workdir), Run.from_config(config, workdir) as run:
+    return train(run, stop_after_steps=stop_after_steps)

@@ -1,0 +1,91 @@
+"""smoothing_jax.experiment.run: one Run per process — the data loaded once, the model built once,
+one mesh and one checkpoint manager — and a trained run restored without its dataset."""
+import os
+import shutil
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from smoothing_jax import main
+from smoothing_jax.models import get_model
+from smoothing_jax.parallel import create_mesh
+from smoothing_jax.experiment.run import Run
+from tests.helpers import small_npz, small_npz_config
+
+
+class _Counter:
+  """Counts the calls of ``function`` wherever a smoothing_jax module imported it by name."""
+
+  def __init__(self, monkeypatch, function):
+    self.calls = 0
+
+    def counted(*args, **kwargs):
+      self.calls += 1
+      return function(*args, **kwargs)
+
+    for name, module in list(sys.modules.items()):
+      if name.startswith("smoothing_jax") and getattr(module, function.__name__, None) is function:
+        monkeypatch.setattr(module, function.__name__, counted)
+
+
+def test_a_trained_and_evaluated_run_makes_everything_once(tmp_path, monkeypatch, capsys):
+  """``--mode=train`` of a quickstart-sized run: training, periodic evaluation, then the
+  ``config.evals`` evaluator, on one Run."""
+  from smoothing_jax.data import datasets, pipeline
+  data = small_npz(tmp_path)
+  counts = {name: _Counter(monkeypatch, function) for name, function in (
+      ("pipelines", pipeline.create_pipeline), ("splits read", datasets.load_arrays),
+      ("models built", get_model), ("meshes", create_mesh))}
+  managers = []
+  original = ocp.CheckpointManager.__init__
+
+  def counted_manager(self, *args, **kwargs):
+    managers.append(args[0] if args else kwargs.get("directory"))
+    original(self, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.CheckpointManager, "__init__", counted_manager)
+  workdir = str(tmp_path / "run")
+  config = small_npz_config(data, num_train_steps=2)  # evaluates at the last step too
+  results = main.run(config, workdir, "train")
+  assert {name: c.calls for name, c in counts.items()} == {
+      "pipelines": 1, "splits read": 2, "models built": 1, "meshes": 1}  # train + test split
+  assert len(managers) == 1
+  assert [r["ensemble_size"] for r in results["ensemble_sizes"]] == [1]
+  assert "ensemble size | NLL" in capsys.readouterr().out
+  assert os.path.exists(os.path.join(workdir, "results", "ensemble_sizes.json"))
+
+
+def test_a_restored_run_rebuilds_the_model_without_the_dataset(tmp_path, small_npz_run):
+  source_data, source, final = small_npz_run
+  data = shutil.copytree(source_data, tmp_path / "data")
+  workdir = shutil.copytree(source, tmp_path / "run")
+  config_path = os.path.join(workdir, "config.json")
+  with open(config_path) as f:
+    text = f.read().replace(f"npz:{source_data}", f"npz:{data}")
+  with open(config_path, "w") as f:
+    f.write(text)
+  shutil.rmtree(data)  # the dataset is gone: the model is rebuilt from config.json alone
+  run = Run.from_workdir(str(workdir))
+  assert run.config.dataset == f"npz:{data}" and not os.path.exists(data)
+  assert run.step == 4 and run.read_only
+  spec = run.model_spec
+  assert (spec.num_classes, spec.image_shape, spec.num_train_examples) == (4, (16, 16, 3), 32)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(run.variables), final)
+  images = jax.random.normal(jax.random.key(0), (2, 16, 16, 3))
+  expected = get_model("resnet_dnn_18", 4, width=4, stage_sizes=(1,)).apply(run.variables, images)
+  np.testing.assert_array_equal(run.model.apply(run.variables, images), expected)
+  # Overrides change evaluation settings; the model is the recorded one.
+  given = Run.from_workdir(str(workdir), {"eval_batch_size": 32, "ensemble_sizes": (1, 2)})
+  assert given.config.eval_batch_size == 32 and given.model.num_classes == 4
+  assert jnp.shape(given.model.apply(given.variables, images)) == (2, 4)
+  with pytest.raises(ValueError, match="Override 'eval_batch_sise': unknown config key"):
+    Run.from_workdir(str(workdir), {"eval_batch_sise": 32})
+
+
+def test_a_missing_run_is_a_clear_error(tmp_path):
+  with pytest.raises(FileNotFoundError, match="No run in .*never_trained: .* does not exist"):
+    Run.from_workdir(str(tmp_path / "never_trained"))

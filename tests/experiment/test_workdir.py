@@ -1,0 +1,64 @@
+"""smoothing_jax.experiment.workdir: a run's files — config.json with the model spec, atomic
+writes, and paths that may be ``gs://`` URIs."""
+import json
+import os
+import re
+
+import pytest
+
+from smoothing_jax.experiment import workdir as workdir_lib
+from smoothing_jax.evaluators.common import write_table
+from smoothing_jax.evaluators.corruptions import read_corruption_table
+from smoothing_jax.experiment.spec import ModelSpec
+from tests.helpers import small_npz_config
+
+SPEC = ModelSpec(4, "cifar", (16, 16, 3), 32)
+
+
+def test_config_and_model_spec_round_trip(tmp_path):
+  config = small_npz_config(str(tmp_path / "data"))  # the config names the data; nothing reads it
+  workdir_lib.write_config(str(tmp_path), config, SPEC)
+  assert os.listdir(tmp_path) == [workdir_lib.CONFIG_FILE]  # written atomically: no .tmp left
+  assert json.load(open(tmp_path / workdir_lib.CONFIG_FILE))["model_spec"] == {
+      "num_classes": 4, "stem": "cifar", "image_shape": [16, 16, 3], "num_train_examples": 32}
+  read, read_spec = workdir_lib.read_config(str(tmp_path))
+  assert read_spec == SPEC
+  assert json.loads(read.to_json_best_effort()) == json.loads(config.to_json_best_effort())
+  assert "model_spec" not in read
+
+
+def test_workdir_files_go_through_epath_to_gcs_paths(fake_gcs, tmp_path, monkeypatch):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  monkeypatch.chdir(tmp_path)
+  workdir = "gs://bucket/run"
+  assert str(workdir_lib.workdir_path(workdir)) == workdir  # a URI is never made "absolute"
+  assert workdir_lib.workdir_path("relative/run") == tmp_path / "relative" / "run"
+  config = small_npz_config(str(tmp_path / "data"))
+  workdir_lib.write_config(workdir, config, SPEC)
+  assert workdir_lib.read_config(workdir)[1] == SPEC
+  results = workdir_lib.workdir_path(workdir) / "results"
+  rows = [{"type": "fog", "severity": 1, "NLL": 1.5, "Acc": 0.5, "ECE": 0.1, "count": 10}]
+  write_table(rows, results, "corruptions")
+  workdir_lib.save_figure(plt.figure(), results / "figure.png")
+  assert read_corruption_table(results / "corruptions.csv")[("fog", 1)]["nll"] == 1.5
+  stored = fake_gcs / "bucket" / "run"
+  assert sorted(os.listdir(stored)) == ["config.json", "results"]
+  assert sorted(os.listdir(stored / "results")) == ["corruptions.csv", "corruptions.json",
+                                                     "figure.png"]  # no .tmp left behind
+  assert (stored / "results" / "figure.png").read_bytes()[:4] == b"\x89PNG"
+  assert not os.path.exists(tmp_path / "gs:")  # nothing went to a local "gs:/bucket" folder
+
+
+def test_missing_run_and_missing_model_spec_are_clear_errors(tmp_path):
+  missing = str(tmp_path / "never_trained")
+  message = re.escape(f"No run in {missing}: {os.path.join(missing, 'config.json')} does not "
+                      "exist (train into it first).")
+  with pytest.raises(FileNotFoundError, match=message):
+    workdir_lib.read_config(missing)
+  os.makedirs(missing)
+  with open(os.path.join(missing, "config.json"), "w") as f:
+    json.dump({"model": "resnet_dnn_18"}, f)  # as written before model_spec was recorded
+  with pytest.raises(ValueError, match="has no model_spec .*rerun the training command once"):
+    workdir_lib.read_config(missing)

@@ -1,0 +1,179 @@
+"""BNN-VI: the mean-field layers' KL and Flipout draws against numpy and Monte Carlo over
+explicitly sampled weights, the ELBO, the optimiser's decay mask and the models' sizes."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from scipy import stats
+
+from configs import cifar_resnet
+from smoothing_jax.methods import bnnvi
+from smoothing_jax.training import losses, optim
+from smoothing_jax.layers.mean_field import (MeanFieldConv, MeanFieldDense, kl_divergence,
+                                             mean_field_layers)
+from smoothing_jax.inference import sample_rngs
+from smoothing_jax.models import get_model, is_stochastic
+from tests.helpers import (ALL_CLASSIFIER_EVALS, num_params, override, tiny_config, tiny_run,
+                           train_resume_and_evaluate)
+
+
+def _layer_params(shape, seed=0, std=(0.05, 0.3)):
+  """μ ~ N(0, 0.3²) and ρ with σ ~ U(std) of a kernel of ``shape`` (numpy)."""
+  rng = np.random.default_rng(seed)
+  sigma = rng.uniform(*std, shape)
+  return {"kernel": rng.normal(0, 0.3, shape).astype(np.float32),
+          "kernel_rho": np.log(np.expm1(sigma)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("prior_mean", [None, 0.0, 0.2])
+def test_kl_matches_the_closed_form_in_numpy_and_monte_carlo(prior_mean):
+  layer = _layer_params((3, 3, 2, 3))
+  params = {"block": {"conv": layer}, "other": {"kernel": np.ones((2, 2), np.float32)}}
+  mu = layer["kernel"].astype(np.float64)
+  sigma = np.log1p(np.exp(layer["kernel_rho"].astype(np.float64)))
+  prior_std, m = 0.1, mu if prior_mean is None else prior_mean
+  closed = np.sum(np.log(prior_std / sigma) + (sigma**2 + (mu - m)**2) / (2 * prior_std**2) - 0.5)
+  ours = float(kl_divergence(params, prior_std, prior_mean))
+  np.testing.assert_allclose(ours, closed, rtol=1e-5)
+  # E_q[log q(w) − log p(w)] over 200,000 sampled weight tensors.
+  w = mu + sigma * np.random.default_rng(1).standard_normal((200_000,) + mu.shape)
+  log_ratio = stats.norm.logpdf(w, mu, sigma) - stats.norm.logpdf(w, m, prior_std)
+  estimate = log_ratio.reshape(len(w), -1).sum(1)
+  assert abs(estimate.mean() - ours) < 4 * estimate.std() / np.sqrt(len(w))
+  assert len(mean_field_layers(params)) == 1
+
+
+def _flipout_samples(layer, params, x, num=4000):
+  """``[num, B, ...]`` outputs of ``layer`` over ``num`` noise keys."""
+  keys = jax.random.split(jax.random.key(3), num)
+  return np.asarray(jax.jit(jax.vmap(lambda k: layer.apply(
+      {"params": params}, x, rngs={"noise": k})))(keys), np.float64)
+
+
+def test_flipout_dense_moments_match_explicitly_sampled_weight_matrices():
+  layer = MeanFieldDense(features=3)
+  params = {**_layer_params((5, 3)), "bias": np.array([0.1, -0.2, 0.3], np.float32)}
+  x = np.random.default_rng(2).normal(size=(4, 5)).astype(np.float32)
+  ours = _flipout_samples(layer, params, x)
+  mu = params["kernel"].astype(np.float64)
+  sigma = np.log1p(np.exp(params["kernel_rho"].astype(np.float64)))
+  w = mu + sigma * np.random.default_rng(4).standard_normal((20_000,) + mu.shape)
+  explicit = np.einsum("bi,sio->sbo", x, w) + params["bias"]
+  scale = np.sqrt(explicit.var(0))
+  np.testing.assert_allclose(ours.mean(0), explicit.mean(0), atol=0.1 * scale.max())
+  np.testing.assert_allclose(ours.var(0), explicit.var(0), rtol=0.1)
+  # One pass: examples draw their perturbations apart (Flipout), not one shared weight sample.
+  assert abs(np.corrcoef(ours[:, 0, 0], ours[:, 1, 0])[0, 1]) < 0.1
+  assert abs(np.corrcoef(explicit[:, 0, 0], explicit[:, 1, 0])[0, 1]) > 0.2
+
+
+def test_flipout_conv_matches_one_sampled_kernel_per_example_including_over_positions():
+  layer = MeanFieldConv(features=2, kernel_size=3, padding=1)
+  params = _layer_params((3, 3, 2, 2), seed=5)
+  x = np.random.default_rng(6).normal(size=(2, 4, 4, 2)).astype(np.float32)
+  ours = _flipout_samples(layer, params, x)
+  mu = params["kernel"].astype(np.float64)
+  sigma = np.log1p(np.exp(params["kernel_rho"].astype(np.float64)))
+  kernels = mu + sigma * np.random.default_rng(7).standard_normal((20_000,) + mu.shape)
+  padded = np.pad(x.astype(np.float64), ((0, 0), (1, 1), (1, 1), (0, 0)))
+  patches = np.stack([padded[:, i:i + 4, j:j + 4] for i in range(3) for j in range(3)], 1)
+  explicit = np.einsum("bkhwi,skio->sbhwo", patches, kernels.reshape(len(kernels), 9, 2, 2))
+  np.testing.assert_allclose(ours.var(0), explicit.var(0), rtol=0.12)
+  np.testing.assert_allclose(ours.mean(0), explicit.mean(0),
+                             atol=0.1 * np.sqrt(explicit.var(0)).max())
+  # Two positions of one example share its kernel sample: their covariance is a sampled kernel's.
+  def cov(samples):
+    a, b = samples[:, 0, 1, 1, 0], samples[:, 0, 1, 2, 0]
+    return np.mean((a - a.mean()) * (b - b.mean()))
+  np.testing.assert_allclose(cov(ours), cov(explicit), atol=0.15 * np.sqrt(
+      explicit[:, 0, 1, 1, 0].var() * explicit[:, 0, 1, 2, 0].var()))
+
+
+def test_posterior_initialisation_is_uncertainty_baselines():
+  variables = jax.jit(MeanFieldDense(features=400).init)(
+      {"params": jax.random.key(0), "noise": jax.random.key(1)}, jnp.ones((1, 300)))["params"]
+  sigma = jax.nn.softplus(variables["kernel_rho"])
+  rho = np.asarray(variables["kernel_rho"])
+  # ρ ~ TruncatedNormal(softplus⁻¹(1e-3), 0.1): mean softplus⁻¹(1e-3) = log(expm1(1e-3)).
+  assert abs(rho.mean() - np.log(np.expm1(1e-3))) < 0.01
+  assert np.abs(rho - np.log(np.expm1(1e-3))).max() <= 0.2 + 1e-6
+  assert 0.7e-3 < float(sigma.mean()) < 1.3e-3
+  # μ: Keras he_normal, a normal of std √(2 / fan_in) / 0.8796 truncated at two of its standard
+  # deviations, so of std √(2 / fan_in).
+  kernel = np.asarray(variables["kernel"])
+  np.testing.assert_allclose(kernel.std(), np.sqrt(2 / 300), rtol=0.03)
+  assert np.abs(kernel).max() <= 2 * np.sqrt(2 / 300) / 0.8796 + 1e-6
+
+
+def test_the_elbo_is_mean_nll_plus_annealed_kl_over_n_and_decay_skips_the_posterior():
+  # A one-stage ResNet with mean-field kernels (BatchNorm deterministic), 16×16 inputs.
+  config = override(tiny_config(), **{"bnnvi.kl_anneal_epochs": 2})
+  model = get_model("resnet_dnn_18", 4, width=4, stage_sizes=(1,), mean_field=True)
+  assert is_stochastic(model) and model.weights == "mean_field"
+  variables = jax.jit(model.init)({"params": jax.random.key(0), "noise": jax.random.key(1)},
+                                  jnp.zeros((1, 16, 16, 3)))
+  batch = {"image": jax.random.normal(jax.random.key(2), (4, 16, 16, 3)),
+           "label": jnp.array([0, 1, 2, 3])}
+  loss_fn = losses.make_loss(config, model, num_train=100, steps_per_epoch=10)
+
+  @jax.jit
+  def elbo_and_nll(step):
+    """The loss, its metrics, and the NLL of one training pass drawn from the loss's key."""
+    key = jax.random.key(3)
+    loss, aux = loss_fn(variables["params"], variables["batch_stats"], batch, key, step)
+    logits, _ = model.apply(variables, batch["image"], train=True, mutable=["batch_stats"],
+                            rngs=sample_rngs(key))
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    return loss, aux["metrics"], nll
+
+  kl = kl_divergence(variables["params"], 0.1)
+  for step, beta in ((0, 0.0), (15, 0.5), (40, 1.0)):
+    loss, metrics, nll = elbo_and_nll(step)
+    assert float(metrics["kl_weight"]) == beta
+    np.testing.assert_allclose(metrics["kl"], kl, rtol=1e-5)
+    np.testing.assert_allclose(metrics["nll"], nll, rtol=1e-5)
+    np.testing.assert_allclose(loss, nll + beta * kl / 100, rtol=1e-5)
+  # Zero gradients at rate 1: the update is −0.5·w where weight decay 0.5 applies, else 0.
+  tx = optim.create_optimizer(override(config, weight_decay=0.5, momentum=0.0), lambda s: 1.0,
+                              model)
+  params = jax.tree.map(lambda p: p + 1.0, variables["params"])  # biases 0 → 1
+  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  head, conv, bn = (updates["classifier_0"], updates["layer1_0"]["conv1"],
+                    updates["layer1_0"]["bn1"])
+  np.testing.assert_allclose(head["bias"], -0.5 * np.asarray(params["classifier_0"]["bias"]))
+  np.testing.assert_allclose(bn["scale"], -0.5 * np.asarray(params["layer1_0"]["bn1"]["scale"]))
+  for layer in (head, conv):  # the posterior's μ and ρ: regularised by the KL alone
+    assert not np.any(np.asarray(layer["kernel"])) and not np.any(np.asarray(layer["kernel_rho"]))
+  assert bnnvi.decay_mask(variables["params"])["classifier_0"] == {
+      "bias": True, "kernel": False, "kernel_rho": False}
+
+
+def test_model_sizes_are_twice_the_kernels_plus_the_deterministic_rest():
+  # uncertainty-baselines' README: VI WRN-28-10 73M (a μ and a σ per kernel entry) against the
+  # deterministic 36.5M: 36,454,832 conv and 6,400 dense kernel entries, 17,952 BatchNorm γ/β
+  # and the head's 10 biases.
+  kernels = 36_454_832 + 6_400
+  assert num_params(get_model("wideresnet_bnnvi_28_10", 10)) == 2 * kernels + 17_952 + 10
+  # The iBNN reference's VGG-16 (13 convs with biases, 512-512-10 head): 15,245,130 deterministic
+  # parameters, of which 15,239,872 kernel entries.
+  vgg = get_model("vgg_dnn_16", 10, batch_norm=False, classifier="mlp512")
+  assert num_params(vgg) == 15_245_130
+  assert num_params(get_model("vgg_bnnvi_16", 10)) == 15_245_130 + 15_239_872
+
+
+def test_trains_resumes_and_runs_every_evaluator_from_the_command_line(tmp_path):
+  # A one-stage ResNet with mean-field kernels: the layers and ELBO of vgg_bnnvi_16 at a fraction
+  # of its compile time (the configs are checked in test_config_base).
+  pytest.importorskip("tensorflow_datasets")
+  config = tiny_run(cifar_resnet.get_config("resnet_dnn_18,cifar10,runlocal"), num_train_steps=4,
+                    holdout_fraction=0.25, ensemble_sizes=(1, 2),
+                    **{"model_kwargs.stage_sizes": (1,), "model_kwargs.mean_field": True})
+  # Not temporal: a mean-field model streams as MC dropout does (test_temporal), and its scan
+  # over frames of weight samples is this test's longest compile.
+  results = train_resume_and_evaluate(config, tmp_path, ALL_CLASSIFIER_EVALS[:-1])
+  rows = results["ensemble_sizes"]
+  assert [r["ensemble_size"] for r in rows] == [1, 2] and rows[0]["nll"] != rows[1]["nll"]
+  for name in ("calibration", "selective", "ood"):
+    assert {r["ensemble_size"] for r in results[name]} == {1, 2}, name
+  assert np.isfinite(results["corruptions"]["mean_err"])

@@ -1,0 +1,250 @@
+"""iBNN: noisy nodes, KL, component assignment, K×S inference, folding, training steps (the node
+noise layers: test_layers.py)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from smoothing_jax.methods import ibnn
+from smoothing_jax.inference import sample_rngs
+from smoothing_jax.models import get_model
+from smoothing_jax.plots import plot_ood_curves
+from tests.helpers import (abstract_variables, evaluate_workdir, init_variables, model_options,
+                           tiny_run)
+
+
+# VGG-16's layers with one convolution a stage: compiles in half the time of its (2, 2, 3, 3, 3).
+ONE_BLOCK_A_STAGE = (1, 1, 1, 1, 1)
+
+
+@pytest.fixture(scope="module")
+def tiny_vgg():
+  model = get_model("vgg_ibnn_16", 5, num_components=3, width=4, stage_sizes=ONE_BLOCK_A_STAGE)
+  return model, init_variables(model, (2, 32, 32, 3))
+
+
+@pytest.mark.parametrize("name,nodes", [("wideresnet_ibnn_28_10", 9475), ("vgg_ibnn_16", 5251)])
+def test_noisy_input_nodes_per_component(name, nodes):
+  # WRN-28-10: stem 3 + stage inputs (16+160+16 + 3·320) + (160+320+160 + 3·640)
+  # + (320+640+320 + 3·1280) + head 640.
+  # VGG-16 (reference StoVGG16): 13 convs 3715 + three dense layers 3·512 = 5251.
+  model = get_model(name, 10, num_components=2)
+  shapes = abstract_variables(model)
+  assert ibnn.num_noise_nodes(shapes["params"]) == nodes
+  assert all(layer["z_mean"].shape[0] == 2 for layer in ibnn.noise_layers(shapes["params"]))
+
+
+def test_kl_matches_numpy(tiny_vgg):
+  _, variables = tiny_vgg
+  params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(5), x.shape),
+                        variables["params"])
+  expected = 0.0
+  for layer in ibnn.noise_layers(params):
+    for m, r in (("z_mean", "z_rho"), ("b_mean", "b_rho")):
+      mu, sigma = np.asarray(layer[m],
+                             np.float64), np.log1p(np.exp(np.asarray(layer[r], np.float64)))
+      k = mu.shape[0]
+      mean, std, s = mu.mean(0), np.sqrt((sigma ** 2).sum(0)) / k, 0.3
+      expected += np.sum(np.log(s / std) + (std ** 2 + (mean - 1.0) ** 2) / (2 * s ** 2) - 0.5)
+  np.testing.assert_allclose(float(ibnn.kl_divergence(params, 0.3)), expected, rtol=1e-5)
+
+
+def test_component_assignment_is_repeat_interleave_then_round_robin():
+  images = jnp.arange(3.0).reshape(3, 1, 1, 1)
+  rep, labels, components = ibnn.repeat_batch(images, jnp.array([7, 8, 9]), 2, 4)
+  assert rep[:, 0, 0, 0].tolist() == [0, 0, 1, 1, 2, 2]
+  assert labels.tolist() == [7, 7, 8, 8, 9, 9]
+  assert components.tolist() == [0, 1, 2, 3, 0, 1]
+
+
+def test_ibnn_predict_equals_the_loop_over_components_and_keys(tiny_vgg):
+  model, variables = tiny_vgg
+  images = jax.random.normal(jax.random.key(3), (2, 32, 32, 3))
+  rng = jax.random.key(4)
+  pred = ibnn.ibnn_predict(model, variables, images, num_samples=2, rng=rng)
+  assert pred.sample_probs.shape == (6, 2, 5)
+  keys = jax.random.split(rng, 6).reshape(3, 2)
+  for k in range(3):
+    for s in range(2):
+      logits = model.apply(variables,
+                           images,
+                           components=jnp.full((2,), k),
+                           rngs=sample_rngs(keys[k, s]))
+      np.testing.assert_allclose(pred.sample_probs[s * 3 + k], jax.nn.softmax(logits), atol=1e-5)
+  np.testing.assert_allclose(pred.mean_probs, pred.sample_probs.mean(0), atol=1e-6)
+  with pytest.raises(ValueError, match="num_samples"):
+    ibnn.ibnn_predict(model, variables, images, num_samples=0, rng=rng)
+
+
+def test_fold_component_reproduces_the_noisy_model_at_the_component_mean(tiny_vgg):
+  model, variables = tiny_vgg
+  sharp = jax.tree_util.tree_map_with_path(
+      lambda p, v: jnp.full_like(v, -30.0) if p[-1].key in ("z_rho", "b_rho") else v, variables)
+  images = jax.random.normal(jax.random.key(6), (2, 32, 32, 3))
+  det = get_model("vgg_dnn_16", 5, width=4, batch_norm=False, classifier="mlp512",
+                  stage_sizes=ONE_BLOCK_A_STAGE)
+  for k in range(3):
+    noisy = model.apply(sharp,
+                        images,
+                        components=jnp.full((2,), k),
+                        rngs=sample_rngs(jax.random.key(0)))
+    folded = det.apply(ibnn.fold_component(sharp, k), images)
+    np.testing.assert_allclose(noisy, folded, rtol=1e-4, atol=1e-5)
+  with pytest.raises(ValueError, match="out of range"):
+    ibnn.fold_component(variables, 3)
+
+
+def test_pretrained_deterministic_weights_load_and_mismatches_are_named(tiny_vgg):
+  model, variables = tiny_vgg
+  det = get_model("vgg_dnn_16", 5, width=4, batch_norm=False, classifier="mlp512",
+                  stage_sizes=ONE_BLOCK_A_STAGE)
+  det_params = init_variables(det, (2, 32, 32, 3))["params"]
+  loaded = ibnn.load_deterministic(variables["params"], det_params)
+  np.testing.assert_array_equal(loaded["layer0_0"]["conv"]["kernel"],
+                                det_params["layer0_0"]["conv"]["kernel"])
+  np.testing.assert_array_equal(loaded["layer0_0"]["conv"]["z_mean"],
+                                variables["params"]["layer0_0"]["conv"]["z_mean"])
+  wrong = init_variables(get_model("vgg_dnn_16", 5, width=8, batch_norm=False, classifier="mlp512",
+                                   stage_sizes=ONE_BLOCK_A_STAGE), (2, 32, 32, 3))["params"]
+  with pytest.raises(ValueError, match="does not match the iBNN architecture"):
+    ibnn.load_deterministic(variables["params"], wrong)
+
+
+def test_training_steps_lower_the_negative_elbo(tiny_vgg):
+  model, variables = tiny_vgg
+  objective = ibnn.Objective(num_components=3,
+                             num_repeats=2,
+                             prior_mean=1.0,
+                             prior_std=0.3,
+                             num_train=64,
+                             steps_per_epoch=1,
+                             kl_anneal_epochs=1).check()
+  tx = ibnn.create_optimizer(0.01, variational_lr=0.5, weight_decay=5e-4)
+  images = jax.random.normal(jax.random.key(7), (8, 32, 32, 3))
+  labels = jnp.arange(8) % 5
+
+  @jax.jit
+  def step(params, opt_state, i):
+    (loss, aux), grads = jax.value_and_grad(
+        functools.partial(ibnn.elbo_loss, model, objective), has_aux=True)(
+            params, {}, images, labels, jax.random.key(i), 5)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  params, opt_state = variables["params"], tx.init(variables["params"])
+  losses = []
+  for i in range(15):
+    params, opt_state, loss = step(params, opt_state, i)
+    losses.append(float(loss))
+  assert np.mean(losses[-3:]) < losses[0]
+  # The deterministic and variational groups both moved.
+  assert not np.allclose(params["layer0_0"]["conv"]["kernel"],
+                         variables["params"]["layer0_0"]["conv"]["kernel"])
+  assert not np.allclose(params["layer0_0"]["conv"]["z_mean"],
+                         variables["params"]["layer0_0"]["conv"]["z_mean"])
+
+
+def test_bad_settings_are_rejected():
+  base = dict(num_components=2,
+              num_repeats=2,
+              prior_mean=1.0,
+              prior_std=0.1,
+              num_train=10,
+              steps_per_epoch=1,
+              kl_anneal_epochs=1)
+  for key, value, match in (("num_components", 0, "K"), ("num_repeats", 0, "S"), ("prior_std", 0.0,
+                                                                                  "prior_std")):
+    with pytest.raises(ValueError, match=match):
+      ibnn.Objective(**{**base, key: value}).check()
+  with pytest.raises(ValueError, match="num_components"):
+    get_model("vgg_ibnn_16", 10, num_components=0)
+  with pytest.raises(ValueError, match="no iBNN variant"):
+    init_variables(get_model("resnet_dnn_18", 10, num_components=2, width=4), (2, 32, 32, 3))
+  with pytest.raises(ValueError, match="iBNN model"):
+    ibnn.ibnn_predict(get_model("vgg_dnn_16", 10), {},
+                      jnp.zeros((1, 32, 32, 3)),
+                      rng=jax.random.key(0))
+
+
+def test_salt_and_pepper_matches_the_reference():
+  """IB ``ood_test.add_imnoise`` in numpy: ``img[u < p] = 0`` then ``img[u > 1 - p] = 1``."""
+  images = np.random.default_rng(0).normal(size=(4, 16, 16, 3)).astype(np.float32)
+  key = jax.random.key(3)
+  u = np.asarray(jax.random.uniform(key, images.shape))
+  for p in (0.1, 0.25, 0.5):
+    expected = images.copy()
+    expected[u < p] = 0.0
+    expected[u > 1 - p] = 1.0
+    noisy = np.asarray(ibnn.salt_and_pepper(jnp.asarray(images), p, key))
+    np.testing.assert_array_equal(noisy, expected)
+    assert abs(np.mean(noisy != images) - 2 * p) < 0.03  # 2p of the values change
+
+
+def test_ood_curves_rise_with_blending(tiny_vgg):
+  model, variables = tiny_vgg
+  images = jax.random.normal(jax.random.key(8), (4, 32, 32, 3))
+  predict = lambda x: ibnn.ibnn_predict(model, variables, x, num_samples=2, rng=jax.random.key(0)
+                                       ).sample_probs  # noqa: E731
+  curves = ibnn.ood_entropy_curves(predict, images, "salt_pepper", levels=[0.0, 0.5])
+  np.testing.assert_allclose(curves["total"], curves["aleatoric"] + curves["epistemic"], rtol=1e-5)
+  assert curves["total"].shape == (2,)
+  assert plot_ood_curves(curves, "salt and pepper").axes[0].get_ylabel() == "entropy (nats)"
+
+
+def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(tmp_path):
+  tfds = pytest.importorskip("tensorflow_datasets")  # CIFAR-10 under TFDS mock data
+
+  from configs import cifar_ibnn, cifar_resnet
+  from smoothing_jax.training import train
+  from smoothing_jax.experiment.checkpoints import load_variables
+  from smoothing_jax.parallel import create_mesh
+
+  one_block_a_stage = (1, 1)  # two of VGG-16's five stages: the path at half the compile time
+  det = tiny_run(cifar_resnet.get_config("vgg_dnn_16,cifar10,runlocal"),
+                 num_train_steps=2,
+                 **model_options(batch_norm=False, classifier="mlp512",
+                                 stage_sizes=one_block_a_stage))
+  config = tiny_run(cifar_ibnn.get_config("vgg_ibnn_16,cifar10,3,runlocal"),
+                    num_train_steps=4,
+                    **{
+                        "ibnn.pretrained_workdir": str(tmp_path / "det"),
+                        "ibnn.freeze_deterministic": True,
+                        "model_kwargs.stage_sizes": one_block_a_stage
+                    })
+  with tfds.testing.mock_data(num_examples=16):
+    train.train_and_evaluate(det, str(tmp_path / "det"))
+    state = train.train_and_evaluate(config, str(tmp_path / "ibnn"))
+    rows = evaluate_workdir("ensemble_sizes", str(tmp_path / "ibnn"), str(tmp_path / "results"),
+                            config)
+  _, det_variables = load_variables(str(tmp_path / "det"), create_mesh())
+  kernel = state.params["layer0_0"]["conv"]["kernel"]
+  np.testing.assert_array_equal(kernel,
+                                det_variables["params"]["layer0_0"]["conv"]["kernel"])  # frozen U
+  init_rng = jax.random.split(jax.random.key(config.seed), 3)[0]  # as train_and_evaluate
+  model = get_model("vgg_ibnn_16", 10, num_components=3, width=4, noise_init_std=0.75,
+                    stage_sizes=one_block_a_stage)
+  start = jax.jit(model.init)({
+      "params": init_rng,
+      **sample_rngs(init_rng)
+  }, jnp.zeros((1, 32, 32, 3)))["params"]
+  np.testing.assert_array_equal(start["layer0_0"]["conv"]["kernel"].shape, kernel.shape)
+  assert not np.allclose(state.params["layer0_0"]["conv"]["z_mean"],
+                         start["layer0_0"]["conv"]["z_mean"])
+  assert [r["ensemble_size"] for r in rows] == [1, 2, 5, 6]  # K·S = 3·2 predictions, nested
+  assert all(r["count"] == 16 for r in rows)
+
+  wrong = tiny_run(cifar_ibnn.get_config("vgg_ibnn_16,cifar10,3,runlocal"), num_train_steps=2,
+                   **{"ibnn.pretrained_workdir": str(tmp_path / "det"), "model_kwargs.width": 8,
+                      "model_kwargs.stage_sizes": one_block_a_stage})
+  with tfds.testing.mock_data(num_examples=16), pytest.raises(ValueError, match="does not match"):
+    train.train_and_evaluate(wrong, str(tmp_path / "wrong"))
+
+
+def test_kl_weight_anneals_per_epoch():
+  objective = ibnn.Objective(2, 2, 1.0, 0.1, 100, steps_per_epoch=10, kl_anneal_epochs=4)
+  assert [float(ibnn.kl_weight(s, objective)) for s in (0, 9, 10, 25, 40, 400)
+         ] == [0.0, 0.0, 0.25, 0.5, 1.0, 1.0]
+  assert float(ibnn.kl_weight(0, objective._replace(kl_anneal_epochs=0))) == 1.0

@@ -1,0 +1,200 @@
+"""Deep ensembles trained as one job (``config.ensemble_members``): each member against the single
+run with its seed, device counts, resume, member workdirs and every evaluator against
+``--ensemble_workdirs`` over the members written out."""
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from smoothing_jax.training import ensemble, train
+from smoothing_jax.training.steps import variables_of
+from smoothing_jax import main
+from smoothing_jax.analysis.trained import load_trained
+from smoothing_jax.evaluators import (calibration, ensemble_sizes, ood, selective,
+                                      temporal_smoothing)
+from smoothing_jax.models import get_model
+from smoothing_jax.parallel import create_mesh
+from smoothing_jax.experiment.run import Run
+from tests.helpers import flat_variables, override, small_npz, small_npz_config
+
+MEMBERS = 2
+
+
+def _config(data, **overrides):
+  """The ensemble of :func:`small_npz_config` on one device, a quarter of the training split held
+  out (so the split is the ensemble's)."""
+  return small_npz_config(data, **{"ensemble_members": MEMBERS, "holdout_fraction": 0.25,
+                                  "num_devices": 1, **overrides})
+
+
+def _assert_close(a, b, **tolerance):
+  a, b = flat_variables(a), flat_variables(b)
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_allclose(a[k], b[k], err_msg=k, **tolerance)
+
+
+@pytest.fixture(scope="module")
+def ensemble_run(tmp_path_factory):
+  """``(data, workdir)`` of a 2-member ensemble trained by the command line's ``main.run`` (4
+  steps, checkpoints at 2 and 4, then the ``ensemble_sizes`` evaluator)."""
+  root = tmp_path_factory.mktemp("ensemble")
+  (root / "data").mkdir()
+  data = small_npz(root / "data")
+  main.run(_config(data), str(root / "ensemble"))
+  return data, str(root / "ensemble")
+
+
+def test_each_member_equals_the_single_run_with_its_seed_and_the_members_differ(ensemble_run,
+                                                                                  tmp_path):
+  data, workdir = ensemble_run
+  run = Run.from_workdir(workdir)
+  assert run.step == 4 and jax.tree.leaves(run.variables)[0].shape[0] == MEMBERS
+  for m in range(MEMBERS):
+    # The single run of seed m, given the ensemble's split (seeded by the ensemble's seed, 0).
+    single = train.train_and_evaluate(
+        small_npz_config(data, seed=m, data_split_seed=0, holdout_fraction=0.25, num_devices=1),
+        str(tmp_path / f"seed{m}"))
+    _assert_close(run.member(m).variables, variables_of(single), rtol=1e-5, atol=1e-6)
+  first, second = (flat_variables(run.member(m).variables) for m in range(MEMBERS))
+  kernels = [k for k in first if k.endswith("kernel")]  # initialised from each member's seed
+  assert kernels and all(np.abs(first[k] - second[k]).max() > 1e-2 for k in kernels)
+
+
+def test_the_members_log_their_own_metrics_and_the_ensemble_is_evaluated(ensemble_run):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  _, workdir = ensemble_run
+  events = EventAccumulator(workdir)
+  events.Reload()
+  tags = set(events.Tags()["tensors"]) | set(events.Tags()["scalars"])
+  for metric in ("train_loss", "train_accuracy", "eval_nll", "eval_acc", "eval_ece"):
+    assert {metric, *(f"{metric}/member_{m}" for m in range(MEMBERS))} <= tags, metric
+  table = (ensemble_run[1] + "/results/ensemble_sizes.csv")
+  assert os.path.exists(table)
+
+
+def test_eight_devices_match_one_and_an_eight_device_checkpoint_resumes_on_one(ensemble_run,
+                                                                               tmp_path):
+  data, workdir = ensemble_run
+  split = str(tmp_path / "split")
+  # Steps 1-2 on 8 devices, checkpoint at 2.
+  train.train_and_evaluate(_config(data, num_devices=8), split, stop_after_steps=2)
+  on_one = Run.from_workdir(split, mesh=create_mesh(1))
+  on_eight = Run.from_workdir(split, mesh=create_mesh(8))
+  _assert_close(on_one.variables, on_eight.variables, rtol=0, atol=0)
+  resumed = train.train_and_evaluate(_config(data), split)  # steps 3-4 on 1 device
+  _assert_close(variables_of(resumed), Run.from_workdir(workdir).variables, rtol=1e-5,
+                atol=1e-6)
+
+
+def test_a_resumed_ensemble_is_bit_identical(ensemble_run, tmp_path):
+  data, workdir = ensemble_run
+  train.train_and_evaluate(_config(data), str(tmp_path / "resumed"), stop_after_steps=2)
+  resumed = train.train_and_evaluate(_config(data), str(tmp_path / "resumed"))
+  _assert_close(variables_of(resumed), Run.from_workdir(workdir).variables, rtol=0, atol=0)
+
+
+def test_every_evaluator_on_the_ensemble_equals_ensemble_workdirs_of_its_members(ensemble_run,
+                                                                                 tmp_path):
+  data, workdir = ensemble_run
+  run = Run.from_workdir(workdir)
+  members = [str(tmp_path / f"member{m}") for m in range(MEMBERS)]
+  for m, member_dir in enumerate(members):
+    written = run.write_member(m, member_dir)
+    assert (written.config.seed, written.config.ensemble_members) == (m, 1)
+    assert written.config.data_split_seed == 0 and written.step == run.step
+    _assert_close(written.variables, run.member(m).variables, rtol=0, atol=0)
+  first = Run.from_workdir(members[0])
+  for name, evaluate, options in (
+      ("ensemble_sizes", ensemble_sizes.evaluate, {}),
+      ("calibration", calibration.evaluate, {}),
+      ("selective", selective.evaluate, {}),
+      ("ood", ood.evaluate, {"ood_datasets": (f"npz:{data}",)}),
+  ):
+    together = evaluate(run, tmp_path / "together" / name, **options)
+    apart = evaluate(first, tmp_path / "apart" / name, members=members[1:], **options)
+    if isinstance(together, dict):
+      together, apart = [together], [apart]
+    assert len(together) == len(apart) > 0, name
+    for a, b in zip(together, apart):
+      assert a.keys() == b.keys(), name
+      for key in a:
+        if isinstance(a[key], float):
+          np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=f"{name} {key}")
+        else:
+          assert a[key] == b[key], (name, key)
+  sizes = [row["ensemble_size"] for row in calibration.evaluate(run, tmp_path / "sizes")
+           if row["placement"] == "members"]
+  assert sizes == list(range(1, MEMBERS + 1))
+
+
+def test_a_written_out_member_resumes_as_the_single_run(ensemble_run, tmp_path):
+  _, workdir = ensemble_run
+  member = Run.from_workdir(workdir).write_member(1, str(tmp_path / "member1"))
+  config = override(member.config, num_train_steps=5)
+  resumed = train.train_and_evaluate(config, member.workdir)
+  assert int(resumed.step) == 5
+  with pytest.raises(ValueError, match="already holds a run"):
+    Run.from_workdir(workdir).write_member(0, member.workdir)
+
+
+def test_one_model_consumers_take_a_member_and_refuse_the_whole_ensemble(ensemble_run, tmp_path):
+  _, workdir = ensemble_run
+  with pytest.raises(ValueError, match="ensemble of 2 members.*member=<0..1>"):
+    load_trained(workdir)
+  assert load_trained(workdir, member=1).config.seed == 1
+  with pytest.raises(ValueError, match="The temporal evaluator .* ensemble of 2 members"):
+    temporal_smoothing.evaluate(Run.from_workdir(workdir), tmp_path)
+  with pytest.raises(ValueError, match="holds an ensemble of 2 members already"):
+    ensemble_sizes.evaluate(Run.from_workdir(workdir), tmp_path, members=[workdir])
+  # An evaluation config (--mode=<evaluator> --config=...) keeps the recorded member count.
+  assert Run.from_workdir(workdir, small_npz_config(ensemble_run[0])).ensemble_members == MEMBERS
+  run = Run.from_workdir(workdir)
+  images = np.asarray(run.pipeline.eval_arrays["images"][:3], np.float32) / 255.0
+  probs = run.predict(run.normalize(images))
+  each = [run.member(m).predict(run.normalize(images)) for m in range(MEMBERS)]
+  np.testing.assert_allclose(probs, np.mean(each, axis=0), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("members", [0, -1])
+def test_bad_ensemble_sizes_are_refused_in_one_line(members):
+  config = override(small_npz_config("/nonexistent"), ensemble_members=members)
+  with pytest.raises(ValueError, match=r"^ensemble_members must be an integer >= 1, got .*\.$"):
+    ensemble.check_ensemble_config(config, get_model("resnet_dnn_18", num_classes=10))
+
+
+def test_an_ibnn_and_an_init_from_run_cannot_be_ensembles():
+  config = override(small_npz_config("/nonexistent"), ensemble_members=2)
+  with pytest.raises(ValueError, match="is an iBNN"):
+    ensemble.check_ensemble_config(override(config, model="vgg_ibnn_16"),
+                                   get_model("vgg_ibnn_16", num_classes=10))
+  with pytest.raises(ValueError, match="init_from is for single runs"):
+    ensemble.check_ensemble_config(override(config, init_from="/elsewhere"),
+                                   get_model("resnet_dnn_18", num_classes=10))
+
+
+class _Device:
+  process_index = 0
+
+  def __init__(self, limit):
+    self.limit = limit
+
+  def memory_stats(self):
+    return {"bytes_limit": self.limit}
+
+
+def test_an_ensemble_too_large_for_the_device_is_refused_with_the_estimate():
+  from smoothing_jax.training.optim import create_learning_rate_schedule
+  config = small_npz_config("/nonexistent", **{"model_kwargs.width": 4})
+  model = get_model("resnet_dnn_18", num_classes=10, width=4, stage_sizes=(1,))
+  schedule = create_learning_rate_schedule(config, 10)
+  estimate = ensemble.state_bytes(config, model, (32, 32, 3), schedule)
+  # The estimate is what a real initialised state takes: parameters, momentum, statistics, step.
+  state = ensemble.create_ensemble_state(config, model, 3, (32, 32, 3), schedule)
+  assert 3 * estimate == sum(x.nbytes for x in jax.tree.leaves(state)) + 2 * 4  # one shared step
+  ensemble.check_ensemble_fits(config, model, 3, (32, 32, 3), schedule, [_Device(10**9)])
+  with pytest.raises(ValueError, match=r"^An ensemble of 3 resnet_dnn_18 needs .* GiB .* more "
+                     r"than 50% of the 0\.0 GiB a device has"):
+    ensemble.check_ensemble_fits(config, model, 3, (32, 32, 3), schedule, [_Device(estimate)])

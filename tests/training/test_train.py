@@ -1,0 +1,161 @@
+"""smoothing_jax.training.train: the loop end to end under mock TFDS data, exact resume (also across
+SIGTERM and SIGKILL), the learning trajectory, and stopping at a non-finite loss."""
+import json
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+tfds = pytest.importorskip("tensorflow_datasets")  # CIFAR-10 under TFDS mock data
+
+from smoothing_jax.training import train
+from smoothing_jax.experiment.checkpoints import load_variables
+from smoothing_jax.parallel import create_mesh
+from tests.helpers import model_options, override, tiny_config
+
+
+@pytest.fixture(scope="module")
+def trained_workdir(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("run"))
+  with tfds.testing.mock_data(num_examples=16):
+    state = train.train_and_evaluate(tiny_config(), workdir)
+  return workdir, state
+
+
+def test_end_to_end_under_mock_cifar10(trained_workdir):
+  workdir, state = trained_workdir
+  assert int(state.step) == 4
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]
+  assert any(f.startswith("events.out.tfevents") for f in os.listdir(workdir))
+  assert json.load(open(os.path.join(workdir,
+                                     "config.json")))["model"] == "resnet_mcdo_smoothing_18"
+
+
+def test_resume_after_interruption_is_bit_identical(tmp_path):
+  """Also on half of the training split (``train_fraction``: the same subset after the resume,
+  its size in config.json) and with the learning trajectory recorded every 3 steps (rows 0, 3
+  and the last step 4, the resumed record equal to the uninterrupted one)."""
+  from smoothing_jax.analysis import trained as trained_lib
+  from smoothing_jax.training.trajectory_recorder import load_trajectory
+  from smoothing_jax.data import load_arrays, parse_dataset
+  config = tiny_config(num_train_steps=4, checkpoint_every_steps=2, train_fraction=0.5,
+                       trajectory_every_steps=3, trajectory_dims=8)
+  with tfds.testing.mock_data(num_examples=16):
+    full = train.train_and_evaluate(config, str(tmp_path / "full"))
+    train.train_and_evaluate(config, str(tmp_path / "cut"),
+                             stop_after_steps=2)  # "killed" after step 2
+    assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["2"]
+    assert list(load_trajectory(tmp_path / "cut").steps) == [0]
+    resumed = train.train_and_evaluate(config, str(tmp_path / "cut"))
+    _, class_counts = np.unique(load_arrays(parse_dataset("cifar10"), "train", shard=False)[1],
+                                return_counts=True)
+    polar = trained_lib.trajectory_study(trained_lib.load_trained(str(tmp_path / "full")))
+  assert int(resumed.step) == 4
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params),
+               jax.device_get(full.params))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.opt_state),
+               jax.device_get(full.opt_state))
+  recorded = json.load(open(tmp_path / "cut" / "config.json"))
+  assert recorded["train_fraction"] == 0.5
+  assert recorded["model_spec"]["num_train_examples"] == np.sum(np.floor(0.5 * class_counts + 0.5))
+  records = [load_trajectory(tmp_path / run) for run in ("full", "cut")]
+  assert [list(r.steps) for r in records] == [[0, 3, 4]] * 2
+  np.testing.assert_array_equal(records[1].projections, records[0].projections)
+  np.testing.assert_array_equal(records[1].norm_sq, records[0].norm_sq)
+  params_sq = sum(np.sum(np.square(x, dtype=np.float64)) for x in jax.tree.leaves(full.params))
+  assert records[0].norm_sq[-1] == pytest.approx(params_sq, rel=1e-5)
+  np.testing.assert_array_equal(polar["steps"], [0, 3, 4])
+  assert polar["radius"][-1] == 0 and polar["path_ratio"] >= 1
+
+
+def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
+  config = tiny_config(num_train_steps=6,
+                       checkpoint_every_steps=2,
+                       log_every_steps=1,
+                       learning_rate=1e30)
+  with tfds.testing.mock_data(num_examples=16):
+    with pytest.raises(FloatingPointError, match=r"Non-finite training loss .* at step \d+"):
+      train.train_and_evaluate(config, str(tmp_path))
+  step, variables = load_variables(str(tmp_path), create_mesh())
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(variables))
+
+
+@pytest.mark.slow
+def test_sigterm_and_sigkill_then_rerun_is_bit_identical(tmp_path):
+  """The CLI stopped by SIGTERM (checkpoint, exit) and by SIGKILL (at any moment), each time started
+  again with the same command, ends with the uninterrupted run's parameters."""
+  import subprocess
+  import sys
+  import time
+  rng = np.random.default_rng(0)
+  data = tmp_path / "data"
+  data.mkdir()
+  for split, n in (("train", 64), ("test", 16)):
+    np.savez(data / f"{split}.npz", images=rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8),
+             labels=rng.integers(0, 10, n))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+  def command(workdir):
+    return [
+        sys.executable, "-m", "smoothing_jax.main", f"--workdir={workdir}",
+        f"--config={root}/configs/cifar_resnet.py:resnet_mcdo_smoothing_18,npz:{data},runlocal",
+        "--config.model_kwargs.width=4", "--config.model_kwargs.stage_sizes=(1,)",
+        "--config.batch_size=8", "--config.num_train_steps=24",
+        "--config.checkpoint_every_steps=4", "--config.ensemble_sizes=(1,)",
+        "--config.eval_batch_size=16"
+    ]
+
+  env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", CUDA_VISIBLE_DEVICES="")
+  checkpoints = tmp_path / "stopped" / "checkpoints"
+
+  def start_and_signal(after_checkpoint, sig):
+    victim = subprocess.Popen(command(tmp_path / "stopped"),
+                              env=env,
+                              cwd=root,
+                              stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE,
+                              text=True)
+    deadline = time.time() + 300
+    while not (checkpoints /
+               str(after_checkpoint)).exists() and victim.poll() is None and time.time() < deadline:
+      time.sleep(0.05)
+    victim.send_signal(sig)
+    _, stderr = victim.communicate(timeout=300)
+    assert (checkpoints / str(after_checkpoint)).exists()
+    return victim.returncode, stderr
+
+  subprocess.run(command(tmp_path / "full"), check=True, env=env, cwd=root, capture_output=True)
+  code, stderr = start_and_signal(4, signal.SIGTERM)
+  assert code != 0 and "after SIGTERM" in stderr
+  code, _ = start_and_signal(12, signal.SIGKILL)  # possibly in the middle of writing a checkpoint
+  assert code == -signal.SIGKILL
+  subprocess.run(command(tmp_path / "stopped"), check=True, env=env, cwd=root, capture_output=True)
+  step_full, full = load_variables(str(tmp_path / "full"), create_mesh())
+  step_stopped, stopped = load_variables(str(tmp_path / "stopped"), create_mesh())
+  assert step_full == step_stopped == 24
+  jax.tree.map(np.testing.assert_array_equal, stopped, full)
+
+
+def test_vit_recipe_resume_is_bit_identical(tmp_path):
+  """RandAugment (tf.data), Mixup/CutMix (in the step), stochastic depth and AdamW all resume
+  exactly."""
+  from configs import cifar_vit
+  config = override(cifar_vit.get_config("vit_ti,cifar10,runlocal"),
+                    **model_options(hidden_dim=8, depth=1, num_heads=1, head_dim=8, mlp_dim=8,
+                                    patch_size=8),
+                    batch_size=8,
+                    num_train_steps=4,
+                    checkpoint_every_steps=2,
+                    ensemble_sizes=(1,),
+                    num_devices=1)
+  with tfds.testing.mock_data(num_examples=16):
+    full = train.train_and_evaluate(config, str(tmp_path / "full"))
+    train.train_and_evaluate(config, str(tmp_path / "cut"), stop_after_steps=2)
+    resumed = train.train_and_evaluate(config, str(tmp_path / "cut"))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params),
+               jax.device_get(full.params))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.opt_state),
+               jax.device_get(full.opt_state))
+  assert int(resumed.step) == 4
