@@ -26,6 +26,9 @@ from smoothing_jax.experiment.spec import ModelSpec
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
 
+# Keys of the config.json files that 0.1.0 wrote, and where today's config holds them (dotted).
+MOVED_KEYS = {}
+
 
 def is_uri(workdir) -> bool:
   """``gs://bucket/run`` and other ``scheme://`` paths (object stores), not local paths."""
@@ -95,9 +98,30 @@ def read_record(workdir) -> dict:
   return json.loads(path.read_text())
 
 
+def upgrade_record(record: dict) -> dict:
+  """A ``config.json`` record of 0.1.0 in today's layout: ``evals`` as a list of names becomes
+  ``{name: {}}`` (every option at its default), ``ood_datasets`` the ``ood`` evaluator's
+  ``datasets``, and each of :data:`MOVED_KEYS` moves to its new place.  Today's records come
+  back equal."""
+  record = json.loads(json.dumps(record))
+  if isinstance(record.get("evals"), list):
+    record["evals"] = {name: {} for name in record["evals"]}
+  datasets = record.pop("ood_datasets", None)
+  if datasets:
+    record["evals"].setdefault("ood", {}).setdefault("datasets", datasets)
+  for old, new in MOVED_KEYS.items():
+    if old in record:
+      *parents, leaf = new.split(".")
+      node = record
+      for name in parents:
+        node = node.setdefault(name, {})
+      node.setdefault(leaf, record.pop(old))
+  return record
+
+
 def read_config(workdir) -> tuple:
-  """``(config, ModelSpec)`` recorded in ``<workdir>/config.json``."""
-  record = read_record(workdir)
+  """``(config, ModelSpec)`` recorded in ``<workdir>/config.json`` (:func:`upgrade_record`)."""
+  record = upgrade_record(read_record(workdir))
   spec = record.pop("model_spec", None)
   if spec is None:
     raise ValueError(f"{workdir_path(workdir) / CONFIG_FILE} has no model_spec (written by an "
