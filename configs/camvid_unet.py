@@ -15,7 +15,7 @@ epochs, lr 2e-4 from epoch 100; random crop + horizontal flip.  The paper does
 not give the crop size: 352×480 crops of the 360×480 images (a multiple of 16,
 the U-Net's total down-sampling) are used here; evaluation sees whole images.
 CamVid comes from the ``camvid`` TFDS builder (``python -m smoothing_jax.data.camvid
---manual_dir=<release> --data_dir=<dir>`` prepares it, then ``--config.data_dir=<dir>``).
+--manual_dir=<release> --data_dir=<dir>`` prepares it, then ``--config.input.data_dir=<dir>``).
 Evaluate temporal smoothing with ``--mode=streams``.  The global batch of 3 needs
 1 or 3 devices (``--config.num_devices=1``), or a batch size the devices divide.
 """
@@ -30,10 +30,10 @@ def get_config(arg: str = ""):
   args = parse_config_arg(arg, ARGS)
   config = base_config()
   config.model = args.model
-  config.dataset = args.dataset
-  config.download = False           # CamVid is prepared from a manual download
+  config.input.dataset = args.dataset
+  config.input.download = False  # CamVid is prepared from a manual download
   config.optimizer = "adam"
-  config.batch_size = 3
+  config.input.batch_size = 3
   config.base_batch_size = 3
   config.learning_rate = 1e-3
   config.weight_decay = 0.0
@@ -46,7 +46,7 @@ def get_config(arg: str = ""):
   config.momentum = 0.9
   config.nesterov = False
   config.lr_final_ratio = 0.01
-  config.crop_size = (352, 480)
+  config.input.crop_size = (352, 480)
   config.class_balancing = "median_frequency"
   config.eval_every_epochs = 10
   config.eval_batch_size = 4
@@ -55,9 +55,9 @@ def get_config(arg: str = ""):
   config.ensemble_sizes = (1, 2, 5, 10, 50)
   if args.runlocal:
     shrink_for_cpu(config)
-    config.batch_size = 2
+    config.input.batch_size = 2
     config.base_batch_size = 2
-    config.crop_size = None
+    config.input.crop_size = None
     config.eval_batch_size = 8
     config.model_kwargs.encoder_convs = (1, 1, 1)
     config.model_kwargs.decoder_convs = (1, 1)

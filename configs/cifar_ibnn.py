@@ -105,11 +105,11 @@ def get_config(arg: str = ""):
   if method == "ibnn":
     config.model_kwargs.num_components = args.num_components
     config.model_kwargs.noise_init_std = init_std
-  config.dataset = dataset
+  config.input.dataset = dataset
   config.optimizer = "sgd"           # iBNN models get the two-rate SGD-Nesterov optimiser
   config.momentum = 0.9
   config.nesterov = True
-  config.batch_size = 128
+  config.input.batch_size = 128
   config.base_batch_size = 128
   config.learning_rate = det_lr
   config.weight_decay = weight_decay

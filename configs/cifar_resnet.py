@@ -35,11 +35,11 @@ def get_config(arg: str = ""):
   args = parse_config_arg(arg, ARGS, flags=("runlocal", "uncertainty"))
   config = base_config()
   config.model = args.model
-  config.dataset = args.dataset
+  config.input.dataset = args.dataset
   config.optimizer = "sgd"
   config.momentum = 0.9
   config.nesterov = False
-  config.batch_size = 128
+  config.input.batch_size = 128
   config.base_batch_size = 128
   config.learning_rate = 0.1
   config.weight_decay = 5e-4

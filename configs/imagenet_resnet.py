@@ -19,11 +19,11 @@ def get_config(arg: str = ""):
   args = parse_config_arg(arg, ARGS)
   config = base_config()
   config.model = args.model
-  config.dataset = args.dataset
+  config.input.dataset = args.dataset
   config.optimizer = "sgd"
   config.momentum = 0.9
   config.nesterov = False
-  config.batch_size = 256
+  config.input.batch_size = 256
   config.base_batch_size = 256
   config.learning_rate = 0.1
   config.weight_decay = 1e-4
@@ -37,6 +37,6 @@ def get_config(arg: str = ""):
   config.eval_batch_size = 250
   if args.runlocal:
     shrink_for_cpu(config)
-    config.batch_size = 8
+    config.input.batch_size = 8
     config.eval_batch_size = 16
   return finalize(config)

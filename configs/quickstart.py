@@ -3,7 +3,7 @@
 Default: ``resnet_mcdo_smoothing_18`` at width 16 on scikit-learn's bundled
 handwritten digits (1,797 real 8×8 images upsampled to 32×32; no network), then
 an ensemble-size table and a reliability diagram.  The same recipe runs on
-CIFAR-10 with ``--config.dataset=cifar10`` (TFDS) or ``--config.dataset=npz:<dir>``.
+CIFAR-10 with ``--config.input.dataset=cifar10`` (TFDS) or ``--config.input.dataset=npz:<dir>``.
 The CIFAR CNN recipe, shortened: SGD (momentum 0.9, no Nesterov), lr 0.1 at batch 128 (scaled
 linearly to batch 64), weight decay 5e-4, 12 epochs after 1 warm-up epoch, lr × 0.2 at epochs 6/9.
 
@@ -20,11 +20,11 @@ def get_config(arg: str = ""):
   config = base_config()
   config.model = "resnet_mcdo_smoothing_18"
   config.model_kwargs.width = 16
-  config.dataset = "digits"
+  config.input.dataset = "digits"
   config.optimizer = "sgd"
   config.momentum = 0.9
   config.nesterov = False
-  config.batch_size = 64
+  config.input.batch_size = 64
   config.base_batch_size = 128
   config.learning_rate = 0.1
   config.weight_decay = 5e-4

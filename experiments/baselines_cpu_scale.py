@@ -102,8 +102,9 @@ def main_(argv=None):
       continue
     config = config_lib.load(
         os.path.join(ROOT, "configs", f"{recipe}:{model},{dataset}"),
-        {**overrides, "train_fraction": args.train_fraction, "eval_every_epochs": args.epochs + 1,
-         "evals": ("ensemble_sizes",)})
+        {**overrides, "input.train_fraction": args.train_fraction,
+         "eval_every_epochs": args.epochs + 1,
+         "evals": {"ensemble_sizes": {}}})
     workdir = os.path.join(args.root, args.part, label.split(" (")[0].replace(" ", "_"))
     start = time.time()
     try:

@@ -152,7 +152,7 @@ def mc_inference(width, batch_size, num_samples, repeats):
 
 
 def pipeline_images_per_s(dataset, batch_size, num_batches):
-  pipeline = create_pipeline(dataset, batch_size, seed=0)
+  pipeline = create_pipeline({"dataset": dataset, "batch_size": batch_size}, seed=0)
   iterator = pipeline.train_iterator()
   next(iterator)
   start = time.perf_counter()

@@ -131,8 +131,8 @@ def train_loop_rows(width, batch_size: int, members_list, steps: int, train_imag
   rows, single = [], None
   for members in members_list:
     config = _config(width)
-    config.dataset = f"synthetic:{train_images}x32x32x3:10"
-    config.batch_size = batch_size
+    config.input.dataset = f"synthetic:{train_images}x32x32x3:10"
+    config.input.batch_size = batch_size
     config.eval_batch_size = 500
     config.eval_every_epochs = 10 ** 6  # evaluate and checkpoint after the last step only
     config.checkpoint_every_steps = 10 ** 9

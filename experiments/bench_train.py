@@ -116,16 +116,17 @@ def train_loop_images_per_s(config, log=print) -> dict:
   compile_seconds, _ = run(1)
   one_step = [run(1)[0] for _ in range(2)]
   seconds, steps = run(steps)
-  log(f"train loop ({config.data_pipeline}): {steps} steps in {seconds:.1f} s, one step in "
+  log(f"train loop ({config.input.data_pipeline}): {steps} steps in {seconds:.1f} s, one step in "
       f"{one_step[0]:.1f} s and {one_step[1]:.1f} s (first run {compile_seconds:.1f} s)")
-  return {"data_pipeline": config.data_pipeline, "batch_size": config.batch_size, "steps": steps,
+  batch_size = config.input.batch_size
+  return {"data_pipeline": config.input.data_pipeline, "batch_size": batch_size, "steps": steps,
           "first_run_seconds": compile_seconds, "one_step_seconds": one_step, "seconds": seconds,
-          "images_per_s": (steps - 1) * config.batch_size / (seconds - np.mean(one_step))}
+          "images_per_s": (steps - 1) * batch_size / (seconds - np.mean(one_step))}
 
 
 def loop_resident_vs_tfdata(config, dataset: str, model: str, width, steps: int) -> dict:
   """:func:`train_loop_images_per_s` of ``model`` on ``dataset`` on both input paths."""
-  config.dataset, config.model = dataset, model
+  config.input.dataset, config.model = dataset, model
   config.eval_every_epochs = 10 ** 6  # evaluate and checkpoint after the last step only
   config.checkpoint_every_steps = 10 ** 9
   config.log_every_steps = max(1, steps // 4)
@@ -133,9 +134,10 @@ def loop_resident_vs_tfdata(config, dataset: str, model: str, width, steps: int)
     config.model_kwargs.width = width
   rows = {}
   for path in ("resident", "tfdata"):
-    config.data_pipeline, config.num_train_steps = path, steps
+    config.input.data_pipeline, config.num_train_steps = path, steps
     rows[path] = train_loop_images_per_s(config)
-  return {"dataset": dataset, "model": model, "width": width, "batch_size": config.batch_size,
+  return {"dataset": dataset, "model": model, "width": width,
+          "batch_size": config.input.batch_size,
           **rows, "resident_over_tfdata": rows["resident"]["images_per_s"] /
           rows["tfdata"]["images_per_s"]}
 
@@ -238,9 +240,8 @@ def main(argv=None):
     results.append(row)
     print(json.dumps(row), flush=True)
 
-  rand = config.randaugment
-  pipeline = create_pipeline(args.dataset, args.batch_size, seed=0,
-                             randaugment=(rand.num_layers, rand.magnitude, rand.magnitude_std))
+  pipeline = create_pipeline({"dataset": args.dataset, "batch_size": args.batch_size,
+                              "randaugment": config.input.randaugment}, seed=0)
   iterator = pipeline.train_iterator()
   jax.block_until_ready(next(iterator))  # a resident pipeline's batches are computed on devices
   start = time.perf_counter()
@@ -250,7 +251,7 @@ def main(argv=None):
   loop = None
   if args.loop_steps:
     use_persistent_compilation_cache(tempfile.mkdtemp(prefix="bench_train_cache_"))
-    config.batch_size = args.batch_size
+    config.input.batch_size = args.batch_size
     loop = loop_resident_vs_tfdata(config, args.dataset, models[0].partition(":")[0], args.width,
                                    args.loop_steps)
   print(

@@ -156,8 +156,8 @@ def end_to_end(s) -> dict:
   (``bench_train.train_loop_images_per_s``: compilation and fixed costs excluded)."""
   config = recipe_config(*RECIPE)
   recipe_epochs = config.warmup_epochs + config.num_epochs  # what the loop runs
-  config.dataset = s.dataset
-  config.batch_size = s.batch_sizes[0]
+  config.input.dataset = s.dataset
+  config.input.batch_size = s.batch_sizes[0]
   config.num_epochs = s.epochs
   config.warmup_epochs = 0
   config.half_precision = True

@@ -54,11 +54,11 @@ def main_(argv=None):
   for model in args.models:
     summary[model] = {}
     for label, members in (("single", 1), ("ensemble", args.members)):
-      overrides = {"model": model, "dataset": f"npz:{os.path.abspath(args.data)}",
-                   "train_fraction": args.train_fraction, "ensemble_members": members,
+      overrides = {"model": model, "input.dataset": f"npz:{os.path.abspath(args.data)}",
+                   "input.train_fraction": args.train_fraction, "ensemble_members": members,
                    "num_epochs": args.epochs, "eval_every_epochs": args.epochs + 1,
                    "lr_milestones": (int(args.epochs / 2 + 0.5), int(3 * args.epochs / 4 + 0.5)),
-                   "evals": ("ensemble_sizes",) if members > 1 else ()}
+                   "evals": {"ensemble_sizes": {}} if members > 1 else {}}
       config = config_lib.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                             "configs", "quickstart.py"), overrides)
       workdir = os.path.join(args.root, f"{model}_{label}")

@@ -12,9 +12,9 @@
 set -euo pipefail
 DATA=${1:?cifar10 npz dir}; OUT=${2:?output dir}; STEPS=${3:-600}
 cd "$(dirname "$0")/.."
-COMMON=(--config.num_train_steps="$STEPS" --config.batch_size=64 --config.learning_rate=3e-3
-        --config.warmup_epochs=0 --config.mixup_alpha=0 --config.cutmix_alpha=0
-        --config.randaugment.num_layers=0 --config.trajectory_every_steps=25
+COMMON=(--config.num_train_steps="$STEPS" --config.input.batch_size=64
+        --config.learning_rate=3e-3 --config.warmup_epochs=0 --config.mixup_alpha=0 --config.cutmix_alpha=0
+        --config.input.randaugment.num_layers=0 --config.trajectory_every_steps=25
         --config.trajectory_dims=256 --config.checkpoint_every_steps="$STEPS"
         --config.log_every_steps=100 --config.ensemble_sizes="(1,)")
 train() {  # label model num_epochs extra-args...
@@ -26,7 +26,7 @@ train resnet alternet_18 1 --config.model_kwargs.msa_blocks="(0,0,0,0)"
 train alternet alternet_18 1
 train vit vit_ti 1 --config.model_kwargs.depth=4
 train swin swin_t 1
-train vit_6pct vit_ti 13 --config.model_kwargs.depth=4 --config.train_fraction=0.06
+train vit_6pct vit_ti 13 --config.model_kwargs.depth=4 --config.input.train_fraction=0.06
 python experiments/msa_figures.py --out "$OUT/figures" \
     --workdir "ResNet=$OUT/resnet" --workdir "AlterNet=$OUT/alternet" --workdir "ViT=$OUT/vit" \
     --workdir "Swin=$OUT/swin" --workdir "ViT (6% data)=$OUT/vit_6pct"

@@ -83,9 +83,9 @@ def main_(argv=None):
   sizes = tuple(int(n) for n in args.sizes.split(","))
   summary = {}
   for model in args.models:
-    overrides = {"model": model, "dataset": inside, "ood_datasets": (outside,),
-                 "holdout_fraction": 0.1, "ensemble_sizes": sizes,
-                 "evals": ("ood", "calibration", "selective")}
+    overrides = {"model": model, "input.dataset": inside, "input.holdout_fraction": 0.1,
+                 "ensemble_sizes": sizes,
+                 "evals": {"ood": {"datasets": (outside,)}, "calibration": {}, "selective": {}}}
     overrides["num_epochs"] = args.epochs
     overrides["lr_milestones"] = (int(args.epochs / 2 + 0.5), int(3 * args.epochs / 4 + 0.5))
     config = config_lib.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",

@@ -2,18 +2,27 @@
 
 Modes:
   train (default)  train (resuming from ``workdir``), then the evaluators ``config.evals`` names
-  <evaluator>      one evaluator of ``smoothing_jax.evaluators`` on ``--workdir``:
+  <evaluator>      one evaluator of ``smoothing_jax.evaluators`` on ``--workdir``, with the
+                   options ``config.evals.<evaluator>``:
     ensemble_sizes (alias ``evaluate``)  the ensemble-size table (or of several
                    ``--ensemble_workdirs``); a workdir without checkpoints evaluates
                    ``--config.init_from`` (another workdir, or a torch checkpoint file such as
                    HV's released CIFAR-100 models)
-    corruptions    corruption robustness (``--baseline_csv`` for mCE / mCNLL / mCECE)
-    streams        segmentation on CamVid video clips: one pass, MC dropout (N = the largest
-                   ``config.ensemble_sizes``) and temporal smoothing (VQ-BNN), with consistency
+    corruptions    corruption robustness (``baseline_csv`` for mCE / mCNLL / mCECE)
+    streams        segmentation on CamVid video clips: one pass, MC dropout and temporal
+                   smoothing (VQ-BNN), with consistency
     temporal       the same on shifted streams of test images (classifiers)
+    ood, calibration, selective (alias ``uncertainty``)
 
-``main`` only dispatches: each evaluator writes its tables and figures and says what to print.
+Settings have one door: the config.  ``--config.<key>=…`` sets a key; an evaluator's options are
+``--config.evals.<name>.<option>=…``.  An evaluation mode reads the workdir's recorded
+``config.json`` as its config: ``--config`` is optional there, and overrides apply on top of the
+recorded run (one line lists the keys that differ from it).  ``--num_samples``,
+``--baseline_csv`` and ``--ensemble_workdirs`` are shorthands for the mode's
+``config.evals.<name>`` options.  ``main`` only dispatches: each evaluator writes its tables and
+figures and says what to print.
 """
+import ast
 import os
 import re
 import sys
@@ -22,30 +31,31 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
-from smoothing_jax.experiment import config as config_lib  # noqa: E402
 from smoothing_jax import evaluators  # noqa: E402
-from smoothing_jax.experiment import workdir as workdir_lib  # noqa: E402
 from smoothing_jax.data import DatasetUnavailableError  # noqa: E402
-from smoothing_jax.experiment.run import Run  # noqa: E402
-from smoothing_jax.training.train import train  # noqa: E402
+from smoothing_jax.experiment import checkpoints  # noqa: E402
+from smoothing_jax.experiment import config as config_lib  # noqa: E402
+from smoothing_jax.experiment import workdir as workdir_lib  # noqa: E402
+from smoothing_jax.experiment.run import RECORDED_KEYS, Run  # noqa: E402
 from smoothing_jax.experiment.workdir_lock import lock_workdir  # noqa: E402
+from smoothing_jax.training.train import train  # noqa: E402
 from smoothing_jax.training.writers import show_only_our_info_lines  # noqa: E402
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config",
-                                None,
-                                "Experiment config file (ml_collections get_config()).",
-                                lock_config=True)
+flags.DEFINE_string("config", None, "Experiment config, <file>.py[:<args>] (ml_collections "
+                    "get_config()); in an evaluation mode the recorded config.json by default. "
+                    "--config.<key>=<value> sets one key.")
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and results.")
 flags.DEFINE_enum("mode", "train", ["train", *evaluators.REGISTRY, *evaluators.ALIASES],
                   "train, or the evaluator to run on --workdir.")
-flags.DEFINE_list("ensemble_workdirs", [], "ensemble_sizes: workdirs of deep-ensemble members.")
-flags.DEFINE_string("baseline_csv", None, "corruptions: baseline table (reference layout or ours); "
-                    "default: the shipped AlexNet results on CIFAR-100-C / ImageNet-C.")
-flags.DEFINE_integer("num_samples", None, "MC dropout samples per prediction (corruptions: default "
-                     "1; streams, temporal: default the largest config.ensemble_sizes).")
+# Shorthands for options of the --mode evaluator (config.evals.<mode>.<option>).
+flags.DEFINE_list("ensemble_workdirs", [], "Workdirs of deep-ensemble members: the first is "
+                  "evaluated, the others join it (config.evals.<mode>.members).")
+flags.DEFINE_string("baseline_csv", None, "config.evals.corruptions.baseline_csv: the baseline "
+                    "table (reference layout or ours).")
+flags.DEFINE_integer("num_samples", None, "config.evals.<mode>.num_samples: MC samples per "
+                     "prediction (corruptions, streams, temporal).")
 flags.DEFINE_bool("multihost", False,
                   "Call jax.distributed.initialize() (multi-host TPU/GPU jobs; CPU processes use "
                   "gloo collectives).")
@@ -56,13 +66,15 @@ flags.DEFINE_integer("num_processes", None, "--multihost: number of processes (d
                      "auto-detected).")
 flags.DEFINE_integer("process_id", None, "--multihost: this process's index (default: "
                      "auto-detected).")
-flags.mark_flags_as_required(["config", "workdir"])
+flags.mark_flags_as_required(["workdir"])
 
 # Errors a user can cause (bad dataset, arrays, model name, config value, missing checkpoint):
 # one line on stderr and exit status 1; the traceback with --verbosity=1 or
 # SMOOTHING_JAX_TRACEBACK=1.
 USER_ERRORS = (ValueError, TypeError, OSError, DatasetUnavailableError, FloatingPointError)
 TRACEBACK_ENV = "SMOOTHING_JAX_TRACEBACK"
+# The ``--config.<key>=<value>`` arguments of the command line, in order (``parse_flags``).
+CONFIG_OVERRIDES: list = []
 
 
 def _show_tracebacks(argv=()) -> bool:
@@ -81,41 +93,108 @@ def _exit_with_error(message: str, status: int):
   sys.exit(status)
 
 
-def _unknown_config_key(argv) -> str:
-  """The first ``--config.<key>=…`` argument whose key the config file lacks, described."""
-  config_args = [a[len("--config="):] for a in argv if a.startswith("--config=")]
-  if not config_args:
-    return ""
-  try:
-    config = config_lib.load(config_args[-1])  # the config file alone, without overrides
-  except Exception:  # noqa: BLE001  (the flag error itself is reported instead)
-    return ""
-  for arg in argv:
-    if arg.startswith("--config."):
-      try:
-        config_lib.check_key(config, arg[len("--config."):].split("=", 1)[0])
-      except KeyError as error:
-        return f"{error.args[0]} in {arg!r}"
-  return ""
-
-
 def parse_flags(argv):
-  """absl flag parsing with one-line errors (config files and ``--config.<key>`` overrides)."""
+  """absl flag parsing with one-line errors; the ``--config.<key>=<value>`` arguments are kept
+  aside in :data:`CONFIG_OVERRIDES` (applied to the config by :func:`resolve_config`)."""
+  CONFIG_OVERRIDES.clear()
+  rest = [argv[0]]
+  for arg in argv[1:]:
+    if arg.startswith("--config."):
+      key, eq, value = arg[len("--config."):].partition("=")
+      if not eq:
+        _exit_with_error(f"{arg!r}: give a value, --config.{key}=<value>.", 2)
+      CONFIG_OVERRIDES.append((key, value))
+    else:
+      rest.append(arg)
   try:
-    return FLAGS(argv)
+    return FLAGS(rest)
   except flags.Error as e:
     if _show_tracebacks(argv):
       raise
-    # A config file's own exception arrives as a formatted traceback: keep its last line.
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    flag = lines[0].split(":", 1)[0] if lines else ""
-    _exit_with_error(
-        _unknown_config_key(argv) or (f"{flag}: {lines[-1]}" if len(lines) > 1 else str(e)), 2)
-  except (AttributeError, KeyError, TypeError, ValueError) as e:  # a bad --config.<key>=value
-    if _show_tracebacks(argv):
-      raise
-    _exit_with_error(
-        _unknown_config_key(argv) or f"bad config override: {type(e).__name__}: {e}", 2)
+    _exit_with_error(str(e), 2)
+
+
+def parse_value(config, key: str, text: str):
+  """The value of ``--config.<key>=<text>`` for the existing ``key``: the text itself for a
+  string key, else a Python literal (``8``, ``0.1``, ``True``, ``'(1, 2)'``)."""
+  try:
+    config_lib.check_key(config, key)
+  except KeyError as error:
+    raise ValueError(f"--config.{key}: {error.args[0]}.") from None
+  *parents, leaf = key.split(".")
+  node = config
+  for name in parents:
+    node = node[name]
+  kind = node.get_ref(leaf).get_type()  # a placeholder's declared type, where it is None
+  if kind is str:
+    return text
+  if kind is bool and text.lower() in ("true", "false"):
+    return text.lower() == "true"
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text  # a string where the key takes another type: with_overrides names the mismatch
+
+
+def resolve_config(mode: str, workdir: str, config_arg=None, overrides=()):
+  """The config of the job: the ``config_arg`` file (``train``) or the workdir's recorded run
+  (an evaluation mode; a ``config_arg`` file there must name the recorded model, and its keys that
+  differ apply as overrides), then ``overrides`` (``(key, text)`` pairs) on top, with every
+  evaluator option of ``config.evals`` and the mode's declared."""
+  recorded = None
+  if mode != "train" and checkpoints.has_run(workdir):
+    recorded = workdir_lib.read_config(workdir)[0]
+  if config_arg:
+    config = config_lib.load(config_arg)
+    if recorded is not None:
+      if config.model != recorded.model:
+        raise ValueError(f"--config={config_arg} names model {config.model!r}, but {workdir} "
+                         f"recorded {recorded.model!r}: drop --config (the recorded config is "
+                         "the config) or give the changes as --config.<key>=… overrides.")
+      # The model is the recorded one (its spec rebuilds it); so are the data split and members.
+      changes = config_lib.differences(recorded, config,
+                                       skip=RECORDED_KEYS + ("model_kwargs", "model"))
+      if changes:
+        logging.info("From --config=%s, on the recorded run: %s", config_arg,
+                     ", ".join(f"{k}={v!r}" for k, v in changes.items()))
+      config = config_lib.with_overrides(recorded, changes)
+  elif recorded is not None:
+    config = recorded
+  else:
+    raise ValueError(f"{'Training' if mode == 'train' else f'--mode={mode}'} needs --config="
+                     f"<file>.py[:<args>]" + ("" if mode == "train" else
+                                                f" ({workdir} records no run)") + ".")
+  fixed = [key for key, _ in overrides if recorded is not None and key in RECORDED_KEYS]
+  if fixed:
+    raise ValueError(f"--config.{fixed[0]} is the recorded run's ({fixed[0]}="
+                     f"{config_lib.flat(recorded)[fixed[0]]!r}): the data split and the ensemble "
+                     "members decide what the run trained on, and an evaluation keeps them.")
+  config = evaluators.declare_options(config, () if mode == "train" else (mode,))
+  config = config_lib.with_overrides(
+      config, {key: parse_value(config, key, text) for key, text in overrides})
+  if recorded is not None:
+    changed = config_lib.differences(recorded, config)
+    logging.info("Evaluating the recorded run of %s%s", workdir,
+                 f"; differing from it: {', '.join(changed)}" if changed else "")
+  return config
+
+
+def shorthand_options(mode: str, ensemble_workdirs=(), baseline_csv=None, num_samples=None):
+  """``{evals.<name>.<option>: value}`` the shorthand flags stand for, for each evaluator of
+  ``mode`` (ValueError in train mode)."""
+  given = {k: v for k, v in (("members", tuple(ensemble_workdirs[1:])),
+                             ("baseline_csv", baseline_csv), ("num_samples", num_samples))
+           if v not in (None, ())}
+  if not given:
+    return {}
+  if mode == "train":
+    raise ValueError(f"--{', --'.join(given)} set options of an evaluation mode; after training, "
+                     "set them as --config.evals.<name>.<option>=….")
+  out = {}
+  for name in evaluators.expand(mode):
+    evaluators.check_options(name, given)
+    out.update({f"evals.{name}.{k}": v for k, v in given.items()})
+  return out
 
 
 def main(argv):
@@ -123,16 +202,28 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   if FLAGS.verbosity < 1:  # --verbosity=1 shows every library's INFO lines too
     show_only_our_info_lines()
+  evaluated = FLAGS.ensemble_workdirs[0] if FLAGS.ensemble_workdirs else FLAGS.workdir
+  try:  # a config the command line cannot make: a usage error (status 2), before anything runs
+    config = resolve_config(FLAGS.mode, evaluated, FLAGS.config, CONFIG_OVERRIDES)
+    config = config_lib.with_overrides(config, shorthand_options(
+        FLAGS.mode, FLAGS.ensemble_workdirs, FLAGS.baseline_csv, FLAGS.num_samples))
+  except USER_ERRORS as e:
+    _fail(e, 2)
   try:
-    run(FLAGS.config, FLAGS.workdir, FLAGS.mode, ensemble_workdirs=FLAGS.ensemble_workdirs,
-        baseline_csv=FLAGS.baseline_csv, num_samples=FLAGS.num_samples,
+    run(config, FLAGS.workdir, FLAGS.mode, evaluated_workdir=evaluated,
         multihost=FLAGS.multihost, coordinator_address=FLAGS.coordinator_address,
         num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
   except USER_ERRORS as e:
-    if _show_tracebacks():
-      raise
-    cause = f" ({e.__cause__})" if e.__cause__ and str(e.__cause__) not in str(e) else ""
-    _exit_with_error(f"{type(e).__name__}: {e}{cause}", 1)
+    _fail(e, 1)
+
+
+def _fail(error: Exception, status: int):
+  """A user error as one line and exit ``status`` (raised again where tracebacks are asked for)."""
+  if _show_tracebacks():
+    raise error
+  cause = (f" ({error.__cause__})" if error.__cause__ and str(error.__cause__) not in str(error)
+           else "")
+  _exit_with_error(f"{type(error).__name__}: {error}{cause}", status)
 
 
 def initialize_multihost(coordinator_address=None, num_processes=None, process_id=None):
@@ -142,37 +233,37 @@ def initialize_multihost(coordinator_address=None, num_processes=None, process_i
   jax.distributed.initialize(coordinator_address, num_processes, process_id)
 
 
-def run(config, workdir: str, mode: str = "train", *, ensemble_workdirs=(), baseline_csv=None,
-        num_samples=None, multihost: bool = False, coordinator_address=None,
-        num_processes=None, process_id=None) -> dict:
+def run(config, workdir: str, mode: str = "train", *, evaluated_workdir=None,
+        multihost: bool = False, coordinator_address=None, num_processes=None,
+        process_id=None) -> dict:
   """The job ``mode`` names on ``config`` and ``workdir``: ``train`` (then ``config.evals``) or
-  one evaluator; prints each evaluator's summary and returns ``{name: result}``."""
+  one evaluator (of ``evaluated_workdir``, default ``workdir``; results in ``workdir``), each with
+  its ``config.evals`` options; prints each evaluator's summary and returns ``{name: result}``."""
+  names = evaluators.names_after_training(config) if mode == "train" else (mode,)
+  for name in (n for alias in names for n in evaluators.expand(alias)):
+    evaluators.options_of(config, name)  # a bad option fails before anything runs
   if multihost:
     initialize_multihost(coordinator_address, num_processes, process_id)
   if mode == "train":  # one writer per workdir, refused before it reads or writes anything
     with lock_workdir(workdir):
-      return _run(config, workdir, mode, ensemble_workdirs, baseline_csv, num_samples)
-  return _run(config, workdir, mode, ensemble_workdirs, baseline_csv, num_samples)
+      return _run(config, workdir, mode, names, workdir)
+  return _run(config, workdir, mode, names, evaluated_workdir or workdir)
 
 
-def _run(config, workdir, mode, ensemble_workdirs, baseline_csv, num_samples) -> dict:
+def _run(config, workdir, mode, names, evaluated_workdir) -> dict:
   logging.info("JAX devices: %d (%s), processes: %d", jax.device_count(), jax.devices()[0].platform,
                jax.process_count())
-  options = {k: v for k, v in (("members", list(ensemble_workdirs[1:])),
-                                ("baseline_csv", baseline_csv), ("num_samples", num_samples))
-             if v is not None}  # unset: each evaluator's default
   if mode == "train":
-    names, opened = config.get("evals", ("ensemble_sizes",)), Run.from_config(config, workdir)
+    opened = Run.from_config(config, workdir)
   else:
-    names = [mode]
-    opened = Run.for_evaluation(ensemble_workdirs[0] if ensemble_workdirs else workdir, config)
+    opened = Run.for_evaluation(evaluated_workdir, config)
   results_dir = workdir_lib.workdir_path(workdir) / "results"
   results = {}
   with opened as the_run:
     if mode == "train":
       train(the_run)
-    for name, (result, summary) in evaluators.run_evaluators(names, the_run, results_dir,
-                                                              options).items():
+    for name, (result, summary) in evaluators.run_evaluators(names, the_run,
+                                                              results_dir).items():
       print(f"\n{summary}")
       results[name] = result
   if mode == "train":

@@ -196,7 +196,7 @@ def _train_briefly(config, workdir, **model_kwargs) -> str:
   """Train ``config`` (with ``model_kwargs`` overrides) for 4 steps of batch 16 on one device into
   ``workdir``."""
   from smoothing_jax.training import train
-  override(config, **model_options(**model_kwargs), batch_size=16, num_train_steps=4,
+  override(config, **model_options(**model_kwargs), **{"input.batch_size": 16}, num_train_steps=4,
            checkpoint_every_steps=4, num_devices=1)
   train.train_and_evaluate(config, str(workdir))
   return str(workdir)

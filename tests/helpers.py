@@ -30,7 +30,7 @@ MICRO_VIT = dict(hidden_dim=8, depth=2, num_heads=1, head_dim=8, mlp_dim=8, patc
 TINY_RUN = {
     "num_devices": 1,
     "model_kwargs.width": 4,
-    "batch_size": 8,
+    "input.batch_size": 8,
     "eval_batch_size": 8,
     "checkpoint_every_steps": 2,
     "log_every_steps": 2,
@@ -78,6 +78,12 @@ def override(config, **values):
 def model_options(**options) -> dict:
   """``options`` as :func:`override` keys of ``config.model_kwargs`` (``"model_kwargs.<name>"``)."""
   return {f"model_kwargs.{name}": value for name, value in options.items()}
+
+
+def input_pipeline(dataset: str, batch_size: int, seed: int = 0, mesh=None, **options):
+  """``data.create_pipeline`` of the input block ``{dataset, batch_size, **options}``."""
+  from smoothing_jax.data import create_pipeline
+  return create_pipeline({"dataset": dataset, "batch_size": batch_size, **options}, seed, mesh)
 
 
 def tiny_run(config, **overrides):
@@ -134,7 +140,7 @@ def small_npz_config(data_dir, **overrides):
   return override(cifar_resnet.get_config(f"resnet_dnn_18,npz:{data_dir},runlocal"), **{
       "model_kwargs.width": 4,
       "model_kwargs.stage_sizes": (1,),
-      "batch_size": 8,
+      "input.batch_size": 8,
       "eval_batch_size": 16,
       "num_train_steps": 4,
       "checkpoint_every_steps": 2,
@@ -285,7 +291,8 @@ def train_resume_and_evaluate(config, root, evals=ALL_CLASSIFIER_EVALS) -> dict:
   from smoothing_jax.training.steps import variables_of
   from smoothing_jax.evaluators import corruptions
   from smoothing_jax.experiment.run import Run
-  config = override(config, evals=evals, ood_datasets=("cifar100",))
+  config = override(config, evals={name: {"datasets": ("cifar100",)} if name == "ood" else {}
+                                   for name in evals})
   with tfds.testing.mock_data(num_examples=16):
     results = main.run(config, str(root / "run"))
     run = Run.from_workdir(str(root / "run"))

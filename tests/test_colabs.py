@@ -89,7 +89,7 @@ def test_landscape_notebook_trains_empty_workdirs_first(analysis_workdirs, tmp_p
                 f"for label, keys in MODELS.items()}}\n"
                 f"CONFIG = 'configs/cifar_resnet.py:dataset=npz:{quadrants},runlocal'\n"
                 "OVERRIDES = {'model_kwargs.width': 4, 'model_kwargs.stage_sizes': (1,), "
-                "'batch_size': 16, 'num_train_steps': 4, 'num_devices': 1}\n")
+                "'input.batch_size': 16, 'num_train_steps': 4, 'num_devices': 1}\n")
   book = execute("loss_landscape", parameters + LANDSCAPE_TINY)
   assert images_in(book) == 2 * len(models)
   printed = "".join(out.get("text", "") for c in book.cells if c.cell_type == "code"
@@ -121,7 +121,7 @@ def test_uncertainty_notebook_trains_and_runs_the_three_evaluators(analysis_work
       f"SOURCE = 'npz:{quadrants}'\n"
       f"CONFIG = 'configs/cifar_resnet.py:dataset=npz:{quadrants},runlocal'\n"
       "OVERRIDES = {'model_kwargs.width': 4, 'model_kwargs.stage_sizes': (1,), "
-      "'batch_size': 8, 'num_train_steps': 2, 'eval_batch_size': 16, 'num_devices': 1}\n"
+      "'input.batch_size': 8, 'num_train_steps': 2, 'eval_batch_size': 16, 'num_devices': 1}\n"
       f"IN_CLASSES = (0, 1)\nSIZES = (1, 2)\nHOLDOUT_FRACTION = 0.25\nROOT = {str(tmp_path)!r}\n")
   book = execute("uncertainty", parameters)
   # ROC/PR, reliability before and after (T on the members, on the ensemble), accuracy-rejection

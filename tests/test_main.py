@@ -1,6 +1,7 @@
 """The command line with bad input: one line naming the problem, a non-zero exit, no traceback."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -36,8 +37,10 @@ print("RESULTS" + json.dumps(results))
 
 
 @pytest.fixture(scope="module")
-def cli_results(tmp_path_factory):
+def cli_results(tmp_path_factory, analysis_workdirs):
   root = tmp_path_factory.mktemp("cli")
+  trained = str(root / "trained")  # a recorded run (step 0) that evaluations may write into
+  shutil.copytree(analysis_workdirs["MC dropout"], trained)
   rng = np.random.default_rng(0)
   good, floats = root / "good", root / "floats"
   for directory, dtype in ((good, np.uint8), (floats, np.float32)):
@@ -52,19 +55,34 @@ def cli_results(tmp_path_factory):
       "unknown config key": (["--config=configs/cifar_resnet.py", "--config.not_a_key=3"], {}),
       "missing dataset":
           (["--config=configs/cifar_resnet.py:resnet_dnn_18,npz:/missing,runlocal"], {}),
-      "wrong dtype": (["--config=configs/quickstart.py", f"--config.dataset=npz:{floats}"], {}),
+      "wrong dtype":
+          (["--config=configs/quickstart.py", f"--config.input.dataset=npz:{floats}"], {}),
       "unknown model":
           ([f"--config=configs/cifar_resnet.py:resnet_dnn_18x,npz:{good},runlocal"], {}),
       "model/dataset mismatch": ([
           f"--config=configs/camvid_unet.py:unet_dnn,npz:{good},runlocal", "--config.num_devices=1"
       ], {}),
       "missing checkpoint": (["--config=configs/quickstart.py", "--mode=evaluate"], {}),
+      "training needs a config": ([], {}),
+      "an option the evaluator does not take":
+          (["--config=configs/quickstart.py", "--mode=ensemble_sizes", "--num_samples=3"], {}),
+      "an unknown evaluator option": ([
+          "--config=configs/quickstart.py", "--config.evals.ensemble_sizes.num_samples=3"
+      ], {}),
+      "a config of another model":
+          (["--config=configs/quickstart.py", "--mode=evaluate", f"--workdir={trained}"], {}),
+      "evaluation from the recorded run": ([
+          "--mode=evaluate", f"--workdir={trained}", "--config.evals.ensemble_sizes.sizes=(1,2)",
+          "--config.eval_batch_size=16"
+      ], {}),
       "traceback on request":
           ([f"--config=configs/cifar_resnet.py:vgg_dnn_16x,npz:{good},runlocal"], {
               "SMOOTHING_JAX_TRACEBACK": "1"
           }),
   }
-  payload = json.dumps([(argv + [f"--workdir={workdir}"], env) for argv, env in cases.values()])
+  given = {case: any(a.startswith("--workdir") for a in argv) for case, (argv, _) in cases.items()}
+  payload = json.dumps([(argv + [f"--workdir={workdir}"] * (not given[case]), env)
+                        for case, (argv, env) in cases.items()])
   env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3")
   out = subprocess.run([sys.executable, "-c", DRIVER, payload],
                        cwd=ROOT,
@@ -74,7 +92,9 @@ def cli_results(tmp_path_factory):
                        timeout=600)
   line = [x for x in out.stdout.splitlines() if x.startswith("RESULTS")]
   assert line, out.stdout[-2000:] + out.stderr[-2000:]
-  return dict(zip(cases, json.loads(line[0][len("RESULTS"):])))
+  results = dict(zip(cases, json.loads(line[0][len("RESULTS"):])))
+  results["trained"] = trained
+  return results
 
 
 @pytest.mark.parametrize("case,code,expected", [
@@ -85,6 +105,13 @@ def cli_results(tmp_path_factory):
     ("unknown model", 1, "Unknown model name 'resnet_dnn_18x'"),
     ("model/dataset mismatch", 1, "does not fit dataset"),
     ("missing checkpoint", 1, "No run in"),
+    ("training needs a config", 2, "Training needs --config=<file>.py[:<args>]"),
+    ("an option the evaluator does not take", 2,
+     "The ensemble_sizes evaluator takes no option 'num_samples'; its options "
+     "(config.evals.ensemble_sizes.<option>): sizes, members, seed"),
+    ("an unknown evaluator option", 2, "unknown config key 'evals.ensemble_sizes.num_samples'; "
+     "keys there: members, seed, sizes"),
+    ("a config of another model", 2, "names model 'resnet_mcdo_smoothing_18', but"),
 ])
 def test_user_errors_print_one_line(cli_results, case, code, expected):
   result = cli_results[case]
@@ -92,6 +119,36 @@ def test_user_errors_print_one_line(cli_results, case, code, expected):
   assert result["code"] == code, result
   assert len(errors) == 1 and expected in errors[0], result["stderr"][-3000:]
   assert "Traceback" not in result["stderr"]
+
+
+def test_evaluation_reads_the_recorded_config_and_applies_overrides_on_top(cli_results):
+  result = cli_results["evaluation from the recorded run"]
+  assert result["code"] is None, result["stderr"][-3000:]  # app.run's exit of a clean return
+  with open(os.path.join(cli_results["trained"], "results", "ensemble_sizes.json")) as f:
+    assert [row["ensemble_size"] for row in json.load(f)] == [1, 2]
+
+
+def test_an_evaluation_lists_what_differs_from_the_recorded_run(analysis_workdirs):
+  from smoothing_jax import main
+  from smoothing_jax.experiment.workdir import read_config
+  from tests.helpers import absl_info_lines
+  workdir = analysis_workdirs["MC dropout"]
+  recorded = read_config(workdir)[0]
+  with absl_info_lines() as lines:
+    config = main.resolve_config("evaluate", workdir, None, [("eval_batch_size", "16")])
+  assert config.eval_batch_size == 16 and config.model_kwargs == recorded.model_kwargs
+  assert any(line.endswith("; differing from it: eval_batch_size") for line in lines), lines
+  # A config file of the recorded model: its keys that differ (here num_devices, the run's
+  # length) apply on top; the model options and the recorded data split stay the recorded ones.
+  arg = f"configs/cifar_resnet.py:resnet_mcdo_18,{recorded.input.dataset},runlocal"
+  with absl_info_lines() as lines:
+    config = main.resolve_config("evaluate", workdir, arg)
+  assert (config.num_devices, config.model_kwargs.width) == (-1, recorded.model_kwargs.width)
+  assert any(f"From --config={arg}, on the recorded run: " in line and "num_devices=-1" in line
+             and "model_kwargs" not in line for line in lines), lines
+  with pytest.raises(ValueError, match=r"--config.input.holdout_fraction is the recorded run's "
+                     r"\(input.holdout_fraction=0.0\)"):
+    main.resolve_config("evaluate", workdir, None, [("input.holdout_fraction", "0.5")])
 
 
 def test_the_traceback_is_kept_on_request(cli_results):
@@ -118,7 +175,7 @@ def test_two_processes_stop_together_and_match_one_process(tmp_path):
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
   workdir = tmp_path / "two_processes"
-  sizes = {"model_kwargs.width": 4, "model_kwargs.stage_sizes": (1,), "batch_size": 16,
+  sizes = {"model_kwargs.width": 4, "model_kwargs.stage_sizes": (1,), "input.batch_size": 16,
            "log_every_steps": 5, "checkpoint_every_steps": 1000, "num_train_steps": 1000}
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"}

@@ -104,7 +104,7 @@ def test_a_tfds_dataset_without_tensorflow_is_one_line_naming_what_to_install(tm
   code = ("import runpy, sys\n"
           "sys.modules['tensorflow'] = sys.modules['tensorflow_datasets'] = None  # not installed\n"
           "sys.argv = ['main', '--config=configs/quickstart.py:runlocal', "
-          f"'--config.dataset=cifar10', '--workdir={tmp_path}']\n"
+          f"'--config.input.dataset=cifar10', '--workdir={tmp_path}']\n"
           "runpy.run_module('smoothing_jax.main', run_name='__main__')\n")
   result = _run_python(code)
   assert result.returncode == 1, result.stderr[-3000:]
@@ -134,7 +134,7 @@ def test_layers_point_down(tmp_path):
                   ignore=shutil.ignore_patterns("__pycache__"))
   shutil.copy(ROOT / "pyproject.toml", tmp_path)
   with open(tmp_path / "smoothing_jax" / "models" / "vgg.py", "a") as f:
-    f.write("\n\ndef _upward():\n  from smoothing_jax import train  # noqa: F401\n")
+    f.write("\n\ndef _upward():\n  from smoothing_jax.training import train  # noqa: F401\n")
   result = _lint_imports(tmp_path)
   assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout[-3000:]
   assert "smoothing_jax.models.vgg -> smoothing_jax.training.train" in result.stdout

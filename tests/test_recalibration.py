@@ -78,7 +78,7 @@ def test_the_evaluator_fits_on_the_held_out_training_examples_only(tmp_path):
   import jax
   from smoothing_jax.evaluators import calibration as evaluator
   from tests.helpers import initialised_run
-  run = initialised_run(tmp_path, holdout_fraction=0.25, eval_batch_size=8)
+  run = initialised_run(tmp_path, eval_batch_size=8, **{"input.holdout_fraction": 0.25})
   pipeline = run.pipeline
   held, kept = pipeline.holdout_images, pipeline.train_images
   assert len(held) + len(kept) == 32 and pipeline.num_train == len(kept)
@@ -105,5 +105,5 @@ def test_the_evaluator_fits_on_the_held_out_training_examples_only(tmp_path):
                "reliability_after_members.png", "reliability_after_ensemble.png"):
     assert (tmp_path / "results" / name).stat().st_size > 0
   no_holdout = initialised_run(tmp_path / "none", eval_batch_size=8)
-  with pytest.raises(ValueError, match="set --config.holdout_fraction"):
+  with pytest.raises(ValueError, match="set --config.input.holdout_fraction"):
     evaluator.evaluate(no_holdout, tmp_path / "none_results")

@@ -144,7 +144,7 @@ def import_tfds(dataset: str):
     raise DatasetUnavailableError(
         f"Dataset {dataset!r} is read with TensorFlow Datasets, which is not installed ({e}): "
         "pip install tensorflow-cpu tensorflow-datasets, or give the arrays as "
-        "--config.dataset=npz:<dir>.") from None
+        "--config.input.dataset=npz:<dir>.") from None
   hide_accelerators_from_tensorflow()
   from smoothing_jax.data import camvid, cifar100_corrupted  # noqa: F401  (register builders)
   return tfds
@@ -176,14 +176,14 @@ def _missing_message(spec, builder, reason=""):
     return (f"Dataset {spec.name!r} is not prepared in data_dir {builder.data_dir_root!r}. "
             f"{reason} Prepare it from the downloaded release with "
             f"`python -m smoothing_jax.data.{spec.base} --manual_dir=<release> "
-            f"--data_dir=<dir>` and pass --config.data_dir=<dir>, or train from local arrays "
-            f"with --config.dataset=npz:<dir> (uint8 images [N,H,W,3] and label maps [N,H,W] "
+            f"--data_dir=<dir>` and pass --config.input.data_dir=<dir>, or train from local arrays "
+            f"with --config.input.dataset=npz:<dir> (uint8 images [N,H,W,3] and label maps [N,H,W] "
             f"in train.npz/test.npz).")
   return (f"Dataset {spec.name!r} is not prepared in data_dir {builder.data_dir_root!r} "
           f"(searched {builder.data_dir!r}). {reason} Prepare it on a machine with network "
           f"access with `tfds build {spec.name.split('/')[0]} --data_dir=<dir>` (ImageNet and "
-          f"CIFAR-100-C need --manual_dir) and pass --config.data_dir=<dir>, or train from "
-          f"local arrays with --config.dataset=npz:<dir> (uint8 images [N,H,W,3] and labels "
+          f"CIFAR-100-C need --manual_dir) and pass --config.input.data_dir=<dir>, or train from "
+          f"local arrays with --config.input.dataset=npz:<dir> (uint8 images [N,H,W,3] and labels "
           f"[N] in train.npz/test.npz).")
 
 

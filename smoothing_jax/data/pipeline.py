@@ -14,7 +14,7 @@ Both see the same examples in the same order
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -26,34 +26,49 @@ from smoothing_jax.data.pipeline_base import Pipeline
 
 DATA_PIPELINES = ("auto", "resident", "tfdata")
 STREAMED = ("imagenet2012", "camvid")  # read from disk by tf.data as training goes
+# The keys of a config's ``input`` block besides ``dataset`` and ``batch_size``, with the defaults
+# of ``experiment.config_base`` (``randaugment`` None: off): what a block without them (a config
+# recorded before they existed, a dict) reads.
+INPUT_DEFAULTS = {"data_dir": None, "download": True, "data_pipeline": "auto", "crop_size": None,
+                  "randaugment": None, "train_fraction": 1.0, "holdout_fraction": 0.0,
+                  "split_seed": -1, "eval_cache": ""}
 
 
-def create_pipeline(dataset: str, global_batch_size: int, seed: int,
-                    data_dir: Optional[str] = None, download: bool = False,
-                    randaugment: Optional[tuple] = None,
-                    crop_size: Optional[tuple] = None, eval_cache: str = "",
-                    train_fraction: float = 1.0, data_pipeline: str = "auto",
-                    mesh=None, holdout_fraction: float = 0.0,
-                    split_seed: Optional[int] = None) -> Pipeline:
-  """Load (or open, for ImageNet) ``dataset``; fail early with a clear message if it is missing.
+def create_pipeline(input_config: Mapping[str, Any], seed: int, mesh=None) -> Pipeline:
+  """The pipeline of a config's ``input`` block (a ConfigDict or a dict; the keys it lacks take
+  :data:`INPUT_DEFAULTS`), training batches in the order ``seed`` draws; fails early with a clear
+  message if the dataset is missing.
 
-  ``randaugment``: ``(num_layers, magnitude, magnitude_std)`` applied to training images
-  after the crop and flip (None or num_layers 0: off).  ``crop_size``: (h, w) random
-  training crop of segmentation datasets (None: whole images).  ``eval_cache``: a file
-  prefix where the preprocessed evaluation images are kept after their first pass (for
-  ImageNet, whose JPEGs are otherwise decoded at every evaluation).  ``train_fraction`` in
-  (0, 1]: train on a fixed class-balanced subset of an in-memory training split, seeded by
-  ``seed`` (:func:`~smoothing_jax.data.datasets.class_balanced_subset`); ``num_train`` and the
-  steps per epoch follow it, the normalisation statistics stay those of the whole split; the
-  streamed ImageNet split takes 1 only.  ``data_pipeline``: "auto" (device-resident unless the
-  dataset is streamed from disk: ImageNet, CamVid), "resident" or "tfdata" (the host path, which
-  also keeps TensorFlow off the accelerators); ``mesh`` (default: all devices) holds a resident
-  dataset.  ``holdout_fraction`` in [0, 1): a class-balanced part of the training split, seeded
-  by ``seed``, is held out before ``train_fraction`` is drawn from the rest (never trained on;
-  ``holdout_images`` / ``holdout_labels``: what recalibration fits on).  ``split_seed`` (default
-  ``seed``) seeds those two draws instead, e.g. an ensemble's split shared by its members.
+  Keys: ``dataset`` and ``batch_size`` (global).  ``data_dir`` / ``download``: TFDS's.
+  ``data_pipeline``: "auto" (device-resident unless the dataset is streamed from disk: ImageNet,
+  CamVid), "resident" or "tfdata" (the host path, which also keeps TensorFlow off the
+  accelerators); ``mesh`` (default: all devices) holds a resident dataset.  ``crop_size``: (h, w)
+  random training crop of segmentation datasets (None: whole images).  ``randaugment``:
+  ``{num_layers, magnitude, magnitude_std}`` applied to training images after the crop and flip
+  (None or num_layers 0: off).  ``train_fraction`` in (0, 1]: train on a fixed class-balanced
+  subset of an in-memory training split
+  (:func:`~smoothing_jax.data.datasets.class_balanced_subset`); ``num_train`` and the steps per
+  epoch follow it, the normalisation statistics stay those of the whole split; the streamed
+  ImageNet split takes 1 only.  ``holdout_fraction`` in [0, 1): a class-balanced part of the
+  training split held out before ``train_fraction`` is drawn from the rest (never trained on;
+  ``holdout_images`` / ``holdout_labels``: what recalibration fits on).  ``split_seed`` seeds
+  those two draws (-1: ``seed``), e.g. an ensemble's split shared by its members.
+  ``eval_cache``: a file prefix where the preprocessed evaluation images are kept after their
+  first pass (for ImageNet, whose JPEGs are otherwise decoded at every evaluation).
   """
-  split_seed = seed if split_seed is None else split_seed
+  unknown = sorted(set(input_config.keys()) - set(INPUT_DEFAULTS) - {"dataset", "batch_size"})
+  if unknown:
+    raise ValueError(f"Unknown input keys {', '.join(unknown)}; known: dataset, batch_size, "
+                     f"{', '.join(INPUT_DEFAULTS)}.")
+  options = {**INPUT_DEFAULTS, **input_config}
+  dataset, global_batch_size = options["dataset"], options["batch_size"]
+  data_dir, download = options["data_dir"], options["download"]
+  data_pipeline, crop_size = options["data_pipeline"], options["crop_size"]
+  holdout_fraction = options["holdout_fraction"]
+  split_seed = seed if options["split_seed"] == -1 else options["split_seed"]
+  rand = options["randaugment"]
+  randaugment = ((rand["num_layers"], rand["magnitude"], rand["magnitude_std"])
+                 if rand and rand["num_layers"] != 0 else None)
   if data_pipeline not in DATA_PIPELINES:
     raise ValueError(f"data_pipeline must be one of {', '.join(DATA_PIPELINES)}, got "
                      f"{data_pipeline!r}.")
@@ -65,7 +80,7 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int,
   if data_pipeline == "resident" and spec.base == "imagenet2012":
     raise ValueError("ImageNet is streamed from disk: use data_pipeline 'tfdata' (or 'auto').")
   resident = data_pipeline == "resident"
-  train_fraction = check_train_fraction(train_fraction)
+  train_fraction = check_train_fraction(options["train_fraction"])
   if not 0.0 <= holdout_fraction < 1.0:
     raise ValueError(f"holdout_fraction must lie in [0, 1), got {holdout_fraction!r}.")
   if spec.corruption:
@@ -109,11 +124,13 @@ def create_pipeline(dataset: str, global_batch_size: int, seed: int,
     from smoothing_jax.data.datasets import hide_accelerators_from_tensorflow
     hide_accelerators_from_tensorflow()  # before TensorFlow's first op
     from smoothing_jax.data.tfdata import TFDataPipeline as cls
-  pipeline = cls(spec, global_batch_size, seed, tuple(mean), tuple(std), train_images,
-                 train_labels, eval_images, eval_labels, num_train, num_eval, data_dir, download,
-                 tuple(randaugment) if randaugment and randaugment[0] > 0 else None,
-                 tuple(crop_size) if crop_size else None, eval_cache, holdout_images,
-                 holdout_labels)
+  pipeline = cls(dataset_spec=spec, global_batch_size=global_batch_size, seed=seed,
+                 mean=tuple(mean), std=tuple(std), train_images=train_images,
+                 train_labels=train_labels, eval_images=eval_images, eval_labels=eval_labels,
+                 num_train=num_train, num_eval=num_eval, data_dir=data_dir, download=download,
+                 randaugment=randaugment, crop_size=tuple(crop_size) if crop_size else None,
+                 eval_cache=options["eval_cache"], holdout_images=holdout_images,
+                 holdout_labels=holdout_labels)
   if pipeline.is_segmentation and pipeline.randaugment:
     raise ValueError("RandAugment is not supported for segmentation datasets (it would move "
                      "pixels off their labels).")

@@ -69,7 +69,8 @@ class Pipeline:
   def holdout_batches(self, batch_size: Optional[int] = None):
     """Evaluation batches of the held-out training examples (``holdout_fraction``)."""
     raise ValueError("Held-out training examples are evaluated on the device-resident pipeline "
-                     "only: use --config.data_pipeline=resident (or auto, for in-memory sets).")
+                     "only: use --config.input.data_pipeline=resident (or auto, for in-memory "
+                     "sets).")
 
   @property
   def local_batch_size(self) -> int:

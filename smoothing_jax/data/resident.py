@@ -59,7 +59,7 @@ def check_fits_on_devices(dataset: str, nbytes: int, devices,
     raise ValueError(
         f"Dataset {dataset!r} needs {nbytes / 2**20:.0f} MiB on each device to stay there, more "
         f"than {fraction:.0%} of the {min(limits) / 2**30:.1f} GiB a device has; stream it from "
-        "the host instead with --config.data_pipeline=tfdata.")
+        "the host instead with --config.input.data_pipeline=tfdata.")
 
 
 def replicate(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -184,7 +184,7 @@ class ResidentPipeline(Pipeline):
     """Global batches ``{"image", "label", "mask"}`` of the held-out training examples
     (``holdout_fraction``), held on the devices while they are evaluated."""
     if self.holdout_images is None or not len(self.holdout_images):
-      raise ValueError("No held-out training examples: set --config.holdout_fraction (e.g. 0.1; "
-                       "they are left out of training) and train the run with it.")
+      raise ValueError("No held-out training examples: set --config.input.holdout_fraction (e.g. "
+                       "0.1; they are left out of training) and train the run with it.")
     arrays = self._put(self.holdout_images, self.holdout_labels)
     yield from self._batches(arrays, batch_size or self.global_batch_size)

@@ -1,23 +1,28 @@
-"""Evaluators plugged in by name (as big_vision's ``config.evals``).
+"""Evaluators plugged in by name, with their options in ``config.evals`` (as big_vision's).
 
-``config.evals`` names the evaluators that run after training; ``--mode=<name>`` runs one on a
-trained workdir.  Each evaluator is one module here with
+``config.evals`` maps each evaluator to run after training to its options, e.g.
+``config.evals.ood = dict(datasets=("svhn_cropped",), sizes=(1, 10))``;
+``--config.evals.<name>.<option>=…`` sets one from the command line and ``--mode=<name>`` runs
+that evaluator, with those options, on a trained workdir.  Each evaluator is one module here with
 
-* ``evaluate(run, output_dir, **options) -> result``: computes on the ``run``
+* ``evaluate(run, output_dir, *, <options>) -> result``: computes on the ``run``
   (``smoothing_jax.experiment.run.Run``) through the shared sharded step
-  (``parallel.sharded_eval_step``) and writes its table (JSON + CSV) and figure into ``output_dir``;
+  (``parallel.sharded_eval_step``) and writes its table (JSON + CSV) and figure into
+  ``output_dir``; its keyword-only parameters are its options, their defaults the defaults;
 * ``summary(result, output_dir) -> str``: the lines the command line prints.
 
-A new evaluator is one file plus one line in ``REGISTRY``.  ``options`` come from the command
-line's flags; an evaluator receives those its ``evaluate`` names (``run_evaluator``).
+A new evaluator is one file plus one line in ``REGISTRY``.  An option an evaluator does not take
+is an error (``check_options``) before anything runs.
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 from types import ModuleType
 from typing import Any, Mapping, Sequence
 
+import ml_collections
 from absl import logging
 
 REGISTRY = {  # name → module
@@ -47,20 +52,66 @@ def get(name: str) -> ModuleType:
   return importlib.import_module(REGISTRY[name])
 
 
+def default_options(name: str) -> dict:
+  """``{option: default}`` of evaluator ``name``: its ``evaluate``'s keyword-only parameters."""
+  parameters = inspect.signature(get(name).evaluate).parameters.values()
+  return {p.name: p.default for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def check_options(name: str, options: Mapping[str, Any]) -> None:
+  """ValueError (one line) naming the options ``name`` does not take, and those it takes."""
+  known = default_options(name)
+  unknown = [key for key in options if key not in known]
+  if unknown:
+    raise ValueError(f"The {name} evaluator takes no option {', '.join(map(repr, unknown))}; "
+                     f"its options (config.evals.{name}.<option>): {', '.join(known)}.")
+
+
+def names_after_training(config) -> tuple:
+  """The evaluators ``config.evals`` runs after training (a ConfigDict's keys: sorted)."""
+  return tuple(config.get("evals", {}).keys())
+
+
+def options_of(config, name: str) -> dict:
+  """``config.evals.<name>`` as keyword arguments, checked (``check_options``); ``{}`` (every
+  default) when the config has no entry."""
+  entry = config.get("evals", {}).get(name)
+  options = entry.to_dict() if isinstance(entry, ml_collections.ConfigDict) else dict(entry or {})
+  check_options(name, options)
+  return options
+
+
+def declare_options(config: ml_collections.ConfigDict, names: Sequence[str] = ()
+                    ) -> ml_collections.ConfigDict:
+  """A copy of ``config`` whose ``evals`` entries (and one for each evaluator of ``names``,
+  aliases expanded) hold every option, unset ones at their default, so that
+  ``--config.evals.<name>.<option>=…`` can set any of them; unknown names and options fail
+  (one line)."""
+  evals = config.get("evals") or {}
+  wanted = list(evals.keys()) + [n for alias in names for n in expand(alias) if n not in evals]
+  declared = ml_collections.ConfigDict(
+      {name: {**default_options(name), **options_of(config, name)} for name in wanted})
+  config = copy.deepcopy(config)
+  with config.unlocked():
+    if "evals" in config:
+      del config["evals"]
+    config.evals = declared
+  return config
+
+
 def run_evaluator(name: str, run, output_dir, options: Mapping[str, Any] = None):
-  """``evaluate(run, output_dir, **options)`` of evaluator ``name``, given the ``options`` its
-  ``evaluate`` accepts; returns ``(result, summary lines)``."""
+  """``evaluate(run, output_dir, **options)`` of evaluator ``name`` (``options``: default
+  ``run.config.evals.<name>``); returns ``(result, summary lines)``."""
   module = get(name)
-  accepted = inspect.signature(module.evaluate).parameters
-  kwargs = {k: v for k, v in (options or {}).items() if k in accepted}
+  options = options_of(run.config, name) if options is None else dict(options)
+  check_options(name, options)
   logging.info("Evaluator %s on %s", name, run.workdir)
-  result = module.evaluate(run, output_dir, **kwargs)
+  result = module.evaluate(run, output_dir, **options)
   return result, module.summary(result, output_dir)
 
 
-def run_evaluators(names: Sequence[str], run, output_dir,
-                   options: Mapping[str, Any] = None) -> dict:
-  """Each evaluator of ``names`` (aliases expanded) in turn on the same ``run``:
-  ``{name: (result, summary)}``."""
-  return {name: run_evaluator(name, run, output_dir, options)
+def run_evaluators(names: Sequence[str], run, output_dir) -> dict:
+  """Each evaluator of ``names`` (aliases expanded) in turn on the same ``run``, with its
+  ``run.config.evals`` options: ``{name: (result, summary)}``."""
+  return {name: run_evaluator(name, run, output_dir)
           for alias in names for name in expand(alias)}

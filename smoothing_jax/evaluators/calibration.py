@@ -1,7 +1,7 @@
 """``calibration``: temperature scaling (``smoothing_jax.recalibration``) fitted for each ensemble
 size N and each placement of the temperature (``"members"``: each sample tempered, then averaged;
 ``"ensemble"``: the average tempered, Ashukha et al. 2020) on the held-out part of the training
-set (``config.holdout_fraction``, seeded by ``config.seed``, never trained on), and the test NLL,
+set (``config.input.holdout_fraction``, seeded by ``seed``, never trained on), and the test NLL,
 ECE and Brier score before and after.  Writes ``calibration.{json,csv}`` and the reliability
 diagrams of the largest N before and after (``reliability_before.png``,
 ``reliability_after_{members,ensemble}.png``).
@@ -9,7 +9,7 @@ diagrams of the largest N before and after (``reliability_before.png``,
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -29,8 +29,8 @@ def _metrics(sample_log_probs, labels, temperature: float, num_bins: int,
                                               num_bins=num_bins)
 
 
-def evaluate(run, output_dir, *, members: Sequence[str] = (),
-             sizes: Optional[Sequence[int]] = None, seed: int = 0) -> list:
+def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[str] = (),
+             seed: int = 0) -> list:
   """Rows ``{"ensemble_size", "placement", "temperature", "nll_before", "nll_after",
   "ece_before", "ece_after", "brier_before", "brier_after", "accuracy", "holdout_examples",
   "holdout_fraction", "seed"}``, one per N and placement."""
@@ -58,7 +58,7 @@ def evaluate(run, output_dir, *, members: Sequence[str] = (),
                    "nll_before": b["nll"], "nll_after": a["nll"], "ece_before": b["ece"],
                    "ece_after": a["ece"], "brier_before": b["brier"], "brier_after": a["brier"],
                    "accuracy": b["acc"], "holdout_examples": len(held["label"]),
-                   "holdout_fraction": config.get("holdout_fraction", 0.0), "seed": config.seed})
+                   "holdout_fraction": config.input.holdout_fraction, "seed": config.seed})
       diagrams[f"after_{placement}"] = (after, a["ece"], temperature)
   write_results(output_dir, "calibration", rows, {
       f"reliability_{when}.png": functools.partial(

@@ -96,10 +96,10 @@ def corruption_aggregates(table: dict, baseline: Optional[dict] = None,
   return out
 
 
-def evaluate(run, output_dir, *, baseline_csv: Optional[str] = None, num_samples: int = 1,
+def evaluate(run, output_dir, *, baseline_csv: str = "", num_samples: int = 1,
              corruptions: Sequence[str] = CORRUPTIONS, seed: int = 0) -> dict:
   """The sweep for ``run``: ``num_samples`` MC samples per prediction for MC dropout and BNN-VI
-  models (``--num_samples``, default 1), every member of a deep ensemble or BatchEnsemble, K·S
+  models (default 1), every member of a deep ensemble or BatchEnsemble, K·S
   draws of an iBNN; returns the aggregates (:func:`corruption_aggregates`)."""
   config, model = run.config, run.model
   output_dir = workdir_lib.workdir_path(output_dir)

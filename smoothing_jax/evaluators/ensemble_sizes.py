@@ -8,7 +8,7 @@ the run and its ``members`` (other workdirs of the same architecture).  Writes
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import jax
 
@@ -18,10 +18,10 @@ from smoothing_jax.parallel import evaluate_batches, sharded_eval_step, sharding
 from smoothing_jax.plots import plot_ensemble_sizes, plot_reliability_diagram
 
 
-def evaluate(run, output_dir, *, members: Sequence[str] = (), sizes: Optional[Sequence[int]] = None,
+def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[str] = (),
              seed: int = 0) -> list:
   """One row per ensemble size ``{"ensemble_size", "count", "nll", "acc", "ece", ...}`` of
-  ``run`` (MC dropout or iBNN, ``sizes`` default ``config.ensemble_sizes``), or of the deep
+  ``run`` (MC dropout or iBNN, ``sizes`` empty: ``config.ensemble_sizes``), or of the deep
   ensemble of ``run`` and the workdirs ``members``."""
   config = run.config
   pred = predictive(run, members, sizes)
@@ -34,7 +34,7 @@ def evaluate(run, output_dir, *, members: Sequence[str] = (), sizes: Optional[Se
           for n, m in zip(sizes, (t.compute() for t in totals))]
   name = "deep ensemble" if pred.kind == "deep_ensemble" else config.model
   write_results(output_dir, "ensemble_sizes", rows, {
-      "ensemble_sizes.png": lambda: plot_ensemble_sizes(rows, f"{name} on {config.dataset}"),
+      "ensemble_sizes.png": lambda: plot_ensemble_sizes(rows, f"{name} on {config.input.dataset}"),
       "reliability.png": lambda: plot_reliability_diagram(
           totals[-1], f"{name}, N={sizes[-1]}: ECE {100 * rows[-1]['ece']:.2f}%")})
   return rows

@@ -2,9 +2,9 @@
 −entropy, −mutual information) for each ensemble size N: AUROC, AUPR-In, AUPR-Out and FPR@95
 (``ranking.detection_metrics``, in-distribution positive) against every OOD set.
 
-OOD sets (``config.ood_datasets``): any dataset name the data layer reads (TFDS, ``npz:<dir>``),
-``"corruptions"`` for the 15 corruptions of the run's dataset at severity 5, or nothing for the
-standard pairs (CIFAR-10: SVHN and CIFAR-100; CIFAR-100: SVHN and CIFAR-10, as
+OOD sets (``config.evals.ood.datasets``): any dataset name the data layer reads (TFDS,
+``npz:<dir>``), ``"corruptions"`` for the 15 corruptions of the run's dataset at severity 5, or
+nothing for the standard pairs (CIFAR-10: SVHN and CIFAR-100; CIFAR-100: SVHN and CIFAR-10, as
 uncertainty-baselines).  Images are normalised as the run's own; a set of another image shape is
 rejected with a message naming both.  Writes ``ood.{json,csv}`` and ``ood_<set>.png`` (ROC and
 precision-recall curves).
@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from typing import Optional, Sequence
+from typing import Sequence
 
 from smoothing_jax import ranking
 from smoothing_jax.data import CORRUPTIONS, corruption_dataset
@@ -32,7 +32,7 @@ def resolve_ood_datasets(base: str, names: Sequence[str]) -> list:
   names = list(names) or list(STANDARD_PAIRS.get(base, ()))
   if not names:
     raise ValueError(f"No standard OOD sets for {base!r}: name them with "
-                     "--config.ood_datasets='(\"npz:<dir>\",)' (any dataset name, or "
+                     "--config.evals.ood.datasets='(\"npz:<dir>\",)' (any dataset name, or "
                      "\"corruptions\").")
   expanded = []
   for name in names:
@@ -46,16 +46,15 @@ def resolve_ood_datasets(base: str, names: Sequence[str]) -> list:
   return expanded
 
 
-def evaluate(run, output_dir, *, members: Sequence[str] = (),
-             sizes: Optional[Sequence[int]] = None,
-             ood_datasets: Optional[Sequence[str]] = None, seed: int = 0) -> list:
+def evaluate(run, output_dir, *, datasets: Sequence[str] = (), sizes: Sequence[int] = (),
+             members: Sequence[str] = (), seed: int = 0) -> list:
   """Rows ``{"ood_dataset", "ensemble_size", "score", "auroc", "aupr_in", "aupr_out",
-  "fpr95_id_positive", "fpr95_ood_positive", "count_in", "count_out"}`` (``ood_datasets``
-  default ``config.ood_datasets``; the FPR@95 conventions: ``ranking``'s docstring)."""
+  "fpr95_id_positive", "fpr95_ood_positive", "count_in", "count_out"}`` against each of the OOD
+  sets ``datasets`` (empty: the standard pairs; :func:`resolve_ood_datasets`), for the ensemble
+  sizes ``sizes`` (empty: ``config.ensemble_sizes``) of the run and the workdirs ``members``
+  (the FPR@95 conventions: ``ranking``'s docstring)."""
   config = run.config
-  names = resolve_ood_datasets(
-      run.pipeline.dataset_spec.base,
-      config.get("ood_datasets", ()) if ood_datasets is None else ood_datasets)
+  names = resolve_ood_datasets(run.pipeline.dataset_spec.base, datasets)
   pred = predictive(run, members, sizes)
   step = sharded_eval_step(ranking_step, run.mesh, pred.kind, run.model, pred.sizes,
                            pred.num_samples, config.get("eval_chunk_size"))
@@ -77,7 +76,7 @@ def evaluate(run, output_dir, *, members: Sequence[str] = (),
             **{k: detection[k] for k in ("fpr95_id_positive", "fpr95_ood_positive")}}
     file_name = f"ood_{re.sub(r'[^A-Za-z0-9_.-]+', '_', name).strip('_')}.png"
     write_results(output_dir, "ood", rows, {file_name: functools.partial(
-        plot_detection_curves, curves, f"{config.model} on {config.dataset} against {name}")})
+        plot_detection_curves, curves, f"{config.model} on {config.input.dataset} against {name}")})
   return rows
 
 

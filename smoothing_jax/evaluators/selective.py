@@ -6,7 +6,7 @@ accuracy–rejection curves).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 from smoothing_jax import ranking
 from smoothing_jax.evaluators.common import gather, predictive, ranking_step, write_results
@@ -14,8 +14,8 @@ from smoothing_jax.parallel import sharded_eval_step
 from smoothing_jax.plots import plot_accuracy_rejection
 
 
-def evaluate(run, output_dir, *, members: Sequence[str] = (),
-             sizes: Optional[Sequence[int]] = None, seed: int = 0) -> list:
+def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[str] = (),
+             seed: int = 0) -> list:
   """Rows ``{"ensemble_size", "score", "aurc", "excess_aurc", "accuracy", "coverage_at_95",
   "coverage_at_99", "count"}``."""
   config = run.config
@@ -31,7 +31,7 @@ def evaluate(run, output_dir, *, members: Sequence[str] = (),
                    **ranking.selective_metrics(confidence, correct), "count": len(correct)})
       curves[f"{score}, N={n}"] = ranking.selective_curve(confidence, correct)
   write_results(output_dir, "selective", rows, {"selective.png": lambda: plot_accuracy_rejection(
-      curves, f"{config.model} on {config.dataset}")})
+      curves, f"{config.model} on {config.input.dataset}")})
   return rows
 
 

@@ -4,7 +4,6 @@ with one pass per frame; per-pixel metrics and temporal consistency.
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import jax
 import numpy as np
@@ -17,7 +16,7 @@ from smoothing_jax.metrics import class_iou
 from smoothing_jax.parallel import eval_batch_size, evaluate_batches, sharded_eval_step, shardings
 from smoothing_jax.plots import plot_stream_examples, plot_stream_table
 
-def evaluate(run, output_dir, *, num_samples: Optional[int] = None,
+def evaluate(run, output_dir, *, num_samples: int = 0,
              num_frames: int = temporal.NUM_FRAMES, decay_rate: float = temporal.DECAY_RATE,
              split: str = "test", seed: int = 0) -> list:
   """Segmentation on CamVid clips (``camvid/clips``) by each inference method (paper Table E.4).
@@ -27,7 +26,7 @@ def evaluate(run, output_dir, *, num_samples: Optional[int] = None,
   models only) and temporal smoothing (``temporal``, VQ-BNN / VQ-DNN: one pass per
   frame); columns: NLL, accuracy, ECE, mIoU, IoU-90, Acc-90, Unc-90, Freq-90 (per
   pixel, void masked, on the labelled frame) and consistency (argmax agreement of
-  the last two frames).  ``num_samples`` None: the largest ``config.ensemble_sizes``.  Writes
+  the last two frames).  ``num_samples`` 0: the largest ``config.ensemble_sizes``.  Writes
   ``streams.{json,csv,png}``, per-class IoU in ``streams_class_iou.json`` and
   ``stream_examples.png``.
   """
@@ -39,7 +38,7 @@ def evaluate(run, output_dir, *, num_samples: Optional[int] = None,
   config, pipeline = run.config, run.pipeline
   num_samples = num_samples or max(config.ensemble_sizes)
   data_sharding = shardings(run.mesh)[1]
-  frames_uint8, labels, _ = camvid.load_clips(split, config.data_dir)
+  frames_uint8, labels, _ = camvid.load_clips(split, config.input.data_dir)
   if frames_uint8.shape[1] < num_frames + 1:
     raise ValueError(
         f"Clips of {frames_uint8.shape[1]} frames are too short for num_frames={num_frames} "
@@ -49,8 +48,8 @@ def evaluate(run, output_dir, *, num_samples: Optional[int] = None,
                            decay_rate, config.get("eval_chunk_size"), config.ece_bins)
   batch_size = eval_batch_size(config,
                                data_sharding.mesh) // jax.process_count()  # this process's rows
-  num_batches = -(-camvid.num_examples("clips", split, config.data_dir) // jax.process_count() //
-                  batch_size)
+  num_batches = -(-camvid.num_examples("clips", split, config.input.data_dir) //
+                  jax.process_count() // batch_size)
 
   def clip_batches():  # the same count on every process; missing rows are padding
     for start in range(0, num_batches * batch_size, batch_size):

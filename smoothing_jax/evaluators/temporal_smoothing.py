@@ -6,7 +6,6 @@ Writes ``temporal.{json,csv,png}``.
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import jax
 import numpy as np
@@ -19,11 +18,11 @@ from smoothing_jax.plots import plot_stream_table
 
 
 def evaluate(run, output_dir, *, num_images: int = 1000, length: int = 6, max_shift: int = 3,
-             num_samples: Optional[int] = None, num_frames: int = temporal.NUM_FRAMES,
+             num_samples: int = 0, num_frames: int = temporal.NUM_FRAMES,
              decay_rate: float = temporal.DECAY_RATE, batch_size: int = 250,
              seed: int = 0) -> list:
   """Rows ``{"method", "passes_per_frame", "count", "nll", "acc", "ece", ..., "consistency"}`` on
-  the first ``num_images`` evaluation images (``num_samples`` None: the largest
+  the first ``num_images`` evaluation images (``num_samples`` 0: the largest
   ``config.ensemble_sizes``); clips in batches of ``batch_size`` (at most the number of clips,
   rounded up to the mesh)."""
   check_single_model(run, "temporal")

@@ -56,6 +56,28 @@ def with_overrides(config: ml_collections.ConfigDict,
   return config
 
 
+def flat(config) -> dict:
+  """``{dotted key: value}`` of every leaf of ``config`` (a ConfigDict or dict), lists as tuples
+  (a recorded ``config.json`` holds lists where a config file holds tuples)."""
+  items = config.items() if hasattr(config, "items") else ()
+  out = {}
+  for key, value in items:
+    if hasattr(value, "items"):
+      out.update({f"{key}.{k}": v for k, v in flat(value).items()})
+    else:
+      out[key] = tuple(value) if isinstance(value, list) else value
+  return out
+
+
+def differences(base, other, skip=()) -> dict:
+  """``{dotted key: value in other}`` of the leaves both configs hold whose values differ, but
+  those under the dotted keys ``skip``."""
+  base, other = flat(base), flat(other)
+  return {key: value for key, value in other.items()
+          if key in base and base[key] != value and
+          not any(key == s or key.startswith(f"{s}.") for s in skip)}
+
+
 def load(config: Union[str, ml_collections.ConfigDict],
          overrides: Optional[Mapping[str, Any]] = None) -> ml_collections.ConfigDict:
   """``config`` — ``"<file>.py[:<args>]"`` as ``--config=`` of ``smoothing_jax.main`` (the path

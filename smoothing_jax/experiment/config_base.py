@@ -10,8 +10,8 @@ from ml_collections.config_dict import placeholder
 from smoothing_jax.models import model_options
 
 # Recipe keys: None in ``base_config()``; each recipe sets those its optimiser and schedule read.
-RECIPE_KEYS = ("model", "dataset", "optimizer", "batch_size", "base_batch_size", "learning_rate",
-               "weight_decay", "num_epochs", "warmup_epochs", "lr_schedule")
+RECIPE_KEYS = ("model", "input.dataset", "optimizer", "input.batch_size", "base_batch_size",
+               "learning_rate", "weight_decay", "num_epochs", "warmup_epochs", "lr_schedule")
 # Recipe keys read only with one choice of ``(key, value)``.
 RECIPE_KEYS_OF = {
     ("optimizer", "sgd"): ("momentum", "nesterov"),
@@ -23,13 +23,13 @@ RECIPE_KEYS_OF = {
 def base_config() -> ml_collections.ConfigDict:
   """Every key a config has, with recipe-neutral defaults; not a runnable config by itself.
 
-  Infrastructure keys (model options, dataset handling, seed, devices, logging, evaluation,
-  checkpoints) hold neutral defaults, and every optional feature (class balancing, gradient
-  clipping, label smoothing, Mixup/CutMix, RandAugment) is off; ``init_from`` ("": off) names a
-  workdir or torch checkpoint file whose variables training fine-tunes and an evaluation without
-  checkpoints uses; the iBNN block holds the method's defaults, read only by models with node
-  noise.  The recipe keys (``RECIPE_KEYS`` and
-  ``RECIPE_KEYS_OF``: model name, dataset, optimiser and learning-rate schedule) are None here:
+  Infrastructure keys (model options, the data settings of the ``input`` block, seed, devices,
+  logging, evaluation, checkpoints) hold neutral defaults, and every optional feature (class
+  balancing, gradient clipping, label smoothing, Mixup/CutMix, RandAugment) is off;
+  ``init_from`` ("": off) names a workdir or torch checkpoint file whose variables training
+  fine-tunes and an evaluation without checkpoints uses; the iBNN block holds the method's
+  defaults, read only by models with node noise.  The recipe keys (``RECIPE_KEYS`` and
+  ``RECIPE_KEYS_OF``: model name, dataset, batch, optimiser and learning-rate schedule) are None:
   a recipe's ``get_config()`` sets them and ends with ``finalize`` (``check_recipe``, then lock).
   """
   config = ml_collections.ConfigDict()
@@ -44,32 +44,45 @@ def base_config() -> ml_collections.ConfigDict:
   # fine-tunes from it (an output layer of another class count is re-initialised); evaluation
   # and analyses of a workdir without checkpoints use it.
   config.init_from = ""
-  # Data.
-  config.dataset = placeholder(str)  # TFDS name, "npz:<dir>", "digits" or "synthetic:…" (recipe)
+  # Data: the input pipeline's settings, read as one block (``data.create_pipeline``).
+  config.input = ml_collections.ConfigDict()
+  # TFDS name, "npz:<dir>", "digits" or "synthetic:…" (recipe).
+  config.input.dataset = placeholder(str)
+  config.input.data_dir = placeholder(str)  # TFDS data_dir (None: TFDS default)
+  config.input.download = True            # let TFDS download missing datasets
   # "auto": in-memory splits (npz:, digits, synthetic:, CIFAR and -C) stay on the devices and each
   # step gathers and augments its batch there; ImageNet and CamVid stream from disk by tf.data.
   # "resident" or "tfdata" forces a path.
-  config.data_pipeline = "auto"
-  config.data_dir = placeholder(str)  # TFDS data_dir (None: TFDS default)
-  config.download = True            # let TFDS download missing datasets
-  config.seed = 0
+  config.input.data_pipeline = "auto"
+  config.input.batch_size = placeholder(int)  # global training batch (recipe)
+  # Segmentation: random (h, w) training crop (None: whole image).
+  config.input.crop_size = placeholder(tuple)
+  # RandAugment of the training images after the crop and flip (num_layers 0: off; the ViT
+  # recipe's).
+  config.input.randaugment = ml_collections.ConfigDict({
+      "num_layers": 0,
+      "magnitude": 9.0,
+      "magnitude_std": 0.0
+  })
   # Small-data regime (HV: "ViT using 6% dataset"): train on a fixed class-balanced subset, each
-  # class keeping round(fraction × its count), seeded by ``seed`` (in-memory splits only; the
-  # number of examples used is recorded as ``model_spec.num_train_examples`` in config.json).
-  config.train_fraction = 1.0
-  # A class-balanced part of the training split held out (seeded by ``seed``, never trained on):
-  # the examples the ``calibration`` evaluator fits its temperature on (0: none).
-  config.holdout_fraction = 0.0
+  # class keeping round(fraction × its count), seeded by ``split_seed`` (in-memory splits only;
+  # the number of examples used is recorded as ``model_spec.num_train_examples`` in config.json).
+  config.input.train_fraction = 1.0
+  # A class-balanced part of the training split held out (seeded by ``split_seed``, never trained
+  # on): the examples the ``calibration`` evaluator fits its temperature on (0: none).
+  config.input.holdout_fraction = 0.0
   # The seed of those two draws (-1: ``seed``).  An ensemble's members share its split; a member
   # written out as a run of its own (seed + m) records the ensemble's seed here.
-  config.data_split_seed = -1
+  config.input.split_seed = -1
+  # A file prefix keeping the preprocessed evaluation images after the first evaluation ("": off;
+  # ImageNet's validation JPEGs are otherwise decoded at every evaluation).
+  config.input.eval_cache = ""
+  # The seed of the initialisation, the order of the training batches and the training draws.
+  config.seed = 0
   config.num_devices = -1           # -1: all devices of all hosts
   config.half_precision = False     # compute in bfloat16 (parameters and statistics stay float32)
   config.prefetch_batches = 2       # tf.data: global batches put on the devices ahead of the step
-  # Segmentation: random (h, w) training crop (None: whole image).
-  config.crop_size = placeholder(tuple)
-  # Optimisation: the recipe sets these.
-  config.batch_size = placeholder(int)       # global batch
+  # Optimisation: the recipe sets these (and ``input.batch_size``).
   config.base_batch_size = placeholder(int)  # batch of the recipe's learning rate (linear scaling)
   config.optimizer = placeholder(str)  # "sgd" (coupled L2, the paper's CNN recipe), "adam" or
                                        # "adamw" (decoupled)
@@ -92,11 +105,6 @@ def base_config() -> ml_collections.ConfigDict:
   config.mixup_alpha = 0.0          # Mixup Beta(α, α) (on device, in the train step)
   config.cutmix_alpha = 0.0         # CutMix Beta(α, α)
   config.mixup_switch_prob = 0.5    # P(CutMix) when both are on
-  config.randaugment = ml_collections.ConfigDict({
-      "num_layers": 0,
-      "magnitude": 9.0,
-      "magnitude_std": 0.0
-  })
   # iBNN (models with node noise, e.g. vgg_ibnn_16): ELBO and posterior optimiser.
   config.ibnn = ml_collections.ConfigDict({
       "num_train_samples": 2,  # S: repeats of each example per step (Algorithm 1)
@@ -134,14 +142,13 @@ def base_config() -> ml_collections.ConfigDict:
   # ``<workdir>/trajectory.npz`` (``smoothing_jax.analysis.trajectory``; 0: off).
   config.trajectory_every_steps = 0
   config.trajectory_dims = 256
-  # Evaluators run after training, by name (``smoothing_jax.evaluators.REGISTRY``: e.g.
-  # "ensemble_sizes", "corruptions", "temporal"); ``--mode=<name>`` runs one on a trained workdir.
-  config.evals = ("ensemble_sizes",)
-  # The ``ood`` evaluator's out-of-distribution sets: dataset names (TFDS, "npz:<dir>", ...) and
-  # "corruptions" (every corruption of the dataset at severity 5); empty: the standard pairs
-  # (CIFAR-10: SVHN and CIFAR-100; CIFAR-100: SVHN and CIFAR-10).
-  config.ood_datasets = ()
-  # MC ensemble sizes evaluated (deterministic models use N = 1).
+  # The evaluators run after training (in the order of their names), each with its options
+  # (``smoothing_jax.evaluators``: an option left out takes the default of the evaluator's
+  # ``evaluate``): ``--config.evals.<name>.<option>=…`` sets one, ``--mode=<name>`` runs one on a
+  # trained workdir with the options given here.
+  config.evals = ml_collections.ConfigDict({"ensemble_sizes": {}})
+  # MC ensemble sizes N the evaluators report (an evaluator's ``sizes`` option overrides them;
+  # deterministic models use N = 1).
   config.ensemble_sizes = (1, 2, 3, 4, 5, 10, 20, 50)
   # A deep ensemble of M members trained as one job (smoothing_jax.training.ensemble): member m is
   # the single run with seed + m; the evaluators report the ensembles of its first N = 1..M members.
@@ -153,9 +160,6 @@ def base_config() -> ml_collections.ConfigDict:
   config.ensemble_vmap_size = 0
   # Samples evaluated together (None: inference.default_chunk_size, 1 on CPU, 10 on GPU/TPU).
   config.eval_chunk_size = placeholder(int)
-  # A file prefix keeping the preprocessed evaluation images after the first evaluation ("": off;
-  # ImageNet's validation JPEGs are otherwise decoded at every evaluation).
-  config.eval_cache = ""
   return config
 
 
@@ -202,7 +206,7 @@ def finalize(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 def shrink_for_cpu(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The ``runlocal`` variant: a narrow model and a few steps, for CPU smoke runs."""
   config.model_kwargs.width = 8
-  config.batch_size = 32
+  config.input.batch_size = 32
   config.num_train_steps = 20
   config.log_every_steps = 5
   config.eval_every_epochs = 1000
@@ -212,16 +216,16 @@ def shrink_for_cpu(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
   return config
 
 
-UNCERTAINTY_EVALS = ("ensemble_sizes", "ood", "calibration", "selective")
-
-
 def with_uncertainty_evals(config: ml_collections.ConfigDict,
                            holdout_fraction: float = 0.1) -> ml_collections.ConfigDict:
   """The preset of the ``uncertainty`` config flag: after training, the ensemble sizes, then OOD
   detection, temperature scaling (fitted on ``holdout_fraction`` of the training split, held out
-  of training) and selective prediction."""
-  config.evals = UNCERTAINTY_EVALS
-  config.holdout_fraction = holdout_fraction
+  of training) and selective prediction.  The ``ood`` evaluator's ``datasets``: dataset names
+  (TFDS, "npz:<dir>", ...) and "corruptions" (every corruption of the dataset at severity 5);
+  empty: the standard pairs (CIFAR-10: SVHN and CIFAR-100; CIFAR-100: SVHN and CIFAR-10)."""
+  config.evals = ml_collections.ConfigDict({
+      "ensemble_sizes": {}, "ood": {"datasets": ()}, "calibration": {}, "selective": {}})
+  config.input.holdout_fraction = holdout_fraction
   return config
 
 

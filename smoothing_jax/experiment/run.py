@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 
 from smoothing_jax.experiment import checkpoints, init_from
 from smoothing_jax.experiment import workdir as workdir_lib
-from smoothing_jax.experiment.config import with_overrides
+from smoothing_jax.experiment.config import check_key, with_overrides
 from smoothing_jax.data import Pipeline, create_pipeline
 from smoothing_jax.inference import (batch_ensemble_predict, ensemble_predict, mc_predict,
                                      member_of)
@@ -39,31 +39,33 @@ from smoothing_jax.variables import abstract_variables
 from smoothing_jax.experiment.workdir_lock import lock_workdir
 
 
-# Config keys that decide which training examples a run trained on and held out.
-DATA_SPLIT_KEYS = ("seed", "data_split_seed", "train_fraction", "holdout_fraction")
+# Config keys (dotted) that decide which training examples a run trained on and held out.
+DATA_SPLIT_KEYS = ("seed", "input.split_seed", "input.train_fraction", "input.holdout_fraction")
 # Config keys an evaluation config never replaces: the split, and how many members the
 # checkpoint stacks.
 RECORDED_KEYS = DATA_SPLIT_KEYS + ("ensemble_members",)
 
 
 def create_run_pipeline(config, mesh: Mesh) -> Pipeline:
-  """The input pipeline ``config`` describes, on ``mesh`` (training batches augmented as in
-  training).  Configs recorded by older versions may lack the newer keys: their defaults."""
-  rand = config.get("randaugment")
-  return create_pipeline(
-      config.dataset, config.batch_size, config.seed, config.get("data_dir"),
-      config.get("download", True),
-      (rand.num_layers, rand.magnitude, rand.magnitude_std) if rand else None,
-      config.get("crop_size"), config.get("eval_cache", ""), config.get("train_fraction", 1.0),
-      config.get("data_pipeline", "auto"), mesh, config.get("holdout_fraction", 0.0),
-      split_seed(config))
+  """The input pipeline of ``config.input``, its batches in the order of ``config.seed``, on
+  ``mesh`` (training batches augmented as in training)."""
+  return create_pipeline(config.input, config.seed, mesh)
 
 
 def split_seed(config) -> int:
   """The seed of the training split's ``train_fraction`` / ``holdout_fraction`` draws:
-  ``config.data_split_seed``, or ``config.seed`` where it is -1 (or unrecorded)."""
-  seed = config.get("data_split_seed", -1)
+  ``config.input.split_seed``, or ``config.seed`` where it is -1 (or unrecorded)."""
+  seed = config.input.get("split_seed", -1)
   return config.seed if seed == -1 else seed
+
+
+def _has_key(config, key: str) -> bool:
+  """Whether ``config`` holds the dotted ``key``."""
+  try:
+    check_key(config, key)
+  except KeyError:
+    return False
+  return True
 
 
 def _mean_probs(model, num_samples, chunk_size, variables, batch, rng):
@@ -97,8 +99,8 @@ class Run:
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, workdir: str, *,
                   mesh: Optional[Mesh] = None) -> "Run":
-    """``config.model`` on ``config.dataset`` for ``workdir``: loads the data, builds the model.
-    Resuming a run that recorded the model options of a timm ``init_from`` reads no
+    """``config.model`` on ``config.input.dataset`` for ``workdir``: loads the data, builds the
+    model.  Resuming a run that recorded the model options of a timm ``init_from`` reads no
     ``init_from`` file."""
     mesh = mesh or create_mesh(config.num_devices)
     pipeline = create_run_pipeline(config, mesh)
@@ -126,7 +128,7 @@ class Run:
       # The recorded split of the training data (the held-out examples are those never trained
       # on), whatever the evaluation config says.
       config = with_overrides(overrides, {k: recorded[k] for k in RECORDED_KEYS
-                                          if k in recorded and k in overrides})
+                                          if _has_key(recorded, k) and _has_key(overrides, k)})
     else:
       config = with_overrides(recorded, overrides or {})
     mesh = mesh or create_mesh(config.get("num_devices", -1))
@@ -214,7 +216,7 @@ class Run:
       raise ValueError(f"{self.workdir} holds an ensemble of {self.ensemble_members} members; "
                        f"there is no member {m}.")
     config = with_overrides(self.config, {"seed": self.config.seed + m, "ensemble_members": 1,
-                                          "data_split_seed": split_seed(self.config)})
+                                          "input.split_seed": split_seed(self.config)})
     return dataclasses.replace(self, config=config, variables=member_of(self.variables, m),
                                read_only=True)
 

@@ -57,8 +57,9 @@ def model_spec(config, pipeline, model_options: Optional[dict] = None) -> ModelS
   dataset = pipeline.dataset_spec
   if config.num_classes <= 0 and pipeline.is_segmentation and dataset.base not in NUM_CLASSES:
     raise ValueError(
-        f"Set --config.num_classes for the segmentation dataset {config.dataset!r}: label maps "
-        "mark void pixels with values outside [0, num_classes), so the classes cannot be inferred.")
+        f"Set --config.num_classes for the segmentation dataset {config.input.dataset!r}: label "
+        "maps mark void pixels with values outside [0, num_classes), so the classes cannot be "
+        "inferred.")
   num_classes = config.num_classes if config.num_classes > 0 else (
       NUM_CLASSES.get(dataset.base) or dataset.num_classes or int(pipeline.train_labels.max()) + 1)
   return ModelSpec(int(num_classes), dataset.geometry, tuple(int(d) for d in pipeline.image_shape),
@@ -96,5 +97,5 @@ def check_model_fits(config, model, pipeline) -> None:
     kind = ("label maps (segmentation)"
             if pipeline.is_segmentation else "one label per image (classification)")
     raise ValueError(
-        f"Model {config.model!r} does not fit dataset {config.dataset!r}, which has {kind}; "
+        f"Model {config.model!r} does not fit dataset {config.input.dataset!r}, which has {kind}; "
         "use a unet_* model for segmentation and a classifier otherwise.")

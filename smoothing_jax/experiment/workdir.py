@@ -27,7 +27,19 @@ CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
 
 # Keys of the config.json files that 0.1.0 wrote, and where today's config holds them (dotted).
-MOVED_KEYS = {}
+MOVED_KEYS = {
+    "dataset": "input.dataset",
+    "data_dir": "input.data_dir",
+    "download": "input.download",
+    "data_pipeline": "input.data_pipeline",
+    "batch_size": "input.batch_size",
+    "crop_size": "input.crop_size",
+    "randaugment": "input.randaugment",
+    "train_fraction": "input.train_fraction",
+    "holdout_fraction": "input.holdout_fraction",
+    "data_split_seed": "input.split_seed",
+    "eval_cache": "input.eval_cache",
+}
 
 
 def is_uri(workdir) -> bool:

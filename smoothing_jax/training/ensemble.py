@@ -5,9 +5,9 @@ optimizer state; one shared step counter), and one jitted step updates every mem
 is the single run with seed ``config.seed + m``: its initialisation, its dropout / noise keys, its
 data order and its augmentation draws (``Pipeline.seed``; ``config.ensemble_shared_batches``
 feeds every member the batches of ``config.seed`` instead).  The split of the training data
-(``train_fraction``, ``holdout_fraction``) comes from ``config.seed`` and is the ensemble's: every
-member trains on the same examples and none on those held out (Lakshminarayanan et al. 2017:
-members differ by initialisation and shuffling).
+(``input.train_fraction``, ``input.holdout_fraction``) comes from ``config.seed`` (or
+``input.split_seed``) and is the ensemble's: every member trains on the same examples and none on
+those held out (Lakshminarayanan et al. 2017: members differ by initialisation and shuffling).
 
 How the step computes M members (``config.ensemble_vmap_size`` = k): the members in groups of k,
 each group ``jax.vmap`` ed over its stacked state, the groups one after another in the same

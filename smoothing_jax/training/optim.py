@@ -28,7 +28,7 @@ def create_learning_rate_schedule(config, steps_per_epoch: int) -> optax.Schedul
   * ``"cosine"`` (ViT recipe): linear warm-up from 0 for ``warmup_epochs``, then
     cosine annealing to 0 over ``num_epochs`` (per step).
   """
-  lr = config.learning_rate * config.batch_size / config.base_batch_size
+  lr = config.learning_rate * config.input.batch_size / config.base_batch_size
   warmup_steps = int(config.warmup_epochs * steps_per_epoch)
   if config.lr_schedule == "cosine":
     decay_steps = int(config.num_epochs * steps_per_epoch)

@@ -57,7 +57,8 @@ def split_micro_batches(batch, num_micro_batches: int):
   def split(x):
     if x.shape[0] % num_micro_batches:
       raise ValueError(f"A batch of {x.shape[0]} does not split into {num_micro_batches} "
-                       "micro-batches (config.grad_accum_steps must divide config.batch_size).")
+                       "micro-batches (config.grad_accum_steps must divide "
+                       "config.input.batch_size).")
     x = x.reshape((x.shape[0] // num_micro_batches, num_micro_batches) + x.shape[1:])
     return jnp.swapaxes(x, 0, 1)
   return jax.tree.map(split, batch)
@@ -134,21 +135,21 @@ def train_batch_sharding(config, mesh: Mesh):
   """How training batches lie on ``mesh``: sharded on ``data`` when each micro-batch
   (``batch_size / grad_accum_steps``) divides over the devices; otherwise (one process only)
   replicated, every device computing whole micro-batches, with a warning."""
-  k = config.grad_accum_steps
-  if not isinstance(k, int) or k < 1 or config.batch_size % k:
+  k, batch_size = config.grad_accum_steps, config.input.batch_size
+  if not isinstance(k, int) or k < 1 or batch_size % k:
     raise ValueError(f"grad_accum_steps must be a positive integer that divides batch_size "
-                     f"{config.batch_size}, got {k!r}.")
+                     f"{batch_size}, got {k!r}.")
   replicated, data_sharding = shardings(mesh)
-  micro = config.batch_size // k
+  micro = batch_size // k
   if micro % mesh.size == 0:
     return data_sharding
   if jax.process_count() > 1:
-    raise ValueError(f"Micro-batches of {micro} (batch_size {config.batch_size} / "
+    raise ValueError(f"Micro-batches of {micro} (batch_size {batch_size} / "
                      f"grad_accum_steps {k}) do not divide over the {mesh.size} devices of a "
                      "multi-process run.")
   logging.warning("Micro-batches of %d (batch_size %d / grad_accum_steps %d) do not divide over "
                   "%d devices: every device computes whole micro-batches (no data parallelism).",
-                  micro, config.batch_size, k, mesh.size)
+                  micro, batch_size, k, mesh.size)
   return replicated
 
 

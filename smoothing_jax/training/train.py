@@ -107,7 +107,8 @@ def _train(run: Run, lock, stop_after_steps: Optional[int], callbacks: Sequence[
   steps_per_epoch = pipeline.steps_per_epoch
   if steps_per_epoch == 0:
     raise ValueError(
-        f"batch_size {config.batch_size} is larger than the training set ({pipeline.num_train}).")
+        f"batch_size {config.input.batch_size} is larger than the training set "
+        f"({pipeline.num_train}).")
   num_steps = config.num_train_steps if config.num_train_steps > 0 else int(
       (config.warmup_epochs + config.num_epochs) * steps_per_epoch)
   schedule = create_learning_rate_schedule(config, steps_per_epoch)
@@ -161,7 +162,8 @@ def _train(run: Run, lock, stop_after_steps: Optional[int], callbacks: Sequence[
   last_good, stopped_by = start_step, []
   logging.info("Training %s%s on %s: %d steps (%d per epoch), global batch %d on %d devices.",
                config.model, f" (an ensemble of {members})" if members > 1 else "",
-               config.dataset, num_steps, steps_per_epoch, config.batch_size, mesh.size)
+               config.input.dataset, num_steps, steps_per_epoch, config.input.batch_size,
+               mesh.size)
 
   if pipeline.resident:  # the step takes its batch from the arrays on the devices
     batches = None

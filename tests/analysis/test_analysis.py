@@ -393,7 +393,8 @@ def test_load_or_train_trains_an_empty_workdir_once_then_loads_it(tmp_path, monk
   monkeypatch.chdir(Path(__file__).parents[2])  # config paths are relative to the current directory
   workdir = str(tmp_path / "run")
   config = f"configs/cifar_resnet.py:vit_ti,npz:{_quadrant_npz(tmp_path)}"
-  tiny = {**model_options(**{**MICRO_VIT, "depth": 1}), "batch_size": 16, "num_train_steps": 1}
+  tiny = {**model_options(**{**MICRO_VIT, "depth": 1}), "input.batch_size": 16,
+          "num_train_steps": 1}
   with pytest.raises(ValueError, match="no checkpoint: give a config"):
     trained.load_or_train(workdir)
   with pytest.raises(ValueError, match="'model_kwargs.widht'.*keys there: .*hidden_dim"):
@@ -404,7 +405,7 @@ def test_load_or_train_trains_an_empty_workdir_once_then_loads_it(tmp_path, monk
   first = trained.load_or_train(workdir, config, overrides=tiny)
   step, variables = load_variables(workdir, create_mesh())
   assert first.step == step == 1 and first.config.model_kwargs.depth == 1
-  assert first.config.dataset.startswith("npz:") and first.config.model == "vit_ti"
+  assert first.config.input.dataset.startswith("npz:") and first.config.model == "vit_ti"
   recorded = (tmp_path / "run" / "config.json").read_text()
   # A workdir with a checkpoint is loaded as it is: another config trains nothing.
   again = trained.load_or_train(workdir, "configs/quickstart.py", overrides={"num_train_steps": 9})

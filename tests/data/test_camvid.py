@@ -9,7 +9,8 @@ from PIL import Image
 
 pytest.importorskip("tensorflow_datasets")  # a TFDS builder
 
-from smoothing_jax.data import camvid, create_pipeline, median_frequency_weights
+from smoothing_jax.data import camvid, median_frequency_weights
+from tests.helpers import input_pipeline
 
 FAKE_SIZE = (720, 960)
 # Stills of each split (SegNet rule) and a colour layout per still: 2×2-constant blocks.
@@ -112,7 +113,7 @@ def test_camvid_builder_names_a_missing_video_frame(fake_camvid, tmp_path):
 
 def test_camvid_pipeline(fake_camvid):
   _, data_dir = fake_camvid
-  pipeline = create_pipeline("camvid", 1, 0, data_dir=data_dir, crop_size=(64, 96))
+  pipeline = input_pipeline("camvid", 1, 0, data_dir=data_dir, crop_size=(64, 96))
   assert pipeline.is_segmentation and pipeline.image_shape == (360, 480, 3)
   batch = next(pipeline.train_iterator())
   assert batch["image"].shape == (1, 64, 96, 3) and batch["label"].shape == (1, 64, 96)
@@ -121,7 +122,7 @@ def test_camvid_pipeline(fake_camvid):
   weights = pipeline.class_weights(11)
   np.testing.assert_allclose(weights, median_frequency_weights(pipeline.train_labels, 11))
   with pytest.raises(ValueError, match="crop_size"):
-    create_pipeline("camvid", 1, 0, data_dir=data_dir, crop_size=(400, 480))
+    input_pipeline("camvid", 1, 0, data_dir=data_dir, crop_size=(400, 480))
 
 
 @pytest.mark.slow
@@ -132,8 +133,9 @@ def test_camvid_recipe_trains_and_evaluates_streams(fake_camvid, tmp_path):
   _, data_dir = fake_camvid
   config = camvid_unet.get_config("unet_mcdo_smoothing,camvid,runlocal")
   config.unlock()
-  config.data_dir, config.num_devices, config.batch_size, config.base_batch_size = data_dir, 1, 1, 1
-  config.crop_size, config.num_train_steps, config.eval_batch_size = (32, 48), 2, 1
+  config.input.data_dir, config.input.batch_size, config.input.crop_size = data_dir, 1, (32, 48)
+  config.num_devices, config.base_batch_size, config.num_train_steps = 1, 1, 2
+  config.eval_batch_size = 1
   config.ensemble_sizes = (1, 3)
   assert (config.optimizer, config.learning_rate, config.lr_milestones, config.class_balancing) == (
       "adam", 1e-3, (100,), "median_frequency")

@@ -5,7 +5,8 @@ import pytest
 tfds = pytest.importorskip("tensorflow_datasets")  # TFDS sources under mock data
 
 from smoothing_jax.data import (CORRUPTIONS, DatasetUnavailableError, NORMALIZATION,
-                                corruption_dataset, create_pipeline, parse_dataset)
+                                corruption_dataset, parse_dataset)
+from tests.helpers import input_pipeline
 
 
 def test_parse_dataset():
@@ -21,7 +22,7 @@ def test_parse_dataset():
 
 def test_tfds_cifar10_under_mock_data():
   with tfds.testing.mock_data(num_examples=24):
-    pipeline = create_pipeline("cifar10", 8, seed=0)
+    pipeline = input_pipeline("cifar10", 8, seed=0)
     batch = next(pipeline.train_iterator())
   assert batch["image"].shape == (8, 32, 32, 3)
   assert pipeline.mean == NORMALIZATION["cifar10"][0]
@@ -30,18 +31,28 @@ def test_tfds_cifar10_under_mock_data():
 
 def test_missing_tfds_dataset_is_one_clear_error(tmp_path):
   with pytest.raises(DatasetUnavailableError) as err:
-    create_pipeline("cifar100", 8, seed=0, data_dir=str(tmp_path), download=False)
+    input_pipeline("cifar100", 8, seed=0, data_dir=str(tmp_path), download=False)
   message = str(err.value)
   assert "'cifar100'" in message and str(tmp_path) in message and "npz:" in message
 
 
 def test_missing_npz_file_is_named(tmp_path):
   with pytest.raises(DatasetUnavailableError, match="train.npz does not exist"):
-    create_pipeline(f"npz:{tmp_path}", 8, seed=0)
+    input_pipeline(f"npz:{tmp_path}", 8, seed=0)
+
+
+def test_create_pipeline_reads_a_config_input_block_and_names_unknown_keys():
+  from configs import quickstart
+  from smoothing_jax.data import create_pipeline
+  pipeline = create_pipeline(quickstart.get_config().input, seed=5)
+  assert (pipeline.dataset_spec.name, pipeline.global_batch_size, pipeline.seed) == (
+      "digits", 64, 5)
+  with pytest.raises(ValueError, match="Unknown input keys data_split_seed; known: dataset, "):
+    input_pipeline("digits", 8, data_split_seed=0)
 
 
 def test_digits_source_is_offline_and_split():
-  pipeline = create_pipeline("digits", 32, seed=0)
+  pipeline = input_pipeline("digits", 32, seed=0)
   assert (pipeline.num_train, pipeline.num_eval) == (1797 - 360, 360)
   assert pipeline.train_images.shape[1:] == (32, 32, 3)
   assert set(np.unique(pipeline.eval_labels)) == set(range(10))

@@ -4,11 +4,13 @@ import numpy as np
 import jax
 import pytest
 
-from smoothing_jax.data import create_pipeline, parse_dataset
+from smoothing_jax.data import parse_dataset
 from smoothing_jax.data.resident import (PADDING, ResidentPipeline, augment_example,
                                          check_fits_on_devices)
 from smoothing_jax.parallel import create_mesh
-from tests.helpers import npz_dataset
+from tests.helpers import input_pipeline, npz_dataset
+
+RANDAUGMENT = {"num_layers": 2, "magnitude": 9.0, "magnitude_std": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +20,7 @@ def npz_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipeline(npz_dir):
-  return create_pipeline(f"npz:{npz_dir}", 8, seed=3)
+  return input_pipeline(f"npz:{npz_dir}", 8, seed=3)
 
 
 def _denormalize(pipeline, images):
@@ -41,7 +43,7 @@ def test_auto_keeps_in_memory_sets_on_the_devices(pipeline):
   assert pipeline.arrays["images"].dtype == np.uint8
   assert pipeline.arrays["images"].sharding.is_fully_replicated
   with pytest.raises(ValueError, match="ImageNet is streamed"):
-    create_pipeline("imagenet2012", 8, seed=0, data_pipeline="resident")
+    input_pipeline("imagenet2012", 8, seed=0, data_pipeline="resident")
 
 
 def test_crop_and_flip_are_numpy_windows_of_the_padded_image(pipeline):
@@ -73,17 +75,16 @@ def test_order_is_a_permutation_per_epoch_that_depends_on_seed_and_epoch(pipelin
   for order in orders:
     assert order.shape == (5, 8) and len(np.unique(order)) == 40  # each example once
   assert not np.array_equal(orders[0], orders[1])
-  again = create_pipeline(f"npz:{npz_dir}", 8, seed=3)
+  again = input_pipeline(f"npz:{npz_dir}", 8, seed=3)
   np.testing.assert_array_equal(again.epoch_order(1), orders[1])
-  other_seed = create_pipeline(f"npz:{npz_dir}", 8, seed=4)
+  other_seed = input_pipeline(f"npz:{npz_dir}", 8, seed=4)
   assert not np.array_equal(other_seed.epoch_order(0), orders[0])
 
 
 def test_resuming_mid_stream_gives_the_same_batches(pipeline, npz_dir):
   """Steps 3..7 (across the epoch boundary at 5) from a fresh pipeline started at step 3 equal
   those of an uninterrupted one, bit for bit, with RandAugment on."""
-  make = lambda: create_pipeline(f"npz:{npz_dir}", 8, seed=3,  # noqa: E731
-                                 randaugment=(2, 9.0, 0.5))
+  make = lambda: input_pipeline(f"npz:{npz_dir}", 8, seed=3, randaugment=RANDAUGMENT)  # noqa: E731
   uninterrupted = [b["image"] for _, b in zip(range(8), make().train_iterator())]
   resumed = [b["image"] for _, b in zip(range(5), make().train_iterator(start_step=3))]
   for a, b in zip(uninterrupted[3:], resumed):
@@ -96,8 +97,8 @@ def test_one_device_gives_the_batches_of_eight(npz_dir):
   assert jax.device_count() == 8
   batches = []
   for devices in (1, 8):
-    p = create_pipeline(f"npz:{npz_dir}", 8, seed=3, randaugment=(2, 9.0, 0.5),
-                        mesh=create_mesh(devices))
+    p = input_pipeline(f"npz:{npz_dir}", 8, seed=3, randaugment=RANDAUGMENT,
+                       mesh=create_mesh(devices))
     batch = next(p.train_iterator(start_step=2))
     assert len(batch["image"].sharding.device_set) == devices
     batches.append(np.asarray(batch["image"]))
@@ -124,7 +125,7 @@ def test_segmentation_crop_and_flip_keep_labels_on_their_pixels(tmp_path):
                      rng.integers(0, 255, labels.shape)], -1).astype(np.uint8)
   for split in ("train", "test"):
     np.savez(tmp_path / f"{split}.npz", images=images, labels=labels)
-  pipeline = create_pipeline(f"npz:{tmp_path}", 2, 0, crop_size=(8, 12))
+  pipeline = input_pipeline(f"npz:{tmp_path}", 2, 0, crop_size=(8, 12))
   assert pipeline.resident and pipeline.is_segmentation
   flips = set()
   for _, batch in zip(range(6), pipeline.train_iterator()):
@@ -160,11 +161,11 @@ def test_a_set_too_large_for_the_devices_is_refused_in_one_line():
 def test_synthetic_dataset_for_benchmarks():
   spec = parse_dataset("synthetic:50x8x8x3:7")
   assert spec.num_classes == 7
-  pipeline = create_pipeline("synthetic:50x8x8x3:7", 10, seed=0)
+  pipeline = input_pipeline("synthetic:50x8x8x3:7", 10, seed=0)
   assert (pipeline.num_train, pipeline.num_eval, pipeline.image_shape) == (50, 10, (8, 8, 3))
   assert pipeline.train_labels.max() < 7
   np.testing.assert_array_equal(pipeline.train_images,
-                                create_pipeline("synthetic:50x8x8x3:7", 5, 1).train_images)
+                                input_pipeline("synthetic:50x8x8x3:7", 5, 1).train_images)
   for bad in ("synthetic:50x8x8:7", "synthetic:0x8x8x3:7"):
     with pytest.raises(ValueError, match="synthetic:<N>x<H>x<W>x<C>:<classes>"):
       parse_dataset(bad)

@@ -11,12 +11,11 @@ import pytest
 tf = pytest.importorskip("tensorflow")  # the tf.data path
 tfds = pytest.importorskip("tensorflow_datasets")
 
-from smoothing_jax.data import pipeline as pipeline_lib
 from smoothing_jax.data.datasets import hide_accelerators_from_tensorflow
 from smoothing_jax.data.tfdata import TFDataPipeline
-from tests.helpers import npz_dataset
+from tests.helpers import input_pipeline, npz_dataset
 
-create_pipeline = functools.partial(pipeline_lib.create_pipeline, data_pipeline="tfdata")
+create_pipeline = functools.partial(input_pipeline, data_pipeline="tfdata")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +51,7 @@ def test_eval_batches_pad_and_mask_every_example_once(npz_dir):
 
 def test_order_is_a_function_of_seed_and_epoch(npz_dir):
   pipeline = create_pipeline(f"npz:{npz_dir}", 8, seed=3)
-  resident = pipeline_lib.create_pipeline(f"npz:{npz_dir}", 8, seed=3)
+  resident = input_pipeline(f"npz:{npz_dir}", 8, seed=3)
   np.testing.assert_array_equal(resident.epoch_order(1), pipeline.epoch_order(1))  # both paths
   epoch1 = list(tfds.as_numpy(pipeline.train_dataset(1)))
   again = list(tfds.as_numpy(create_pipeline(f"npz:{npz_dir}", 8, seed=3).train_dataset(1)))
@@ -130,10 +129,10 @@ def test_pipeline_with_randaugment_resumes_exactly(tmp_path):
   for split, n in (("train", 32), ("test", 8)):
     np.savez(tmp_path / f"{split}.npz", images=rng.integers(0, 256, (n, 16, 16, 3), dtype=np.uint8),
              labels=rng.integers(0, 10, n))
-  make = lambda ra_args: create_pipeline(f"npz:{tmp_path}", 8, seed=1, randaugment=ra_args
-                                        )  # noqa: E731
-  epoch = list(tfds.as_numpy(make((2, 9.0, 1.0)).train_dataset(0)))
-  resumed = list(tfds.as_numpy(make((2, 9.0, 1.0)).train_dataset(0, start_step=2)))
+  make = lambda ra: create_pipeline(f"npz:{tmp_path}", 8, seed=1, randaugment=ra)  # noqa: E731
+  randaugment = {"num_layers": 2, "magnitude": 9.0, "magnitude_std": 1.0}
+  epoch = list(tfds.as_numpy(make(randaugment).train_dataset(0)))
+  resumed = list(tfds.as_numpy(make(randaugment).train_dataset(0, start_step=2)))
   for a, b in zip(epoch[2:], resumed):
     np.testing.assert_array_equal(a["image"], b["image"])
   plain = list(tfds.as_numpy(make(None).train_dataset(0)))
@@ -166,7 +165,8 @@ def test_segmentation_crop_and_flip_keep_labels_on_their_pixels(tmp_path):
       flips |= found
   assert flips == {0, 1}
   with pytest.raises(ValueError, match="segmentation"):
-    create_pipeline(f"npz:{tmp_path}", 2, 0, randaugment=(2, 9.0, 0.0))
+    create_pipeline(f"npz:{tmp_path}", 2, 0, randaugment={"num_layers": 2, "magnitude": 9.0,
+                                                          "magnitude_std": 0.0})
   # Void is a label value, so the number of classes must be given for npz label maps.
   from configs import camvid_unet
   from smoothing_jax.experiment.spec import build_model, check_model_fits, model_spec

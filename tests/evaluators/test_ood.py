@@ -24,7 +24,7 @@ def _msp(run, images):
 
 def test_detection_against_an_npz_set_equals_sklearn_on_the_model_s_msp(run, tmp_path):
   outside = npz_dataset(tmp_path, 16, num_train=4, num_test=11, num_classes=3)
-  rows = ood.evaluate(run, tmp_path / "results", ood_datasets=(f"npz:{outside}",))
+  rows = ood.evaluate(run, tmp_path / "results", datasets=(f"npz:{outside}",))
   assert [(r["ensemble_size"], r["score"]) for r in rows] == [
       (1, "msp"), (1, "entropy"), (1, "mutual_information")]  # deterministic: N = 1
   msp = {r["score"]: r for r in rows}["msp"]
@@ -47,7 +47,7 @@ def test_ood_sets_of_another_shape_or_unknown_are_clear_errors(run, tmp_path):
   small = npz_dataset(tmp_path, 8, num_train=2, num_test=3)
   with pytest.raises(ValueError, match=r"has images of shape \(8, 8, 3\), the model takes "
                      r"\(16, 16, 3\)"):
-    ood.evaluate(run, tmp_path, ood_datasets=(f"npz:{small}",))
+    ood.evaluate(run, tmp_path, datasets=(f"npz:{small}",))
   with pytest.raises(ValueError, match="No standard OOD sets for 'npz'"):
     ood.evaluate(run, tmp_path)
   assert ood.resolve_ood_datasets("cifar10", ()) == ["svhn_cropped", "cifar100"]

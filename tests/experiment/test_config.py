@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_configs_load_and_are_locked(path, arg, monkeypatch):
   monkeypatch.chdir(ROOT)  # config paths are relative to the current directory
   config = load(f"{path}:{arg}" if arg else path)
-  assert config.model and config.dataset and config.batch_size > 0
+  assert config.model and config.input.dataset and config.input.batch_size > 0
   with pytest.raises(AttributeError):
     config.not_a_key = 1
 
@@ -31,8 +31,8 @@ def test_overrides_set_existing_keys_and_name_unknown_ones(monkeypatch):
     with_overrides(config, {"model_kwargs.widht": 4})
   with pytest.raises(ValueError, match="Override num_train_steps='many'"):
     with_overrides(config, {"num_train_steps": "many"})
-  with pytest.raises(KeyError, match="unknown config key 'randaugment.layers'"):
-    check_key(config, "randaugment.layers")
-  check_key(config, "randaugment.num_layers")
+  with pytest.raises(KeyError, match="unknown config key 'input.randaugment.layers'"):
+    check_key(config, "input.randaugment.layers")
+  check_key(config, "input.randaugment.num_layers")
   with pytest.raises(ValueError, match="'configs/nope.py' is not a config file"):
     load("configs/nope.py:runlocal")

@@ -75,9 +75,9 @@ def test_config_rejects_bad_arguments(name, extra, reason):
 def test_cifar_resnet_model_alone_and_names():
   from configs import cifar_resnet
   config = cifar_resnet.get_config("vgg_dnn_16")
-  assert (config.model, config.dataset) == ("vgg_dnn_16", "cifar10")
+  assert (config.model, config.input.dataset) == ("vgg_dnn_16", "cifar10")
   config = cifar_resnet.get_config("model=vgg_dnn_16,dataset=cifar100")
-  assert (config.model, config.dataset) == ("vgg_dnn_16", "cifar100")
+  assert (config.model, config.input.dataset) == ("vgg_dnn_16", "cifar100")
 
 
 def test_config_flags_pass_datasets_with_colons():
@@ -85,7 +85,7 @@ def test_config_flags_pass_datasets_with_colons():
   values = flags.FlagValues()
   config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)
   values(argv)
-  assert (values.config.model, values.config.dataset, values.config.num_train_steps) == (
+  assert (values.config.model, values.config.input.dataset, values.config.num_train_steps) == (
       "resnet_dnn_18", "npz:/some/dir", 20)
 
 
@@ -104,8 +104,8 @@ def test_cifar_ibnn_trains_every_method_under_one_protocol():
   from configs import cifar_ibnn
   from smoothing_jax.models import is_stochastic
   from smoothing_jax.experiment.spec import ModelSpec, build_model
-  shared = ("optimizer", "nesterov", "batch_size", "learning_rate", "weight_decay", "num_epochs",
-            "lr_schedule", "lr_final_ratio", "ece_bins")
+  shared = ("optimizer", "nesterov", "input.batch_size", "learning_rate", "weight_decay",
+            "num_epochs", "lr_schedule", "lr_final_ratio", "ece_bins")
   for architecture, methods in cifar_ibnn.METHODS.items():
     configs = {method: cifar_ibnn.get_config(f"{name},cifar100")
                for method, name in methods.items()}
@@ -131,7 +131,7 @@ def test_cifar_ibnn_trains_every_method_under_one_protocol():
 def test_cifar_resnet_takes_uncertainty_baselines_batch_ensemble_settings():
   from configs import cifar_resnet
   config = cifar_resnet.get_config("wideresnet_batchensemble_28_10,cifar10")
-  assert (config.nesterov, config.learning_rate, config.batch_size) == (True, 0.1, 128)
+  assert (config.nesterov, config.learning_rate, config.input.batch_size) == (True, 0.1, 128)
   assert config.weight_decay == pytest.approx(6e-4)  # Keras l2(3e-4) = λ·‖w‖²
   assert config.warmup_epochs + config.num_epochs == 250
   assert [config.warmup_epochs + m for m in config.lr_milestones] == [100, 200, 225]
@@ -145,24 +145,35 @@ ALL_RECIPE_KEYS = {*RECIPE_KEYS, *(key for keys in RECIPE_KEYS_OF.values() for k
 def test_base_config_holds_no_recipe_values():
   config = base_config()
   assert {key: config[key] for key in ALL_RECIPE_KEYS} == dict.fromkeys(ALL_RECIPE_KEYS)
-  assert ALL_RECIPE_KEYS >= {"model", "dataset", "optimizer", "batch_size", "base_batch_size",
-                             "learning_rate", "momentum", "nesterov", "weight_decay", "num_epochs",
-                             "warmup_epochs", "lr_schedule", "lr_milestones", "lr_decay",
-                             "lr_final_ratio"}
+  assert ALL_RECIPE_KEYS >= {"model", "input.dataset", "optimizer", "input.batch_size",
+                             "base_batch_size", "learning_rate", "momentum", "nesterov",
+                             "weight_decay", "num_epochs", "warmup_epochs", "lr_schedule",
+                             "lr_milestones", "lr_decay", "lr_final_ratio"}
   # Optional features off.
   assert (config.grad_clip_norm, config.label_smoothing, config.mixup_alpha, config.cutmix_alpha,
-          config.randaugment.num_layers, config.class_balancing) == (0, 0, 0, 0, 0, "none")
+          config.input.randaugment.num_layers, config.class_balancing) == (0, 0, 0, 0, 0, "none")
+
+
+def test_input_block_defaults_are_those_the_pipeline_gives_a_block_without_them():
+  from smoothing_jax.data.pipeline import INPUT_DEFAULTS
+  block = base_config().input.to_dict()
+  assert set(block) == {"dataset", "batch_size", *INPUT_DEFAULTS}
+  assert {k: block[k] for k in INPUT_DEFAULTS if k != "randaugment"} == {
+      k: v for k, v in INPUT_DEFAULTS.items() if k != "randaugment"}
+  assert INPUT_DEFAULTS["randaugment"] is None and block["randaugment"]["num_layers"] == 0  # off
 
 
 def test_base_config_alone_fails_the_recipe_check_naming_the_keys():
-  with pytest.raises(ValueError, match="leaves model, dataset, optimizer, .*lr_schedule unset"):
+  with pytest.raises(ValueError,
+                     match="leaves model, input.dataset, optimizer, .*lr_schedule unset"):
     check_recipe(base_config())
-  with pytest.raises(ValueError, match="model, dataset"):
+  with pytest.raises(ValueError, match="model, input.dataset"):
     finalize(base_config())
   config = base_config()
-  config.update(model="m", dataset="d", optimizer="sgd", batch_size=8, base_batch_size=8,
-                learning_rate=0.1, weight_decay=0.0, num_epochs=1, warmup_epochs=0,
-                lr_schedule="multistep", lr_milestones=(1,))
+  config.update(model="m", optimizer="sgd", base_batch_size=8, learning_rate=0.1,
+                weight_decay=0.0, num_epochs=1, warmup_epochs=0, lr_schedule="multistep",
+                lr_milestones=(1,))
+  config.input.update(dataset="d", batch_size=8)
   with pytest.raises(ValueError, match="leaves momentum, nesterov, lr_decay unset") as error:
     finalize(config)
   assert "lr_milestones" not in str(error.value) and "lr_final_ratio" not in str(error.value)
@@ -231,7 +242,8 @@ def test_vit_config_sets_hv_dropout_and_lets_the_command_line_change_it():
 def test_the_uncertainty_flag_adds_the_evaluators_and_a_held_out_split():
   from configs import cifar_resnet
   plain = cifar_resnet.get_config("resnet_mcdo_18,cifar10")
-  assert (plain.evals, plain.holdout_fraction) == (("ensemble_sizes",), 0.0)
+  assert (plain.evals.to_dict(), plain.input.holdout_fraction) == ({"ensemble_sizes": {}}, 0.0)
   config = cifar_resnet.get_config("resnet_mcdo_18,cifar10,uncertainty,runlocal")
-  assert config.evals == ("ensemble_sizes", "ood", "calibration", "selective")
-  assert config.holdout_fraction == 0.1 and config.num_train_steps == 20
+  assert config.evals.to_dict() == {"ensemble_sizes": {}, "ood": {"datasets": ()},
+                                    "calibration": {}, "selective": {}}
+  assert config.input.holdout_fraction == 0.1 and config.num_train_steps == 20

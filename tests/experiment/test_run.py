@@ -70,7 +70,7 @@ def test_a_restored_run_rebuilds_the_model_without_the_dataset(tmp_path, small_n
     f.write(text)
   shutil.rmtree(data)  # the dataset is gone: the model is rebuilt from config.json alone
   run = Run.from_workdir(str(workdir))
-  assert run.config.dataset == f"npz:{data}" and not os.path.exists(data)
+  assert run.config.input.dataset == f"npz:{data}" and not os.path.exists(data)
   assert run.step == 4 and run.read_only
   spec = run.model_spec
   assert (spec.num_classes, spec.image_shape, spec.num_train_examples) == (4, (16, 16, 3), 32)

@@ -13,6 +13,22 @@ from smoothing_jax.experiment.spec import ModelSpec
 from tests.helpers import small_npz_config
 
 SPEC = ModelSpec(4, "cifar", (16, 16, 3), 32)
+# A config.json that version 0.1.0 wrote for configs/quickstart.py (data keys at the top level).
+FIXTURE_0_1_0 = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures",
+                             "config_0_1_0_quickstart.json")
+# Keys of today's quickstart config that 0.1.0 did not record (none yet).
+ADDED_SINCE_0_1_0 = set()
+
+
+def _flat(config, prefix="") -> dict:
+  """``{dotted key: value}`` of the leaves of a ConfigDict or dict."""
+  out = {}
+  for key, value in config.items():
+    if hasattr(value, "items"):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[prefix + key] = value
+  return out
 
 
 def test_config_and_model_spec_round_trip(tmp_path):
@@ -62,3 +78,39 @@ def test_missing_run_and_missing_model_spec_are_clear_errors(tmp_path):
     json.dump({"model": "resnet_dnn_18"}, f)  # as written before model_spec was recorded
   with pytest.raises(ValueError, match="has no model_spec .*rerun the training command once"):
     workdir_lib.read_config(missing)
+
+
+def test_config_json_of_0_1_0_reads_in_todays_layout(tmp_path):
+  """The data keys move under ``input`` (``MOVED_KEYS``) with their values; the upgraded config has
+  exactly the keys of today's quickstart config, each of a type it takes; its data loads."""
+  from configs import quickstart
+  from smoothing_jax.data import create_pipeline
+  from smoothing_jax.experiment.config import with_overrides
+  old = json.load(open(FIXTURE_0_1_0))
+  (tmp_path / workdir_lib.CONFIG_FILE).write_text(json.dumps(old))
+  config, spec = workdir_lib.read_config(str(tmp_path))
+  assert set(workdir_lib.MOVED_KEYS) == {"dataset", "data_dir", "download", "data_pipeline",
+                                         "batch_size", "crop_size", "randaugment",
+                                         "train_fraction", "holdout_fraction", "data_split_seed",
+                                         "eval_cache"}
+  for old_key, new_key in workdir_lib.MOVED_KEYS.items():
+    assert old_key not in config, old_key
+    value = config[new_key]
+    assert (value.to_dict() if hasattr(value, "to_dict") else value) == old[old_key], new_key
+  assert config.input.split_seed == old["data_split_seed"] == -1
+  today = quickstart.get_config()
+  upgraded = _flat(config)
+  assert set(_flat(today)) - set(upgraded) == ADDED_SINCE_0_1_0
+  # Every recorded key exists today and takes its recorded value (JSON lists as tuples).
+  rebuilt = _flat(with_overrides(today, upgraded))
+  assert {k: rebuilt[k] for k in upgraded} == {
+      k: tuple(v) if isinstance(v, list) else v for k, v in upgraded.items()}
+  pipeline = create_pipeline(config.input, config.seed)
+  assert pipeline.num_train == spec.num_train_examples == 1437
+
+
+def test_upgrade_record_leaves_a_record_of_today_unchanged():
+  from configs import quickstart
+  record = json.loads(quickstart.get_config().to_json_best_effort())
+  record["model_spec"] = SPEC.to_record()
+  assert workdir_lib.upgrade_record(record) == record

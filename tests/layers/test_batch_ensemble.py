@@ -172,8 +172,9 @@ def test_a_batch_ensemble_is_not_trained_as_a_deep_ensemble_of_batch_ensembles()
 def test_trains_resumes_and_runs_every_evaluator_from_the_command_line(tmp_path):
   pytest.importorskip("tensorflow_datasets")
   config = tiny_run(cifar_resnet.get_config("resnet_batchensemble_18,cifar10,runlocal"),
-                    num_train_steps=4, holdout_fraction=0.25,
-                    **{"model_kwargs.stage_sizes": (1,), "model_kwargs.ensemble_size": 2})
+                    num_train_steps=4, **{"input.holdout_fraction": 0.25,
+                                          "model_kwargs.stage_sizes": (1,),
+                                          "model_kwargs.ensemble_size": 2})
   results = train_resume_and_evaluate(config, tmp_path)
   assert [r["ensemble_size"] for r in results["ensemble_sizes"]] == [1, 2]
   for name in ("calibration", "selective", "ood"):

@@ -167,8 +167,9 @@ def test_trains_resumes_and_runs_every_evaluator_from_the_command_line(tmp_path)
   # of its compile time (the configs are checked in test_config_base).
   pytest.importorskip("tensorflow_datasets")
   config = tiny_run(cifar_resnet.get_config("resnet_dnn_18,cifar10,runlocal"), num_train_steps=4,
-                    holdout_fraction=0.25, ensemble_sizes=(1, 2),
-                    **{"model_kwargs.stage_sizes": (1,), "model_kwargs.mean_field": True})
+                    ensemble_sizes=(1, 2),
+                    **{"input.holdout_fraction": 0.25, "model_kwargs.stage_sizes": (1,),
+                       "model_kwargs.mean_field": True})
   # Not temporal: a mean-field model streams as MC dropout does (test_temporal), and its scan
   # over frames of weight samples is this test's longest compile.
   results = train_resume_and_evaluate(config, tmp_path, ALL_CLASSIFIER_EVALS[:-1])

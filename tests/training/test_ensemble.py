@@ -25,7 +25,7 @@ MEMBERS = 2
 def _config(data, **overrides):
   """The ensemble of :func:`small_npz_config` on one device, a quarter of the training split held
   out (so the split is the ensemble's)."""
-  return small_npz_config(data, **{"ensemble_members": MEMBERS, "holdout_fraction": 0.25,
+  return small_npz_config(data, **{"ensemble_members": MEMBERS, "input.holdout_fraction": 0.25,
                                   "num_devices": 1, **overrides})
 
 
@@ -55,7 +55,8 @@ def test_each_member_equals_the_single_run_with_its_seed_and_the_members_differ(
   for m in range(MEMBERS):
     # The single run of seed m, given the ensemble's split (seeded by the ensemble's seed, 0).
     single = train.train_and_evaluate(
-        small_npz_config(data, seed=m, data_split_seed=0, holdout_fraction=0.25, num_devices=1),
+        small_npz_config(data, seed=m, num_devices=1,
+                         **{"input.split_seed": 0, "input.holdout_fraction": 0.25}),
         str(tmp_path / f"seed{m}"))
     _assert_close(run.member(m).variables, variables_of(single), rtol=1e-5, atol=1e-6)
   first, second = (flat_variables(run.member(m).variables) for m in range(MEMBERS))
@@ -104,14 +105,14 @@ def test_every_evaluator_on_the_ensemble_equals_ensemble_workdirs_of_its_members
   for m, member_dir in enumerate(members):
     written = run.write_member(m, member_dir)
     assert (written.config.seed, written.config.ensemble_members) == (m, 1)
-    assert written.config.data_split_seed == 0 and written.step == run.step
+    assert written.config.input.split_seed == 0 and written.step == run.step
     _assert_close(written.variables, run.member(m).variables, rtol=0, atol=0)
   first = Run.from_workdir(members[0])
   for name, evaluate, options in (
       ("ensemble_sizes", ensemble_sizes.evaluate, {}),
       ("calibration", calibration.evaluate, {}),
       ("selective", selective.evaluate, {}),
-      ("ood", ood.evaluate, {"ood_datasets": (f"npz:{data}",)}),
+      ("ood", ood.evaluate, {"datasets": (f"npz:{data}",)}),
   ):
     together = evaluate(run, tmp_path / "together" / name, **options)
     apart = evaluate(first, tmp_path / "apart" / name, members=members[1:], **options)
@@ -149,8 +150,10 @@ def test_one_model_consumers_take_a_member_and_refuse_the_whole_ensemble(ensembl
     temporal_smoothing.evaluate(Run.from_workdir(workdir), tmp_path)
   with pytest.raises(ValueError, match="holds an ensemble of 2 members already"):
     ensemble_sizes.evaluate(Run.from_workdir(workdir), tmp_path, members=[workdir])
-  # An evaluation config (--mode=<evaluator> --config=...) keeps the recorded member count.
-  assert Run.from_workdir(workdir, small_npz_config(ensemble_run[0])).ensemble_members == MEMBERS
+  # An evaluation config (--mode=<evaluator> --config=...) keeps the recorded member count and
+  # split (``RECORDED_KEYS``: the evaluation config holds none held out).
+  evaluated = Run.from_workdir(workdir, small_npz_config(ensemble_run[0]))
+  assert (evaluated.ensemble_members, evaluated.config.input.holdout_fraction) == (MEMBERS, 0.25)
   run = Run.from_workdir(workdir)
   images = np.asarray(run.pipeline.eval_arrays["images"][:3], np.float32) / 255.0
   probs = run.predict(run.normalize(images))

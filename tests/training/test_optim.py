@@ -22,7 +22,7 @@ def test_learning_rate_schedule_matches_the_recipe():
   assert float(schedule(10 + 1300)) == pytest.approx(0.004)
   assert float(schedule(10 + 1600)) == pytest.approx(0.0008)
   config.unlock()
-  config.batch_size = 512
+  config.input.batch_size = 512
   assert float(create_learning_rate_schedule(config, 10)(10)) == pytest.approx(0.4)
 
 
@@ -30,11 +30,11 @@ def test_learning_rate_schedule_matches_the_recipe():
 def test_vit_recipe_config_and_schedule():
   from configs import cifar_vit
   config = cifar_vit.get_config("vit_ti,cifar100")
-  assert (config.optimizer, config.learning_rate, config.batch_size,
+  assert (config.optimizer, config.learning_rate, config.input.batch_size,
           config.weight_decay) == ("adamw", 1.25e-4, 96, 0.05)
   assert (config.label_smoothing, config.mixup_alpha, config.cutmix_alpha,
           config.grad_clip_norm) == (0.1, 1.0, 0.8, 5.0)
-  assert (config.randaugment.num_layers, config.randaugment.magnitude) == (2, 9.0)
+  assert (config.input.randaugment.num_layers, config.input.randaugment.magnitude) == (2, 9.0)
   assert config.model_kwargs.stochastic_depth == 0.1
   schedule = create_learning_rate_schedule(config, steps_per_epoch=10)
   lr = 1.25e-4

@@ -93,8 +93,8 @@ def test_gradient_accumulation_gives_the_full_batch_update_without_batchnorm():
   mesh = create_mesh(8)
   results = {}
   for k in (1, 2, 4):
-    sharding = train_batch_sharding(override(config, batch_size=16, grad_accum_steps=k),
-                                          mesh)
+    sharding = train_batch_sharding(
+        override(config, **{"input.batch_size": 16}, grad_accum_steps=k), mesh)
     assert (sharding.spec == jax.sharding.PartitionSpec()) == (k == 4)
     step, _ = compile_steps(model, schedule, mesh, 10, grad_accum_steps=k,
                                   batch_sharding=sharding)
@@ -107,7 +107,7 @@ def test_gradient_accumulation_gives_the_full_batch_update_without_batchnorm():
     jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-6),
                  results[k], results[1])
   with pytest.raises(ValueError, match="grad_accum_steps must be a positive integer that divides"):
-    train_batch_sharding(override(config, batch_size=16, grad_accum_steps=3), mesh)
+    train_batch_sharding(override(config, **{"input.batch_size": 16}, grad_accum_steps=3), mesh)
 
 
 
@@ -122,7 +122,7 @@ def test_half_precision_training_tracks_float32_and_keeps_float32_state():
   from smoothing_jax.data import create_pipeline
   config = override(quickstart.get_config("runlocal"),
                     **model_options(width=4, stage_sizes=(1,)))
-  pipeline = create_pipeline("digits", config.batch_size, 0)
+  pipeline = create_pipeline(config.input, 0)
   # One batch 20 times: the loss falls steadily as the batch is learnt (on 20 different batches a
   # model this narrow stays near ln 10 and the two runs would agree trivially).
   batches = [next(pipeline.train_iterator())] * 20

@@ -40,8 +40,8 @@ def test_resume_after_interruption_is_bit_identical(tmp_path):
   from smoothing_jax.analysis import trained as trained_lib
   from smoothing_jax.training.trajectory_recorder import load_trajectory
   from smoothing_jax.data import load_arrays, parse_dataset
-  config = tiny_config(num_train_steps=4, checkpoint_every_steps=2, train_fraction=0.5,
-                       trajectory_every_steps=3, trajectory_dims=8)
+  config = tiny_config(num_train_steps=4, checkpoint_every_steps=2, trajectory_every_steps=3,
+                       trajectory_dims=8, **{"input.train_fraction": 0.5})
   with tfds.testing.mock_data(num_examples=16):
     full = train.train_and_evaluate(config, str(tmp_path / "full"))
     train.train_and_evaluate(config, str(tmp_path / "cut"),
@@ -58,7 +58,7 @@ def test_resume_after_interruption_is_bit_identical(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.opt_state),
                jax.device_get(full.opt_state))
   recorded = json.load(open(tmp_path / "cut" / "config.json"))
-  assert recorded["train_fraction"] == 0.5
+  assert recorded["input"]["train_fraction"] == 0.5
   assert recorded["model_spec"]["num_train_examples"] == np.sum(np.floor(0.5 * class_counts + 0.5))
   records = [load_trajectory(tmp_path / run) for run in ("full", "cut")]
   assert [list(r.steps) for r in records] == [[0, 3, 4]] * 2
@@ -102,7 +102,7 @@ def test_sigterm_and_sigkill_then_rerun_is_bit_identical(tmp_path):
         sys.executable, "-m", "smoothing_jax.main", f"--workdir={workdir}",
         f"--config={root}/configs/cifar_resnet.py:resnet_mcdo_smoothing_18,npz:{data},runlocal",
         "--config.model_kwargs.width=4", "--config.model_kwargs.stage_sizes=(1,)",
-        "--config.batch_size=8", "--config.num_train_steps=24",
+        "--config.input.batch_size=8", "--config.num_train_steps=24",
         "--config.checkpoint_every_steps=4", "--config.ensemble_sizes=(1,)",
         "--config.eval_batch_size=16"
     ]
@@ -145,7 +145,7 @@ def test_vit_recipe_resume_is_bit_identical(tmp_path):
   config = override(cifar_vit.get_config("vit_ti,cifar10,runlocal"),
                     **model_options(hidden_dim=8, depth=1, num_heads=1, head_dim=8, mlp_dim=8,
                                     patch_size=8),
-                    batch_size=8,
+                    **{"input.batch_size": 8},
                     num_train_steps=4,
                     checkpoint_every_steps=2,
                     ensemble_sizes=(1,),
