@@ -20,8 +20,12 @@ Evaluate temporal smoothing with ``--mode=streams``.  The global batch of 3 need
 1 or 3 devices (``--config.num_devices=1``), or a batch size the devices divide.
 """
 
-from smoothing_jax.experiment.config_base import (base_config, finalize, parse_config_arg,
-                                                  shrink_for_cpu)
+from smoothing_jax.experiment.config_base import (
+  base_config,
+  finalize,
+  parse_config_arg,
+  shrink_for_cpu,
+)
 
 ARGS = {"model": "unet_mcdo_smoothing", "dataset": "camvid"}  # positional, with defaults
 

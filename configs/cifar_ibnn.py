@@ -43,8 +43,12 @@ Start an iBNN from a deterministic run of the same architecture with
 ``--config.ibnn.pretrained_workdir=<dir>`` (add ``--config.ibnn.freeze_deterministic`` to train
 only the posterior): the ``vgg_dnn_16`` / ``wideresnet_dnn_28_10`` runs of this config.
 """
-from smoothing_jax.experiment.config_base import (base_config, finalize, parse_config_arg,
-                                                  shrink_for_cpu)
+from smoothing_jax.experiment.config_base import (
+  base_config,
+  finalize,
+  parse_config_arg,
+  shrink_for_cpu,
+)
 
 ARGS = {"model": "vgg_ibnn_16", "dataset": "cifar10",  # positional, with defaults
         "num_components": 4}

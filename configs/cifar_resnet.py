@@ -25,8 +25,13 @@ with 1 warm-up epoch, lr × 0.2 at epochs 100/200/225, Keras L2 3e-4 on all but 
 (weight decay 6e-4 here: L2 λ·‖w‖² is decay 2λ), the fast weights and member biases at half the
 rate, fast weights initialised N(1, 0.5²) (``random_sign_init`` −0.5).
 """
-from smoothing_jax.experiment.config_base import (base_config, finalize, parse_config_arg,
-                                                  shrink_for_cpu, with_uncertainty_evals)
+from smoothing_jax.experiment.config_base import (
+  base_config,
+  finalize,
+  parse_config_arg,
+  shrink_for_cpu,
+  with_uncertainty_evals,
+)
 
 ARGS = {"model": "resnet_mcdo_smoothing_18", "dataset": "cifar10"}  # positional, with defaults
 

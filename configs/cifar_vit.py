@@ -19,8 +19,12 @@ dropout (HV; ``--config.model_kwargs.dropout_rate_train`` and ``.embedding_dropo
 set it), AlterNets window 4.
 """
 
-from smoothing_jax.experiment.config_base import (base_config, finalize, parse_config_arg,
-                                                  shrink_for_cpu)
+from smoothing_jax.experiment.config_base import (
+  base_config,
+  finalize,
+  parse_config_arg,
+  shrink_for_cpu,
+)
 
 ARGS = {"model": "vit_ti", "dataset": "cifar100"}  # positional, with defaults
 

@@ -9,8 +9,12 @@ SGD momentum 0.9, lr 0.1 at batch 256 (scaled linearly with the global batch),
 weight decay 1e-4, 90 epochs after 1 warm-up epoch, lr × 0.1 at epochs 30/60/80,
 random-resized crop 224 + flip; evaluation resize 256 / centre crop 224.
 """
-from smoothing_jax.experiment.config_base import (base_config, finalize, parse_config_arg,
-                                                  shrink_for_cpu)
+from smoothing_jax.experiment.config_base import (
+  base_config,
+  finalize,
+  parse_config_arg,
+  shrink_for_cpu,
+)
 
 ARGS = {"model": "resnet_mcdo_smoothing_50", "dataset": "imagenet2012"}  # positional, with defaults
 

@@ -226,6 +226,8 @@ def setup(app):
 html_theme = "sphinx_book_theme"
 html_title = "smoothing_jax"
 html_theme_options = {
+    # One search box, the sidebar's (the theme's header would show a second one).
+    "navbar_persistent": [],
     "show_toc_level": 2,
     "home_page_in_toc": True,
     "use_download_button": True,

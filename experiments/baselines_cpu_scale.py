@@ -33,8 +33,8 @@ from absl import logging
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from configs import cifar_ibnn  # noqa: E402
-from smoothing_jax.experiment import config as config_lib  # noqa: E402
 from smoothing_jax import main  # noqa: E402
+from smoothing_jax.experiment import config as config_lib  # noqa: E402
 from smoothing_jax.training.writers import show_only_our_info_lines  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")

@@ -27,7 +27,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from bench_train import DEFAULT_DATA, recipe_config, time_train_steps
 from timing import median_seconds
 
@@ -94,7 +93,7 @@ def torch_train_step(name, width, batch_size, half, steps):
     y = torch.randint(0, 10, (batch_size,), device=device)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
 
-    def step():
+    def step(net=net, x=x, y=y, optimizer=optimizer):  # this iteration's (B023)
       with torch.autocast(device, dtype=torch.bfloat16, enabled=half):
         loss = torch.nn.functional.cross_entropy(net(x), y)
       optimizer.zero_grad(set_to_none=True)
@@ -143,9 +142,11 @@ def mc_inference(width, batch_size, num_samples, repeats):
   rows = []
   for n in num_samples:
     t_call = median_seconds(
-        lambda: mc_predict(model, variables, images, num_samples=n, rng=rng).mean_probs, repeats)
+        lambda n=n: mc_predict(model, variables, images, num_samples=n, rng=rng).mean_probs,
+        repeats)
     t_loop = median_seconds(
-        lambda: sum(single(variables, images, k) for k in jax.random.split(rng, n)) / n, repeats)
+        lambda n=n: sum(single(variables, images, k) for k in jax.random.split(rng, n)) / n,
+        repeats)
     rows.append({"num_samples": n, "mc_predict_images_per_s": batch_size / t_call,
                  "loop_images_per_s": batch_size / t_loop, "speedup_vs_loop": t_loop / t_call})
   return rows

@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 from jax.tree_util import Partial
-
 from timing import median_seconds
 
 from smoothing_jax.analysis.hessian import hvp, linearized_hvp, top_eigenvalues
@@ -133,8 +132,8 @@ def time_pyhessian(net, images, labels, k, tol, max_iters, residual_of, seed, cu
     pyhessian_module.hessian_vector_product = original
   names = [name for name, _ in net.named_parameters()]
   residuals = [
-      residual_of(value, {n: t.detach().cpu().numpy() for n, t in zip(names, vector)})
-      for value, vector in zip(eigenvalues, eigenvectors)
+      residual_of(value, {n: t.detach().cpu().numpy() for n, t in zip(names, vector, strict=True)})
+      for value, vector in zip(eigenvalues, eigenvectors, strict=True)
   ]
   return {"seconds": seconds, "hvps": calls[0], "eigenvalues": [float(e) for e in eigenvalues],
           "relative_residuals": residuals}

@@ -18,11 +18,10 @@ import argparse
 import json
 
 import jax
-
 from timing import median_seconds
 
-from smoothing_jax.methods.ibnn import ibnn_predict
 from smoothing_jax.inference import mc_predict, sample_rngs
+from smoothing_jax.methods.ibnn import ibnn_predict
 from smoothing_jax.models import get_model
 
 
@@ -69,10 +68,10 @@ def main(argv=None):
   results = []
   for n in args.num_samples:
     t_vmap = median_seconds(
-        lambda: mc_predict(
+        lambda n=n: mc_predict(
             model, variables, images, num_samples=n, rng=rng, chunk_size=args.chunk_size).
         mean_probs, args.repeats)
-    t_loop = median_seconds(lambda: loop(n, rng), args.repeats)
+    t_loop = median_seconds(lambda n=n: loop(n, rng), args.repeats)
     results.append({
         "num_samples": n,
         "mc_predict_images_per_s": args.batch_size / t_vmap,

@@ -26,7 +26,6 @@ import json
 
 import jax
 import jax.numpy as jnp
-
 from timing import median_seconds
 
 from smoothing_jax import temporal

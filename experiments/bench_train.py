@@ -43,14 +43,14 @@ import time
 import jax
 import numpy as np
 
+from smoothing_jax.data import create_pipeline
 from smoothing_jax.experiment import config as config_lib
+from smoothing_jax.models import get_model
+from smoothing_jax.parallel import create_mesh, shard_batch, shardings
 from smoothing_jax.training import train
 from smoothing_jax.training.losses import make_loss
 from smoothing_jax.training.optim import create_learning_rate_schedule
 from smoothing_jax.training.steps import compile_steps, create_train_state
-from smoothing_jax.parallel import create_mesh, shard_batch, shardings
-from smoothing_jax.data import create_pipeline
-from smoothing_jax.models import get_model
 
 DEFAULT_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "cifar10")
 
@@ -147,7 +147,9 @@ def imagenet_jpeg_pipeline(num_files: int, batch_size: int, num_batches: int) ->
   (375×500, quality 90, like ImageNet's typical file): decoding only the random crop
   (``tf.image.decode_and_crop_jpeg``, what the pipeline does) vs decoding the whole file first."""
   import tempfile
+
   import tensorflow as tf
+
   from smoothing_jax.data.augment import imagenet_train_augment
   rng = np.random.default_rng(0)
   folder = tempfile.mkdtemp(prefix="synthetic_jpegs_")

@@ -50,11 +50,18 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from bench_accelerator import MODELS, mc_inference, train_step_row
 from bench_ensemble import bare_step_rows
-from bench_hessian import (DEFAULT_DATA, batch_loss, cifar_batch, has_pyhessian,
-                           pyhessian_residual, reference_variables, time_ours, time_pyhessian)
+from bench_hessian import (
+  DEFAULT_DATA,
+  batch_loss,
+  cifar_batch,
+  has_pyhessian,
+  pyhessian_residual,
+  reference_variables,
+  time_ours,
+  time_pyhessian,
+)
 from bench_train import recipe_config, train_loop_images_per_s, use_persistent_compilation_cache
 
 from smoothing_jax.analysis.landscape import loss_surface, random_direction

@@ -23,8 +23,8 @@ from absl import logging
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from smoothing_jax.experiment import config as config_lib  # noqa: E402
 from smoothing_jax import main  # noqa: E402
+from smoothing_jax.experiment import config as config_lib  # noqa: E402
 from smoothing_jax.plots import close, plot_ensemble_sizes  # noqa: E402
 from smoothing_jax.training.writers import show_only_our_info_lines  # noqa: E402
 

@@ -14,8 +14,8 @@ import os
 import numpy as np
 from etils import epath
 
-from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.analysis import trained
+from smoothing_jax.experiment import workdir as workdir_lib
 
 
 def jsonable(x):

@@ -23,15 +23,21 @@ trajectory is straighter (smaller path length / distance).  Sizes are CPU-scale 
 """
 from __future__ import annotations
 
-
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-
-from figure_cli import (chosen_figures, figure_parser, load_workdirs, output_dir,  # noqa: E402
-                        save_figure, sizes_with_overrides, write_json, write_report)
+from figure_cli import (  # noqa: E402
+  chosen_figures,
+  figure_parser,
+  load_workdirs,
+  output_dir,
+  save_figure,
+  sizes_with_overrides,
+  write_json,
+  write_report,
+)
 
 from smoothing_jax.analysis import trained  # noqa: E402
 from smoothing_jax.analysis.features import block_kinds  # noqa: E402
@@ -39,9 +45,15 @@ from smoothing_jax.analysis.lesion import lesion_table  # noqa: E402
 from smoothing_jax.analysis.similarity import stage_block_structure  # noqa: E402
 from smoothing_jax.analysis.spectrum import spectrum_caption  # noqa: E402
 from smoothing_jax.experiment.workdir import workdir_path, write_atomically  # noqa: E402
+from smoothing_jax.plots import (  # noqa: E402
+  plot_by_depth,
+  plot_delta_log_amplitude,
+  plot_lesion,
+  plot_similarity,
+  plot_spectra,
+  plot_trajectories,
+)
 from smoothing_jax.training.trajectory_recorder import TRAJECTORY_FILE  # noqa: E402
-from smoothing_jax.plots import (plot_by_depth, plot_delta_log_amplitude, plot_lesion,  # noqa: E402
-                                 plot_similarity, plot_spectra, plot_trajectories)
 
 FIGURES = ("spectra", "fourier", "variance", "lesion", "similarity", "trajectory")
 CPU_SIZES = {"hessian_batches": 8, "hessian_batch_size": 128, "hessian_k": 1, "hessian_iters": 20,
@@ -54,7 +66,7 @@ def changes_by_kind(by_block: dict, kinds: dict) -> dict:
   before the block)."""
   names = list(by_block)
   out = {}
-  for prev, name in zip(names, names[1:]):
+  for prev, name in zip(names, names[1:], strict=False):
     out.setdefault(kinds[name], []).append(float(by_block[name] - by_block[prev]))
   return {kind: float(np.mean(v)) for kind, v in out.items()}
 
@@ -143,13 +155,13 @@ def _plot(name: str, results: dict, models: dict, out: str):
     return plot_trajectories(results)
   if name == "similarity":
     fig, axes = plt.subplots(1, len(results), figsize=(5.4 * len(results), 4.4), squeeze=False)
-    for ax, (label, r) in zip(axes[0], results.items()):
+    for ax, (label, r) in zip(axes[0], results.items(), strict=True):
       plot_similarity(r, label, ax=ax)
     fig.tight_layout()
     return fig
   if name == "fourier":
     fig, axes = plt.subplots(1, len(results) + 1, figsize=(5 * (len(results) + 1), 3.4))
-    for ax, (label, curves) in zip(axes, results.items()):
+    for ax, (label, curves) in zip(axes, results.items(), strict=True):
       plot_delta_log_amplitude(curves, label, ax=ax)
     high = {
         label: {b: float(c[-1]) for b, c in curves.items()} for label, curves in results.items()

@@ -20,15 +20,27 @@ import matplotlib
 
 matplotlib.use("Agg")
 import numpy as np  # noqa: E402
-
-from figure_cli import (chosen_figures, figure_parser, load_workdirs, output_dir,  # noqa: E402
-                        save_figure, sizes_with_overrides, write_json, write_report)
+from figure_cli import (  # noqa: E402
+  chosen_figures,
+  figure_parser,
+  load_workdirs,
+  output_dir,
+  save_figure,
+  sizes_with_overrides,
+  write_json,
+  write_report,
+)
 
 from smoothing_jax.analysis import trained  # noqa: E402
 from smoothing_jax.analysis.spectrum import spectrum_caption  # noqa: E402
-from smoothing_jax.plots import (plot_accuracy_vs_frequency, plot_attack_accuracy,  # noqa: E402
-                                 plot_by_depth, plot_delta_log_amplitude, plot_relative_confidence,
-                                 plot_spectra)
+from smoothing_jax.plots import (  # noqa: E402
+  plot_accuracy_vs_frequency,
+  plot_attack_accuracy,
+  plot_by_depth,
+  plot_delta_log_amplitude,
+  plot_relative_confidence,
+  plot_spectra,
+)
 
 FIGURES = ("spectra", "fourier", "variance", "landscape", "frequency_noise", "consistency",
            "adversarial")
@@ -124,7 +136,7 @@ def _plot(name: str, results: dict):
                         caption=spectrum_caption(results))
   if name == "fourier":
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.2), squeeze=False)
-    for ax, (label, curves) in zip(axes[0], results.items()):
+    for ax, (label, curves) in zip(axes[0], results.items(), strict=True):
       plot_delta_log_amplitude(curves, label, ax=ax)
     fig.tight_layout()
     return fig
@@ -137,7 +149,7 @@ def _plot(name: str, results: dict):
         }, "feature-map variance")
   if name == "landscape":
     fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 3.8))
-    for ax, (label, r) in zip(np.atleast_1d(axes), results.items()):
+    for ax, (label, r) in zip(np.atleast_1d(axes), results.items(), strict=True):
       a, b = np.meshgrid(r["alphas"], r["betas"], indexing="ij")
       ax.clabel(ax.contour(a, b, r["loss"], levels=15), fontsize=6)
       ax.set_title(f"{label}: NLL")

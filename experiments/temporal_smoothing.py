@@ -14,16 +14,22 @@ consistency of the last two (the paper's Table E.4 layout; CamVid itself is
 """
 from __future__ import annotations
 
-
 import matplotlib
 
 matplotlib.use("Agg")
-from figure_cli import (figure_parser, load_workdirs, output_dir, save_figure,  # noqa: E402
-                        sizes_with_overrides, write_json, write_report)
+from figure_cli import (  # noqa: E402
+  figure_parser,
+  load_workdirs,
+  output_dir,
+  save_figure,
+  sizes_with_overrides,
+  write_json,
+  write_report,
+)
 
 from smoothing_jax.analysis import trained  # noqa: E402
-from smoothing_jax.plots import plot_stream_table  # noqa: E402
 from smoothing_jax.experiment.workdir import write_atomically  # noqa: E402
+from smoothing_jax.plots import plot_stream_table  # noqa: E402
 
 SIZES = {"num_images": 1000, "length": 6, "max_shift": 3, "num_samples": 10}
 COLUMNS = (("nll", "NLL", 1, ".4f"), ("acc", "Acc (%)", 100, ".2f"), ("ece", "ECE (%)", 100, ".2f"),

@@ -9,7 +9,8 @@ space, p̄(y|x) = (1/N) Σ_n softmax(f_n(x)), as the reference's test loop does.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -63,7 +64,7 @@ def default_chunk_size() -> int:
   return 1 if jax.default_backend() == "cpu" else 10
 
 
-def map_in_chunks(fn, xs, chunk_size: Optional[int]):
+def map_in_chunks(fn, xs, chunk_size: int | None):
   """``vmap(fn)(xs)`` evaluated ``chunk_size`` rows at a time with ``lax.map`` (bounded memory;
   None: :func:`default_chunk_size`, 1: a plain ``lax.map``)."""
   n = jax.tree.leaves(xs)[0].shape[0]
@@ -101,7 +102,7 @@ def check_rng(rng):
 
 
 def mc_predict(model: nn.Module, variables, images, *, num_samples: int, rng,
-               chunk_size: Optional[int] = None) -> Prediction:
+               chunk_size: int | None = None) -> Prediction:
   """N stochastic forward passes (MC dropout) in one jitted call.
 
   Args:

@@ -1,6 +1,7 @@
 """Command line: ``python -m smoothing_jax.main --config=configs/<file>.py[:args] --workdir=<dir>``.
 
-Modes:
+Modes::
+
   train (default)  train (resuming from ``workdir``), then the evaluators ``config.evals`` names
   <evaluator>      one evaluator of ``smoothing_jax.evaluators`` on ``--workdir``, with the
                    options ``config.evals.<evaluator>``:

@@ -163,7 +163,7 @@ class UncertaintyMetrics(clu.metrics.Metric):
 
   @classmethod
   def from_model_output(cls, probs, labels, mask=None, *, num_bins: int = 10, cutoff: float = 0.9,
-                        ece_convention: str = "consistent", **_) -> "UncertaintyMetrics":
+                        ece_convention: str = "consistent", **_) -> UncertaintyMetrics:
     """Statistics of one batch.
 
     Args:
@@ -184,7 +184,7 @@ class UncertaintyMetrics(clu.metrics.Metric):
     return cls(**batch_statistics(probs, labels, mask, num_bins, cutoff), cutoff=cutoff,
                ece_convention=ece_convention)
 
-  def merge(self, other: "UncertaintyMetrics") -> "UncertaintyMetrics":
+  def merge(self, other: UncertaintyMetrics) -> UncertaintyMetrics:
     if (self.cutoff != other.cutoff or self.bin_count.shape != other.bin_count.shape
         or self.ece_convention != other.ece_convention):
       raise ValueError("Cannot merge metrics computed with different cutoff, num_bins or "
@@ -235,7 +235,7 @@ class TemporalConsistency(clu.metrics.Metric):
   total: jax.Array
 
   @classmethod
-  def from_model_output(cls, probs, previous_probs, mask=None, **_) -> "TemporalConsistency":
+  def from_model_output(cls, probs, previous_probs, mask=None, **_) -> TemporalConsistency:
     """Agreement of ``probs [..., C]`` with the previous frame's ``previous_probs [..., C]``;
     ``mask [...]``: optional 0/1 weights of the positions that count."""
     probs, previous_probs = jnp.asarray(probs), jnp.asarray(previous_probs)
@@ -247,7 +247,7 @@ class TemporalConsistency(clu.metrics.Metric):
     return cls(agree=jnp.sum(w * agree), total=jnp.sum(w))
 
   @classmethod
-  def from_sequence(cls, probs, mask=None) -> "TemporalConsistency":
+  def from_sequence(cls, probs, mask=None) -> TemporalConsistency:
     """All consecutive pairs of a sequence ``probs [N, T, ..., C]`` (time on axis 1);
     ``mask [N, T-1, ...]`` weights the pair (t, t+1) at index t."""
     probs = jnp.asarray(probs)
@@ -255,7 +255,7 @@ class TemporalConsistency(clu.metrics.Metric):
       raise ValueError(f"Sequence predictions must be [N, T>=2, ..., C], got shape {probs.shape}.")
     return cls.from_model_output(probs[:, 1:], probs[:, :-1], mask)
 
-  def merge(self, other: "TemporalConsistency") -> "TemporalConsistency":
+  def merge(self, other: TemporalConsistency) -> TemporalConsistency:
     return add_statistics(self, other)
 
   def compute(self) -> dict:

@@ -11,7 +11,7 @@ before the first figure where there is no display.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,7 +34,7 @@ def _axes(figsize=SMALL, ax=None):
   return _pyplot().subplots(figsize=figsize) if ax is None else (ax.figure, ax)
 
 
-def _finish(fig, ax, xlabel: str, ylabel: str, title: Optional[str] = None, **legend):
+def _finish(fig, ax, xlabel: str, ylabel: str, title: str | None = None, **legend):
   """Axis labels, the title (unless None) and a legend (``legend``: its options); laid out."""
   ax.set_xlabel(xlabel)
   ax.set_ylabel(ylabel)
@@ -49,7 +49,7 @@ def _metric_panels(keys, figsize):
   """One axes per metric of ``keys`` (see ``METRIC_PANELS``), in a row: ``fig`` and
   ``[(ax, key, label, scale)]``."""
   fig, axes = _pyplot().subplots(1, len(keys), figsize=figsize)
-  return fig, [(ax, key) + METRIC_PANELS[key] for ax, key in zip(axes, keys)]
+  return fig, [(ax, key) + METRIC_PANELS[key] for ax, key in zip(axes, keys, strict=True)]
 
 
 def _with_suptitle(fig, title: str):
@@ -60,7 +60,7 @@ def _with_suptitle(fig, title: str):
 
 # ----------------------------------------------------------------------------- evaluation
 
-def plot_reliability_diagram(metrics: UncertaintyMetrics, title: Optional[str] = None):
+def plot_reliability_diagram(metrics: UncertaintyMetrics, title: str | None = None):
   """Reliability diagram (accuracy per confidence bin) above a confidence histogram.
 
   Returns the matplotlib ``Figure``; save it with ``fig.savefig("reliability.png")``.
@@ -209,7 +209,7 @@ def plot_accuracy_rejection(curves: dict, title: str = ""):
                  fontsize=7)
 
 
-def plot_spectra(spectra: dict, bins: int = 40, caption: Optional[str] = None):
+def plot_spectra(spectra: dict, bins: int = 40, caption: str | None = None):
   """Overlaid histograms of pooled eigenvalues, ``{label: eigenvalues array}``; ``caption``
   (e.g. ``analysis.spectrum.spectrum_caption``) names the solver; returns the Figure."""
   fig, ax = _axes()
@@ -222,7 +222,7 @@ def plot_spectra(spectra: dict, bins: int = 40, caption: Optional[str] = None):
   return _finish(fig, ax, "Hessian eigenvalue (top-k per mini-batch)", "density")
 
 
-def plot_surface(surface: dict, key: str = "loss", title: Optional[str] = None):
+def plot_surface(surface: dict, key: str = "loss", title: str | None = None):
   """Contour and 3-D plots of ``surface[key]``; returns the Figure."""
   a, b = np.meshgrid(surface["alphas"], surface["betas"], indexing="ij")
   z = surface[key]
@@ -237,7 +237,7 @@ def plot_surface(surface: dict, key: str = "loss", title: Optional[str] = None):
   return _with_suptitle(fig, title or key)
 
 
-def plot_by_depth(values: dict, ylabel: str, title: str = "", kinds: Optional[dict] = None):
+def plot_by_depth(values: dict, ylabel: str, title: str = "", kinds: dict | None = None):
   """Line plot of ``{label: {block: value}}`` against normalised depth; returns the Figure.
 
   ``kinds`` ``{label: {block: kind}}`` (:func:`smoothing_jax.analysis.features.block_kinds`)
@@ -248,13 +248,14 @@ def plot_by_depth(values: dict, ylabel: str, title: str = "", kinds: Optional[di
     depth = np.linspace(0, 1, len(by_block))
     line, = ax.plot(depth, list(by_block.values()), "o-", label=label, markersize=3)
     label_kinds = (kinds or {}).get(label, {})
-    msa = [(d, value) for d, (block, value) in zip(depth, by_block.items())
+    msa = [(d, value) for d, (block, value) in zip(depth, by_block.items(), strict=True)
            if label_kinds.get(block) == "msa"]
     if msa:
       half = 0.5 / max(len(by_block) - 1, 1)
       for d, _ in msa:
         ax.axvspan(d - half, d + half, color="0.85", zorder=0)
-      ax.plot(*zip(*msa), "s", color=line.get_color(), markersize=6, markerfacecolor="white")
+      ax.plot(*zip(*msa, strict=True), "s", color=line.get_color(), markersize=6,
+              markerfacecolor="white")
   return _finish(fig, ax, "normalised depth", ylabel, title)
 
 
@@ -304,7 +305,7 @@ def plot_delta_log_amplitude(curves: dict, title: str = "", ax=None):
   """
   fig, ax = _axes(ax=ax)
   colors = _pyplot().cm.plasma(np.linspace(0, 0.9, len(curves)))
-  for color, (block, curve) in zip(colors, curves.items()):
+  for color, (block, curve) in zip(colors, curves.items(), strict=True):
     ax.plot(np.linspace(0, 1, len(curve)), curve, color=color, label=block)
   return _finish(fig, ax, "frequency (×π)", "Δ log amplitude", title, fontsize=6, ncol=2)
 
@@ -350,7 +351,7 @@ def plot_lesion(results: dict, title: str = ""):
     index = np.array([r["index"] for r in rows]) + (j - (len(results) - 1) / 2) * width
     drops = np.array([100 * r["drop"] for r in rows])
     bars = ax.bar(index, drops, width, label=label)
-    for bar, r in zip(bars, rows):
+    for bar, r in zip(bars, rows, strict=True):
       if r["kind"] == "msa":
         bar.set_hatch("//")
         bar.set_edgecolor("black")

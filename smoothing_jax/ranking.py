@@ -37,7 +37,7 @@ tie handling serves the selective metrics and they run where scikit-learn is not
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np

@@ -24,7 +24,7 @@ makes such clips from still images.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -165,7 +165,7 @@ def stream_predictions(model,
                        num_samples: int,
                        num_frames: int = NUM_FRAMES,
                        decay_rate: float = DECAY_RATE,
-                       chunk_size: Optional[int] = None) -> dict:
+                       chunk_size: int | None = None) -> dict:
   """Predictions of the last two frames of clips ``frames [T, B, H, W, 3]`` by each inference
   method.
 

@@ -9,7 +9,7 @@ that does not match (:func:`raise_on_mismatch`).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,7 @@ from flax import traverse_util
 from smoothing_jax.inference import sample_rngs
 
 
-def abstract_variables(model, image_shape: Optional[tuple] = None):
+def abstract_variables(model, image_shape: tuple | None = None):
   """``jax.eval_shape`` of ``model.init`` on one image of ``image_shape`` (H, W, C; default: the
   stem's, 32×32 or 224×224 RGB): every variable's shape and dtype, nothing computed (a ViT's
   position embedding follows the image size).
@@ -35,7 +35,7 @@ def abstract_variables(model, image_shape: Optional[tuple] = None):
   return jax.eval_shape(lambda: model.init({"params": key, **sample_rngs(key)}, images))
 
 
-def classifier_paths(model, image_shape: Optional[tuple] = None) -> list:
+def classifier_paths(model, image_shape: tuple | None = None) -> list:
   """Flattened variable paths ``(collection, module..., leaf)`` whose shape follows
   ``model.num_classes`` (the output layer's), on images of ``image_shape`` (default: the
   stem's)."""
@@ -62,7 +62,7 @@ def raise_on_mismatch(title: str, missing, unexpected, mismatched) -> None:
     raise ValueError("\n".join(lines))
 
 
-def transfer_variables(target, source, *, keep_fresh: Optional[Callable] = None,
+def transfer_variables(target, source, *, keep_fresh: Callable | None = None,
                        title: str = "variables do not match the model") -> tuple:
   """``target`` with every leaf replaced by the leaf of ``source`` at the same path (cast to the
   target's dtype), except the leaves ``keep_fresh(path, target_leaf, source_leaf)`` selects

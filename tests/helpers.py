@@ -5,9 +5,9 @@
 import contextlib
 import functools
 import gc
-import logging as std_logging
 import importlib.abc
 import importlib.machinery
+import logging as std_logging
 import os
 import sys
 import types
@@ -265,8 +265,8 @@ def release_compiled_executables():
 def initialised_run(root, **overrides):
   """A ``Run`` of :func:`small_npz_config` (``overrides`` applied) on a fresh :func:`small_npz` in
   ``root``, with initial variables and no training: what the evaluators' tests evaluate."""
-  from smoothing_jax.parallel import shardings
   from smoothing_jax.experiment.run import Run
+  from smoothing_jax.parallel import shardings
   os.makedirs(os.path.join(root, "data"), exist_ok=True)
   data = small_npz(os.path.join(root, "data"))
   run = Run.from_config(small_npz_config(data, **overrides), os.path.join(root, "run"))
@@ -285,12 +285,14 @@ def train_resume_and_evaluate(config, root, evals=ALL_CLASSIFIER_EVALS) -> dict:
   only: the whole sweep is 75 sets), and checks that a copy resumed from its step-2 checkpoint
   ends with the same variables.  Returns ``{evaluator: result}``."""
   import shutil
+
   import tensorflow_datasets as tfds
+
   from smoothing_jax import main
-  from smoothing_jax.training import train
-  from smoothing_jax.training.steps import variables_of
   from smoothing_jax.evaluators import corruptions
   from smoothing_jax.experiment.run import Run
+  from smoothing_jax.training import train
+  from smoothing_jax.training.steps import variables_of
   config = override(config, evals={name: {"datasets": ("cifar100",)} if name == "ood" else {}
                                    for name in evals})
   with tfds.testing.mock_data(num_examples=16):

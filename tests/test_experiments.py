@@ -41,8 +41,10 @@ def test_landscape_study_centre_equals_the_training_loss(analysis_workdirs):
   assert surface["loss"].shape == (3, 3)
   # The centre of the grid is θ itself: the NLL of the batch under the study's fixed dropout key.
   import functools
+
   import jax
   import jax.numpy as jnp
+
   from smoothing_jax.analysis.spectrum import training_loss
   batch = trained.train_batches(model, 1, 16)[0]
   dropout_key = jax.random.split(jax.random.key(0), 3)[2]
@@ -147,6 +149,7 @@ def test_temporal_smoothing_study_matches_explicit_average(analysis_workdirs):
   # The smoothed last frame = Σ π_t p_t of one pass per frame with the stream's keys.
   import jax
   import jax.numpy as jnp
+
   from smoothing_jax import temporal
   from smoothing_jax.analysis.perturbation import translate_sequences
   from smoothing_jax.inference import sample_rngs

@@ -5,8 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from smoothing_jax.inference import (default_chunk_size, ensemble_predict, map_in_chunks,
-                                     mc_predict, stack_variables)
+from smoothing_jax.inference import (
+  default_chunk_size,
+  ensemble_predict,
+  map_in_chunks,
+  mc_predict,
+  stack_variables,
+)
 from smoothing_jax.models import get_model
 from tests.helpers import init_variables
 

@@ -92,7 +92,7 @@ def cli_results(tmp_path_factory, analysis_workdirs):
                        timeout=600)
   line = [x for x in out.stdout.splitlines() if x.startswith("RESULTS")]
   assert line, out.stdout[-2000:] + out.stderr[-2000:]
-  results = dict(zip(cases, json.loads(line[0][len("RESULTS"):])))
+  results = dict(zip(cases, json.loads(line[0][len("RESULTS"):]), strict=True))
   results["trained"] = trained
   return results
 
@@ -165,11 +165,13 @@ def test_two_processes_stop_together_and_match_one_process(tmp_path):
   import signal
   import socket
   import time
+
   import jax
+
   from configs import quickstart
-  from smoothing_jax.training import train
   from smoothing_jax.experiment.checkpoints import load_variables
   from smoothing_jax.parallel import create_mesh
+  from smoothing_jax.training import train
   from tests.helpers import override
   with socket.socket() as s:
     s.bind(("localhost", 0))

@@ -7,8 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from smoothing_jax.metrics import (TemporalConsistency, UncertaintyMetrics, class_iou, entropy,
-                                   evaluate, label_mask, uncertainty_decomposition)
+from smoothing_jax.metrics import (
+  TemporalConsistency,
+  UncertaintyMetrics,
+  class_iou,
+  entropy,
+  evaluate,
+  label_mask,
+  uncertainty_decomposition,
+)
 from smoothing_jax.plots import plot_reliability_diagram
 
 # Five predictions over three classes (worked by hand below).
@@ -96,12 +103,15 @@ def test_merging_different_bins_fails():
     a.merge(b)
 
 
-def _ss_ece(labels, probs, bins=np.linspace(0.0, 1.0, 11)):
+SS_BINS = np.linspace(0.0, 1.0, 11)  # SS's 10 equal-width confidence bins
+
+
+def _ss_ece(labels, probs, bins=SS_BINS):
   """SS ``ops/tests.py``, transcribed: per bin the confusion-matrix count and accuracy over
   confidences in (start, end], the confidence sum over [start, end), then ``ece``."""
   confidence, prediction = np.amax(probs, axis=1), np.argmax(probs, axis=1)
   count_bin, acc_bin, conf_bin = [], [], []
-  for start, end in zip(bins, bins[1:]):
+  for start, end in zip(bins, bins[1:], strict=False):
     in_cm = (confidence > start) & (confidence <= end)
     count = np.sum(in_cm)
     count_bin.append(count)

@@ -125,6 +125,7 @@ def test_layers_point_down(tmp_path):
   """The contracts of pyproject.toml hold, and break on an upward import (even one inside a
   function, as import-linter counts those too)."""
   import shutil
+
   import pytest
   pytest.importorskip("importlinter")
   result = _lint_imports(ROOT)

@@ -9,8 +9,14 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from smoothing_jax.metrics import UncertaintyMetrics, evaluate
-from smoothing_jax.parallel import (create_mesh, eval_batch_size, evaluate_batches,
-                                    prefetch_to_devices, shard_batch, shardings)
+from smoothing_jax.parallel import (
+  create_mesh,
+  eval_batch_size,
+  evaluate_batches,
+  prefetch_to_devices,
+  shard_batch,
+  shardings,
+)
 
 
 def test_mesh_shardings_and_sharded_batches():
@@ -79,7 +85,7 @@ def test_evaluate_batches_merges_metrics_keeps_the_first_batch_of_the_rest_and_f
                                   jax.random.key_data(jax.random.fold_in(key, i)))
   np.testing.assert_array_equal(jax.random.key_data(out["rng"]),
                                 jax.random.key_data(jax.random.fold_in(key, 0)))
-  for (batch, _), given in zip(seen, batches):
+  for (batch, _), given in zip(seen, batches, strict=True):
     if sharded:  # global arrays on the batch sharding
       assert all(batch[k].sharding == data for k in given)
       np.testing.assert_array_equal(batch["probs"], given["probs"])
@@ -99,7 +105,7 @@ def test_prefetch_to_devices_keeps_order_raises_in_place_and_stops_its_thread():
   for size in (0, 2):
     got = list(prefetch_to_devices(iter(host), data, size))
     assert len(got) == 5 and all(g["image"].sharding == data for g in got)
-    for g, h in zip(got, host):
+    for g, h in zip(got, host, strict=True):
       np.testing.assert_array_equal(g["image"], h["image"])
       np.testing.assert_array_equal(g["label"], h["label"])
 

@@ -69,6 +69,7 @@ def test_a_hang_in_native_code_is_stopped_by_the_time_limit(tmp_path):
 def test_releasing_compiled_executables_returns_their_memory_mappings():
   import jax
   import jax.numpy as jnp
+
   from tests.helpers import memory_maps, release_compiled_executables
   release_compiled_executables()
   before = memory_maps()

@@ -76,6 +76,7 @@ def test_the_evaluator_fits_on_the_held_out_training_examples_only(tmp_path):
   out of training; the evaluator's temperature is the one fitted directly on the model's
   log-probabilities there, and its "before" NLL the model's own on the test set."""
   import jax
+
   from smoothing_jax.evaluators import calibration as evaluator
   from tests.helpers import initialised_run
   run = initialised_run(tmp_path, eval_batch_size=8, **{"input.holdout_fraction": 0.25})

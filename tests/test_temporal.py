@@ -20,7 +20,7 @@ def test_streaming_predictor_equals_explicit_weighted_average():
     state, smoothed = temporal.temporal_smoothing(state, jnp.asarray(seq[t]), decay)
     ages = range(min(t + 1, num_frames))  # 0 = current frame
     weights = np.array([np.exp(-decay * a) for a in ages])
-    expected = sum(w * seq[t - a] for w, a in zip(weights, ages)) / weights.sum()
+    expected = sum(w * seq[t - a] for w, a in zip(weights, ages, strict=True)) / weights.sum()
     np.testing.assert_allclose(smoothed, expected, rtol=1e-6)
   # Defaults of the paper: L = 5, e^{-0.8} per frame.
   w = temporal.temporal_weights(10, temporal.NUM_FRAMES)

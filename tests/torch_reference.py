@@ -150,7 +150,7 @@ class VGG(nn.Module):
     super().__init__()
     widths = [width, 2 * width, 4 * width, 8 * width, 8 * width]
     cin = 3
-    for i, (n, w) in enumerate(zip(stages, widths)):
+    for i, (n, w) in enumerate(zip(stages, widths, strict=False)):
       layers = [nn.MaxPool2d(2, 2)] if i > 0 else []
       for _ in range(n):
         layers.append(VGGBlock(cin, w, preact))
@@ -346,7 +346,7 @@ class AlterNet(nn.Module):
     exp = 4 if bottleneck else 1
     self.layer0 = nn.Sequential(conv(3, width, 3, 1, 1))
     cin = width
-    for i, (n, m) in enumerate(zip(stages, msas), start=1):
+    for i, (n, m) in enumerate(zip(stages, msas, strict=True), start=1):
       channels, blocks = width * 2 ** (i - 1), []
       for j, alt in enumerate([False] * (n - 2 * m) + [False, True] * m):
         if alt:

@@ -2,8 +2,13 @@
 and feature-map similarity by mini-batch CKA (``similarity``)."""
 from smoothing_jax.analysis import fourier, hessian, similarity
 from smoothing_jax.analysis.fourier import delta_log_amplitude
-from smoothing_jax.analysis.hessian import (eigenvalue_density, hessian_trace, hvp, min_eigenvalue,
-                                            top_eigenvalues)
+from smoothing_jax.analysis.hessian import (
+  eigenvalue_density,
+  hessian_trace,
+  hvp,
+  min_eigenvalue,
+  top_eigenvalues,
+)
 from smoothing_jax.analysis.similarity import cross_model_similarity, feature_similarity
 
 __all__ = [

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -103,7 +102,7 @@ def feature_variance(model,
                      images,
                      *,
                      num_samples: int = 10,
-                     rng: Optional[jax.Array] = None) -> dict:
+                     rng: jax.Array | None = None) -> dict:
   """Data and model uncertainty of feature maps by depth (paper Fig. 5).
 
   data: spatial variance of each map per sample and channel, averaged (over the

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -175,7 +176,7 @@ def _power_iteration(linear, params, v0, basis, shift, tol, max_iters, stop="cha
   is a negligible sync.  Returns ``(λ of H − shift·I, residual, unit vector, iterations)``.
   """
   nxt, eigenvalue = v0, None
-  for iteration in range(1, max_iters + 1):
+  for iteration in range(1, max_iters + 1):  # noqa: B007  (returned: the iterations run)
     new, residual, vector, nxt = _power_step(linear, params, nxt, basis, shift)
     new = float(new)
     if stop == "residual":
@@ -243,7 +244,7 @@ def _orthonormal_block(basis, rows, w, scale, key):
       return _normalize(y)
 
     broken = norm <= 1e-6 * scale
-    q = q.at[i].set(jax.lax.cond(broken, fresh, lambda _: x / norm, None))
+    q = q.at[i].set(jax.lax.cond(broken, fresh, lambda _, x=x, norm=norm: x / norm, None))
     column = coefficients.at[i].set(jnp.where(broken, 0.0, norm))
     # All of wᵢ at the rounding level (e.g. the whole space invariant): no coupling at all.
     r = r.at[:, i].set(jnp.where(jnp.linalg.norm(w[i]) <= 1e-6 * scale, 0.0, column))
@@ -369,8 +370,8 @@ def _eigenpairs(values, vectors, unravel, dtype, **record):
 
 
 def top_eigenvalues(loss_fn: Callable, params, k: int = 1, max_iters: int = 100, tol: float = 1e-3,
-                    rng: Optional[jax.Array] = None, method: str = "lanczos",
-                    block_size: Optional[int] = None) -> Eigenpairs:
+                    rng: jax.Array | None = None, method: str = "lanczos",
+                    block_size: int | None = None) -> Eigenpairs:
   """The ``k`` largest-magnitude Hessian eigenpairs, in decreasing |λ|.
 
   ``method="lanczos"``: block Lanczos from ``block_size`` random vectors (default k: any
@@ -387,7 +388,7 @@ def top_eigenvalues(loss_fn: Callable, params, k: int = 1, max_iters: int = 100,
 
 
 def min_eigenvalue(loss_fn: Callable, params, max_iters: int = 100, tol: float = 1e-3,
-                   rng: Optional[jax.Array] = None, top: Optional[float] = None,
+                   rng: jax.Array | None = None, top: float | None = None,
                    method: str = "lanczos") -> Eigenpairs:
   """The most negative (smallest) Hessian eigenvalue and its eigenvector.
 
@@ -407,10 +408,10 @@ def min_eigenvalue(loss_fn: Callable, params, max_iters: int = 100, tol: float =
 
 
 def top_and_min_eigenvalues(loss_fn: Callable, params, k: int = 1, max_iters: int = 100,
-                            tol: float = 1e-3, rng: Optional[jax.Array] = None,
+                            tol: float = 1e-3, rng: jax.Array | None = None,
                             method: str = "lanczos", *, top: bool = True, negative: bool = True,
-                            known_top: Optional[float] = None,
-                            block_size: Optional[int] = None):
+                            known_top: float | None = None,
+                            block_size: int | None = None):
   """``(top-k eigenpairs, [λ_min] eigenpair)`` (either ``None`` when not asked for).
 
   With Lanczos both come from one Krylov space (its extremes converge together), so
@@ -476,7 +477,7 @@ def _hutchinson_probe(linear, params, key):
 def hessian_trace(loss_fn: Callable,
                   params,
                   num_samples: int = 100,
-                  rng: Optional[jax.Array] = None):
+                  rng: jax.Array | None = None):
   """Hutchinson's estimator tr(H) ≈ mean_i vᵢᵀ H vᵢ with Rademacher vᵢ; returns
   ``(mean, samples)``."""
   linear = linearized_hvp(loss_fn, params)
@@ -497,7 +498,7 @@ class SpectralDensity(NamedTuple):
     width = (np.mean(self.nodes.max(axis=-1)) - np.mean(self.nodes.min(axis=-1))) + 2 * overhead
     return sigma_squared * max(1.0, float(width))
 
-  def on_grid(self, grid_size: Optional[int] = None, sigma_squared: float = 1e-5,
+  def on_grid(self, grid_size: int | None = None, sigma_squared: float = 1e-5,
               overhead: float = 0.01):
     """``(grid, density)``: PyHessian's Gaussian-smoothed density (``density_generate``: the
     kernel of :meth:`kernel_variance`, the mean over runs of Σ wᵢ·kernel), normalised to
@@ -527,7 +528,7 @@ class SpectralDensity(NamedTuple):
 
 
 def eigenvalue_density(loss_fn: Callable, params, num_iters: int = 100, num_runs: int = 1,
-                       rng: Optional[jax.Array] = None) -> SpectralDensity:
+                       rng: jax.Array | None = None) -> SpectralDensity:
   """Stochastic Lanczos quadrature (Ghorbani et al. 2019): ``num_runs`` Lanczos runs of
   ``num_iters`` steps.
 

@@ -6,6 +6,7 @@ comparable across networks.  A kernel's *output units* are its trailing output a
 output projection [h, d, C]; the last three of the fused qkv projection [C, 3, h, d].  Any other
 tensor of two or more axes (ViT's ``cls_token`` [1, 1, D]) has PyTorch's layout already, so its
 first axis plays the output units' part, as dim 0 does in the references' code.
+
   * ``"filter"`` (Li et al.): each output unit (filter) of d gets the norm of the same
     unit of θ: norms over the input axes;
   * ``"reference"`` (SS/HV code, ``torch.norm(w, dim=0)`` on PyTorch's [out, in, ...] layout):
@@ -17,7 +18,7 @@ embeddings and relative-position tables, ``ops/loss_landscapes.ignore_kw``).
 from __future__ import annotations
 
 import re
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +68,7 @@ def random_direction(params, rng, normalization: str = "filter",
   paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   keys = jax.random.split(rng, len(paths_and_leaves))
   directions = []
-  for k, (path, w) in zip(keys, paths_and_leaves):
+  for k, (path, w) in zip(keys, paths_and_leaves, strict=True):
     name = "/".join(str(getattr(p, "key", p)) for p in path)
     d = _normalize_direction(jax.random.normal(k, w.shape, w.dtype), w, normalization,
                              output_axes(name, w))

@@ -8,7 +8,7 @@ block); removing it sets its residual branch to zero, x ↦ x, through the model
 from __future__ import annotations
 
 import functools
-from typing import Iterable
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp

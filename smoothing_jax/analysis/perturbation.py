@@ -15,7 +15,7 @@ reproduces it; the default follows the paper.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

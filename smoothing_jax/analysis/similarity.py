@@ -24,7 +24,7 @@ pairwise HSIC₁; the sums are accumulated in float64 on the host.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,9 +45,9 @@ def unbiased_hsic(grams_a: jax.Array, grams_b: jax.Array) -> jax.Array:
   """
   n = grams_a.shape[-1]
   off_diagonal = 1.0 - jnp.eye(n, dtype=grams_a.dtype)
-  k, l = grams_a * off_diagonal, grams_b * off_diagonal
-  trace = jnp.einsum("aij,bij->ab", k, l)  # tr(K̃L̃) = Σᵢⱼ K̃ᵢⱼ L̃ᵢⱼ for symmetric L̃
-  rows_k, rows_l = k.sum(-1), l.sum(-1)  # K̃1 [A, n], L̃1 [B, n]
+  k_tilde, l_tilde = grams_a * off_diagonal, grams_b * off_diagonal
+  trace = jnp.einsum("aij,bij->ab", k_tilde, l_tilde)  # tr(K̃L̃) = Σᵢⱼ K̃ᵢⱼ L̃ᵢⱼ for symmetric L̃
+  rows_k, rows_l = k_tilde.sum(-1), l_tilde.sum(-1)  # K̃1 [A, n], L̃1 [B, n]
   totals = jnp.outer(rows_k.sum(-1), rows_l.sum(-1))  # 1ᵀK̃1 · 1ᵀL̃1
   cross_rows = rows_k @ rows_l.T  # 1ᵀK̃L̃1
   return (trace + totals / ((n - 1) * (n - 2)) - 2.0 / (n - 2) * cross_rows) / (n * (n - 3))
@@ -76,7 +76,7 @@ def _hsic_terms(features_a, features_b):
 
 
 def hsic_terms(features_a: Sequence[jax.Array],
-               features_b: Optional[Sequence[jax.Array]] = None) -> tuple:
+               features_b: Sequence[jax.Array] | None = None) -> tuple:
   """The HSIC₁ terms of one mini-batch in one compiled call.
 
   Args:
@@ -117,7 +117,7 @@ def minibatch_cka(batches: Iterable[tuple]) -> np.ndarray:
   sums = None
   for features_a, features_b in batches:
     terms = [np.asarray(t, np.float64) for t in hsic_terms(features_a, features_b)]
-    sums = terms if sums is None else [s + t for s, t in zip(sums, terms)]
+    sums = terms if sums is None else [s + t for s, t in zip(sums, terms, strict=True)]
   if sums is None:
     raise ValueError("minibatch_cka needs at least one mini-batch.")
   cross, self_a, self_b = sums
@@ -136,7 +136,7 @@ def _block_axis(model, maps: dict, image_shape) -> dict:
       "kinds": [kinds[n] for n in names],
       "spatial_sizes": sizes,
       "resolution_changes": [
-          i for i, (size, before) in enumerate(zip(sizes, previous))
+          i for i, (size, before) in enumerate(zip(sizes, previous, strict=True))
           if np.prod(size) < np.prod(before)
       ],
   }
@@ -152,7 +152,7 @@ def _batch_images(batch, num_models: int, index: int) -> list:
   return images
 
 
-def _similarity(models: list, batches: Iterable, rng: Optional[jax.Array]) -> dict:
+def _similarity(models: list, batches: Iterable, rng: jax.Array | None) -> dict:
   """CKA between the blocks of ``models[0]`` and ``models[-1]`` (``[(model, variables)]``, one
   or two); a batch is one image array, or one per model."""
   rng = jax.random.key(0) if rng is None else rng
@@ -163,11 +163,11 @@ def _similarity(models: list, batches: Iterable, rng: Optional[jax.Array]) -> di
       images = _batch_images(batch, len(models), i)
       maps = [
           feature_maps(model, variables, jnp.asarray(x), jax.random.fold_in(rng, i))
-          for (model, variables), x in zip(models, images)
+          for (model, variables), x in zip(models, images, strict=True)
       ]
       if not axes:
         axes.extend(_block_axis(model, m, np.shape(x))
-                    for (model, _), m, x in zip(models, maps, images))
+                    for (model, _), m, x in zip(models, maps, images, strict=True))
       seen["num_batches"] += 1
       seen["num_examples"] += int(np.shape(images[0])[0])
       yield tuple(maps[0].values()), (tuple(maps[1].values()) if len(maps) > 1 else None)
@@ -179,7 +179,7 @@ def _similarity(models: list, batches: Iterable, rng: Optional[jax.Array]) -> di
 def feature_similarity(model,
                        variables,
                        batches: Iterable,
-                       rng: Optional[jax.Array] = None) -> dict:
+                       rng: jax.Array | None = None) -> dict:
   """Mini-batch linear CKA between every pair of tapped blocks of one model (eval mode; MC dropout
   models draw batch i's masks from ``fold_in(rng, i)``).
 
@@ -204,7 +204,7 @@ def cross_model_similarity(model_a,
                            model_b,
                            variables_b,
                            batches: Iterable,
-                           rng: Optional[jax.Array] = None) -> dict:
+                           rng: jax.Array | None = None) -> dict:
   """Mini-batch linear CKA between every block of model A (rows) and every block of model B
   (columns) on the same examples.
 

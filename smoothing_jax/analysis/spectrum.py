@@ -11,7 +11,7 @@ the positive max eigenvalues and the proportion of negative ones.
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,6 @@ from jax.tree_util import Partial
 
 from smoothing_jax.analysis.hessian import top_and_min_eigenvalues
 from smoothing_jax.inference import repeat_for_members, sample_rngs
-
 
 REGULARIZERS = ("half_squared_l2", "sum_of_l2_norms")
 
@@ -64,7 +63,7 @@ def max_eigenvalue_spectrum(model,
                             weight_decay: float = 5e-4,
                             max_iters: int = 100,
                             tol: float = 1e-3,
-                            rng: Optional[jax.Array] = None,
+                            rng: jax.Array | None = None,
                             negative: bool = False,
                             method: str = "lanczos",
                             regularizer: str = "half_squared_l2") -> dict:

@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import Any, Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +34,7 @@ import ml_collections
 import numpy as np
 from jax.tree_util import Partial
 
-from smoothing_jax.experiment import checkpoints
 from smoothing_jax import temporal
-from smoothing_jax.experiment import config as config_lib
 from smoothing_jax.analysis.features import feature_variance, fourier_by_depth
 from smoothing_jax.analysis.frequency_noise import accuracy_vs_frequency
 from smoothing_jax.analysis.landscape import loss_surface, random_direction
@@ -46,12 +45,15 @@ from smoothing_jax.analysis.similarity import cross_model_similarity, feature_si
 from smoothing_jax.analysis.spectrum import max_eigenvalue_spectrum, training_loss
 from smoothing_jax.analysis.trajectory import polar_trajectory
 from smoothing_jax.evaluators import temporal_smoothing as temporal_evaluator
+from smoothing_jax.experiment import checkpoints
+from smoothing_jax.experiment import config as config_lib
 from smoothing_jax.experiment.run import Run
 from smoothing_jax.temporal import translate_sequences
 from smoothing_jax.training.train import train
 from smoothing_jax.training.trajectory_recorder import load_trajectory
 
-def load_trained(workdir: str, member: Optional[int] = None) -> Run:
+
+def load_trained(workdir: str, member: int | None = None) -> Run:
   """The run of ``workdir`` with the variables of its latest intact checkpoint
   (``Run.from_workdir``: its ``config.json`` picks model and data; training batches come from the
   ``train_fraction`` subset it trained on); a workdir without checkpoints that records
@@ -71,9 +73,9 @@ def load_trained(workdir: str, member: Optional[int] = None) -> Run:
 
 
 def load_or_train(workdir: str,
-                  config: Union[str, ml_collections.ConfigDict, None] = None,
+                  config: str | ml_collections.ConfigDict | None = None,
                   *,
-                  overrides: Optional[Mapping[str, Any]] = None) -> Run:
+                  overrides: Mapping[str, Any] | None = None) -> Run:
   """The trained run of ``workdir`` (:func:`load_trained`), trained first if it has no
   checkpoint.
 
@@ -117,7 +119,7 @@ def eval_pixels(trained: Run, num_images: int):
 
 def train_batches(trained: Run,
                   num_batches: int,
-                  batch_size: Optional[int] = None) -> list:
+                  batch_size: int | None = None) -> list:
   """``num_batches`` augmented training batches as in training (epoch 0 of the seeded pipeline)."""
   pipeline = trained.pipeline
   if batch_size is not None:
@@ -128,7 +130,7 @@ def train_batches(trained: Run,
 def hessian_spectrum_study(trained: Run,
                            *,
                            num_batches: int = 10,
-                           batch_size: Optional[int] = None,
+                           batch_size: int | None = None,
                            k: int = 1,
                            max_iters: int = 100,
                            tol: float = 1e-3,
@@ -178,7 +180,7 @@ def similarity_study(trained: Run,
                      *,
                      num_images: int = 1024,
                      batch_size: int = 256,
-                     other: Optional[Run] = None,
+                     other: Run | None = None,
                      seed: int = 0) -> dict:
   """Mini-batch linear CKA between every pair of blocks of ``trained``
   (:func:`smoothing_jax.analysis.similarity.feature_similarity`), or with ``other`` between
@@ -271,7 +273,7 @@ def temporal_smoothing_study(trained: Run,
                              decay_rate: float = temporal.DECAY_RATE,
                              batch_size: int = 250,
                              seed: int = 0,
-                             output_dir: Optional[str] = None) -> list:
+                             output_dir: str | None = None) -> list:
   """Temporal smoothing on data streams made of test images (``evaluators.temporal``: one pass
   per frame, MC dropout with ``num_samples`` passes, VQ-BNN with one pass per frame; the paper's
   Table E.4 layout); with ``output_dir`` also its table and figure there."""

@@ -5,10 +5,13 @@
 ViT, PiT and Swin tables, ``TIMM_LAYOUTS`` and ``from_timm_state_dict``; ``files``: torch
 checkpoint files (``load_torch_checkpoint``).
 """
-from smoothing_jax.convert.files import (is_timm_state_dict, load_torch_checkpoint,
-                                         read_torch_checkpoint, reference_keys)
-from smoothing_jax.convert.reference import (from_torch_state_dict, to_torch_state_dict,
-                                             torch_key)
+from smoothing_jax.convert.files import (
+  is_timm_state_dict,
+  load_torch_checkpoint,
+  read_torch_checkpoint,
+  reference_keys,
+)
+from smoothing_jax.convert.reference import from_torch_state_dict, to_torch_state_dict, torch_key
 from smoothing_jax.convert.timm_families import TIMM_LAYOUTS, from_timm_state_dict
 
 __all__ = [

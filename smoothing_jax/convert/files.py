@@ -5,7 +5,7 @@ layout.  Only reading a file needs torch."""
 from __future__ import annotations
 
 import re
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import numpy as np
 from etils import epath
@@ -72,8 +72,8 @@ def reference_keys(state_dict: Mapping[str, np.ndarray]) -> dict:
   return {rename(k): v for k, v in state_dict.items()}
 
 
-def load_torch_checkpoint(path, model_name: str, *, num_classes: Optional[int] = None,
-                          image_shape: Optional[tuple] = None, **overrides) -> dict:
+def load_torch_checkpoint(path, model_name: str, *, num_classes: int | None = None,
+                          image_shape: tuple | None = None, **overrides) -> dict:
   """Flax variables of ``get_model(model_name)`` from a torch checkpoint file: timm layouts
   through :func:`from_timm_state_dict` (``TIMM_LAYOUTS[model_name]`` first), SS / HV CNN layouts
   through :func:`from_torch_state_dict` (:func:`reference_keys`).

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
 
 import jax.numpy as jnp
 import numpy as np
@@ -101,7 +101,7 @@ def _reference_key(path) -> tuple:
   return torch_key(path), lambda array, _: reference_axes(array, path[-1])
 
 
-def _reference_buffer(model, key: str, value: np.ndarray) -> Optional[str]:
+def _reference_buffer(model, key: str, value: np.ndarray) -> str | None:
   """The mismatch an unread reference key shows ("" none), None where it is unexpected: BN's
   ``num_batches_tracked`` and the blur filters of spatial smoothing hold no parameters."""
   if key.endswith("num_batches_tracked"):
@@ -126,7 +126,7 @@ def _infer_num_classes(model_name, state_dict, overrides) -> int:
 
 
 def from_torch_state_dict(model_name: str, state_dict: Mapping[str, np.ndarray], *,
-                          num_classes: Optional[int] = None, **overrides) -> dict:
+                          num_classes: int | None = None, **overrides) -> dict:
   """Map a reference ``state_dict`` (names → numpy arrays) onto ``get_model(model_name)``
   variables.
 

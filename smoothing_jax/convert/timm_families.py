@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -24,7 +24,7 @@ TIMM_LAYOUTS: dict = {}
 
 
 def from_timm_state_dict(model_name: str, state_dict: Mapping[str, np.ndarray], *,
-                         num_classes: Optional[int] = None, image_shape: Optional[tuple] = None,
+                         num_classes: int | None = None, image_shape: tuple | None = None,
                          **overrides) -> dict:
   """Map a timm ``state_dict`` (names → numpy arrays) onto ``get_model(model_name)`` variables.
 

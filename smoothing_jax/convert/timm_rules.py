@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,17 +30,17 @@ class TimmRule(NamedTuple):
   groups of ``ours``, ``stage`` counted from 0 (ours from 1)."""
   ours: str
   timm: str
-  to_flax: Optional[Callable] = None  # timm's array → ours; default: as a reference array's
+  to_flax: Callable | None = None  # timm's array → ours; default: as a reference array's
 
 
 class TimmFamily(NamedTuple):
   """timm's names of one of our model classes."""
   rules: tuple                    # ``TimmRule``s; the first that matches a path names it
-  buffers: Optional[str] = None   # timm buffers that carry no parameters (a regular expression)
-  old_keys: Optional[str] = None  # keys only timm 0.5.4's layout has (a regular expression)
+  buffers: str | None = None   # timm buffers that carry no parameters (a regular expression)
+  old_keys: str | None = None  # keys only timm 0.5.4's layout has (a regular expression)
   renames: tuple = ()             # ``re.sub`` (pattern, replacement)s: timm 0.5.4 key → 1.0.31's
 
-  def buffer(self, key: str, _) -> Optional[str]:
+  def buffer(self, key: str, _) -> str | None:
     """The mismatch an unread ``key`` shows: "" (none) where it is a buffer, None where it is
     unexpected."""
     return "" if self.buffers and re.search(self.buffers, key) else None
@@ -99,5 +100,10 @@ def timm_key(rules: tuple, path) -> tuple:
     if fields["leaf"] is not None:
       key += "." + LEAF_NAMES[(path[0], fields["leaf"])]
     to_flax = rule.to_flax or functools.partial(reference_axes, leaf=path[-1])
-    return key, lambda array, shape: _split_fused_axes(np.asarray(to_flax(array)), shape)
+    return key, functools.partial(_to_ours, to_flax)
   raise ValueError(f"No timm key for our variable {'/'.join(path)}.")
+
+
+def _to_ours(to_flax, array, shape):
+  """``to_flax(array)`` with its fused axes split to our ``shape``."""
+  return _split_fused_axes(np.asarray(to_flax(array)), shape)

@@ -5,8 +5,6 @@ class.  The loss that uses the weights is :func:`smoothing_jax.training.losses.c
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 
@@ -22,7 +20,7 @@ def class_pixel_counts(labels: np.ndarray, num_classes: int) -> np.ndarray:
 
 
 def median_frequency_weights(labels: np.ndarray, num_classes: int,
-                             counts: Optional[np.ndarray] = None) -> np.ndarray:
+                             counts: np.ndarray | None = None) -> np.ndarray:
   """Median-frequency class balancing (Eigen & Fergus 2015) from label maps ``[N, H, W]``.
 
   freq_c = (pixels of class c) / (pixels of the images in which c appears);

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Optional
 
 import jax
 import numpy as np
@@ -58,8 +57,8 @@ class DatasetSpec:
   name: str
   source: str                     # "tfds", "npz", "digits" or "synthetic"
   base: str                       # cifar10 | cifar100 | imagenet2012 | npz | digits | synthetic
-  corruption: Optional[tuple] = None  # (type, severity)
-  num_classes: Optional[int] = None   # where the name says it (synthetic)
+  corruption: tuple | None = None  # (type, severity)
+  num_classes: int | None = None   # where the name says it (synthetic)
 
   @property
   def geometry(self) -> str:
@@ -150,7 +149,7 @@ def import_tfds(dataset: str):
   return tfds
 
 
-def tfds_builder(spec: DatasetSpec, data_dir: Optional[str], download: bool):
+def tfds_builder(spec: DatasetSpec, data_dir: str | None, download: bool):
   """The TFDS builder of ``spec``, downloaded and prepared first if ``download`` and needed."""
   tfds = import_tfds(spec.name)
   builder = tfds.builder(spec.tfds_name, data_dir=data_dir)
@@ -163,7 +162,7 @@ def tfds_builder(spec: DatasetSpec, data_dir: Optional[str], download: bool):
   return builder
 
 
-def prepared_tfds_builder(spec: DatasetSpec, data_dir: Optional[str], download: bool):
+def prepared_tfds_builder(spec: DatasetSpec, data_dir: str | None, download: bool):
   """:func:`tfds_builder`, or :class:`DatasetUnavailableError` if it is not prepared."""
   builder = tfds_builder(spec, data_dir, download)
   if not builder.is_prepared():
@@ -187,7 +186,7 @@ def _missing_message(spec, builder, reason=""):
           f"[N] in train.npz/test.npz).")
 
 
-def tfds_split(spec: DatasetSpec, split: str, data_dir: Optional[str], download: bool,
+def tfds_split(spec: DatasetSpec, split: str, data_dir: str | None, download: bool,
                encoded_images: bool = False, shard: bool = True):
   """This process's shard (``shard=False``: all) of a TFDS split as ``{"image", "label"}``
   examples (``encoded_images``: the stored JPEG bytes, left for the augmentation to decode)."""
@@ -249,7 +248,7 @@ def _npz_arrays(spec: DatasetSpec, split: str):
   return images, labels.astype(np.int32)
 
 
-def load_arrays(spec: DatasetSpec, split: str, data_dir: Optional[str] = None,
+def load_arrays(spec: DatasetSpec, split: str, data_dir: str | None = None,
                 download: bool = False, shard: bool = True):
   """This process's shard (every ``process_count``-th example; ``shard=False``: the whole split)
   of a small split as numpy ``(uint8 images [N,H,W,3], int32 labels [N] or label maps
@@ -323,7 +322,7 @@ def class_balanced_subset(labels: np.ndarray, fraction: float, seed: int) -> np.
 
 # ----------------------------------------------------------------------------- statistics
 
-def normalization(spec: DatasetSpec, train_images: Optional[np.ndarray] = None):
+def normalization(spec: DatasetSpec, train_images: np.ndarray | None = None):
   """Per-channel (mean, std) in [0, 1] units: the paper's constants, or those of
   ``train_images``, the whole training split (every process holds it, so all agree)."""
   key = spec.base if spec.base in NORMALIZATION else None

@@ -196,6 +196,6 @@ def randaugment(key,
     m = jnp.clip(magnitude + magnitude_std * noise, 0.0, 10.0)
     sign = jnp.where(jax.random.uniform(sign_key) < 0.5, -1.0, 1.0)
     image = jax.lax.cond(
-        jax.random.uniform(apply_key) < prob, lambda im: apply_op(index, im, m, sign),
-        lambda im: im, image)
+        jax.random.uniform(apply_key) < prob,
+        lambda im, index=index, m=m, sign=sign: apply_op(index, im, m, sign), lambda im: im, image)
   return image

@@ -25,7 +25,7 @@ class Mixing(NamedTuple):
   cutmix_alpha: float = 0.0
   switch_prob: float = 0.5
 
-  def check(self) -> "Mixing":
+  def check(self) -> Mixing:
     if not 0.0 <= self.label_smoothing < 1.0:
       raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}.")
     if self.mixup_alpha < 0 or self.cutmix_alpha < 0:

@@ -14,14 +14,21 @@ Both see the same examples in the same order
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
 
-from smoothing_jax.data.datasets import (NORMALIZATION, check_train_fraction,
-                                         class_balanced_subset, load_arrays, normalization,
-                                         parse_dataset, prepared_tfds_builder)
+from smoothing_jax.data.datasets import (
+  NORMALIZATION,
+  check_train_fraction,
+  class_balanced_subset,
+  load_arrays,
+  normalization,
+  parse_dataset,
+  prepared_tfds_builder,
+)
 from smoothing_jax.data.pipeline_base import Pipeline
 
 DATA_PIPELINES = ("auto", "resident", "tfdata")

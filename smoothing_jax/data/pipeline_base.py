@@ -5,7 +5,7 @@ process, which :class:`~smoothing_jax.data.resident.ResidentPipeline` and
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import jax
 import numpy as np
@@ -29,21 +29,21 @@ class Pipeline:
   seed: int
   mean: tuple
   std: tuple
-  train_images: Optional[np.ndarray]
-  train_labels: Optional[np.ndarray]
-  eval_images: Optional[np.ndarray]
-  eval_labels: Optional[np.ndarray]
+  train_images: np.ndarray | None
+  train_labels: np.ndarray | None
+  eval_images: np.ndarray | None
+  eval_labels: np.ndarray | None
   num_train: int
   num_eval: int
-  data_dir: Optional[str] = None
+  data_dir: str | None = None
   download: bool = False
-  randaugment: Optional[tuple] = None  # (num_layers, magnitude, magnitude_std) after crop + flip
-  crop_size: Optional[tuple] = None    # segmentation: random (h, w) training crop (None: whole)
+  randaugment: tuple | None = None  # (num_layers, magnitude, magnitude_std) after crop + flip
+  crop_size: tuple | None = None    # segmentation: random (h, w) training crop (None: whole)
   eval_cache: str = ""  # a file prefix: preprocessed evaluation images kept there ("": off)
   # The held-out part of the training split (``holdout_fraction``; not trained on): what
   # post-hoc recalibration fits on.
-  holdout_images: Optional[np.ndarray] = None
-  holdout_labels: Optional[np.ndarray] = None
+  holdout_images: np.ndarray | None = None
+  holdout_labels: np.ndarray | None = None
   resident: ClassVar[bool] = False  # batches made on the devices inside the step
 
   @property
@@ -66,7 +66,7 @@ class Pipeline:
     mean, std = np.asarray(self.mean, np.float32), np.asarray(self.std, np.float32)
     return (np.asarray(images, np.float32) / 255.0 - mean) / std
 
-  def holdout_batches(self, batch_size: Optional[int] = None):
+  def holdout_batches(self, batch_size: int | None = None):
     """Evaluation batches of the held-out training examples (``holdout_fraction``)."""
     raise ValueError("Held-out training examples are evaluated on the device-resident pipeline "
                      "only: use --config.input.data_pipeline=resident (or auto, for in-memory "

@@ -146,6 +146,6 @@ def randaugment(image,
     m = tf.clip_by_value(m, 0.0, 10.0)
     sign = tf.where(tf.random.stateless_uniform([], sign_seed) < 0.5, -1.0, 1.0)
     augmented = apply_op(index, image, m, sign)
-    image = tf.cond(
-        tf.random.stateless_uniform([], apply_seed) < prob, lambda: augmented, lambda: image)
+    image = tf.cond(tf.random.stateless_uniform([], apply_seed) < prob,
+                    lambda augmented=augmented: augmented, lambda image=image: image)
   return image

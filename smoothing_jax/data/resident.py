@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import dm_pix as pix
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from smoothing_jax.data import device_randaugment
 from smoothing_jax.data.datasets import load_arrays, parse_dataset
@@ -41,7 +42,7 @@ DATA_STREAM = 0x5EED        # separates the data's random draws from the model's
 PADDING = 4                 # pixels of zero padding before the random crop (CIFAR recipe)
 
 
-def device_memory_bytes(device) -> Optional[int]:
+def device_memory_bytes(device) -> int | None:
   """The memory of ``device`` that JAX may allocate, or None where the backend does not say (the
   CPU: host memory) or the device is another process's."""
   if getattr(device, "process_index", 0) != jax.process_index():
@@ -67,8 +68,8 @@ def replicate(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
   return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
-def augment_example(key, image, label, randaugment: Optional[tuple] = None,
-                    crop_size: Optional[tuple] = None):
+def augment_example(key, image, label, randaugment: tuple | None = None,
+                    crop_size: tuple | None = None):
   """The training augmentation of one example: uint8 ``image [H, W, C]`` and its ``label`` (a
   class ``[]`` or a label map ``[H, W]``) → ``(uint8 image, label)``, cropped to ``crop_size``
   for label maps (None: whole)."""
@@ -90,9 +91,9 @@ def augment_example(key, image, label, randaugment: Optional[tuple] = None,
 class ResidentPipeline(Pipeline):
   """:class:`Pipeline` whose splits live on ``mesh``'s devices (:meth:`put_on_devices`); its
   batches are global ``jax.Array`` s sharded on ``data``."""
-  mesh: Optional[Mesh] = None
-  arrays: Optional[dict] = None       # {"images", "labels"} of the training split, on the devices
-  eval_arrays: Optional[dict] = None  # the same of the evaluation split
+  mesh: Mesh | None = None
+  arrays: dict | None = None       # {"images", "labels"} of the training split, on the devices
+  eval_arrays: dict | None = None  # the same of the evaluation split
   resident = True
 
   def __post_init__(self):  # also for copies (dataclasses.replace), which share the arrays
@@ -100,7 +101,7 @@ class ResidentPipeline(Pipeline):
     self._batch_fn = jax.jit(self.train_batch)
     self._eval_batch_fn = jax.jit(self._eval_batch, static_argnums=(3,))
 
-  def put_on_devices(self, mesh: Optional[Mesh] = None):
+  def put_on_devices(self, mesh: Mesh | None = None):
     """Copy the training and evaluation splits to every device of ``mesh`` (default: all)."""
     self.mesh = mesh or create_mesh()
     held = (self.train_images, self.train_labels, self.eval_images, self.eval_labels)
@@ -156,8 +157,8 @@ class ResidentPipeline(Pipeline):
     batch = {"image": image, "label": label.astype(jnp.int32), "mask": mask.astype(jnp.float32)}
     return jax.lax.with_sharding_constraint(batch, self._data_sharding(batch_size))
 
-  def eval_batches(self, batch_size: Optional[int] = None,
-                   dataset: Optional[str] = None) -> Iterator[dict]:
+  def eval_batches(self, batch_size: int | None = None,
+                   dataset: str | None = None) -> Iterator[dict]:
     """Global evaluation batches ``{"image", "label", "mask"}`` of ``dataset`` (default: this
     dataset's evaluation split; another one, e.g. ``"cifar10_corrupted/fog_3"``, is read once and
     held on the devices while it is evaluated); the last one zero-padded, nothing dropped."""
@@ -180,7 +181,7 @@ class ResidentPipeline(Pipeline):
     for start in range(0, count, batch_size):
       yield self._eval_batch_fn(arrays["images"], arrays["labels"], start, batch_size)
 
-  def holdout_batches(self, batch_size: Optional[int] = None) -> Iterator[dict]:
+  def holdout_batches(self, batch_size: int | None = None) -> Iterator[dict]:
     """Global batches ``{"image", "label", "mask"}`` of the held-out training examples
     (``holdout_fraction``), held on the devices while they are evaluated."""
     if self.holdout_images is None or not len(self.holdout_images):

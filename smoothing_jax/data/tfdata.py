@@ -17,16 +17,20 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import jax
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from smoothing_jax.data.augment import (cifar_train_augment, imagenet_eval_preprocess,
-                                        imagenet_train_augment, normalize,
-                                        segmentation_train_augment)
+from smoothing_jax.data.augment import (
+  cifar_train_augment,
+  imagenet_eval_preprocess,
+  imagenet_train_augment,
+  normalize,
+  segmentation_train_augment,
+)
 from smoothing_jax.data.datasets import load_arrays, parse_dataset, tfds_builder, tfds_split
 from smoothing_jax.data.pipeline_base import Pipeline
 from smoothing_jax.data.randaugment import randaugment
@@ -96,8 +100,8 @@ class TFDataPipeline(Pipeline):
       yield from tfds.as_numpy(self.train_dataset(epoch, step_in_epoch))
       epoch, step_in_epoch = epoch + 1, 0
 
-  def eval_batches(self, batch_size: Optional[int] = None,
-                   dataset: Optional[str] = None) -> Iterator[dict]:
+  def eval_batches(self, batch_size: int | None = None,
+                   dataset: str | None = None) -> Iterator[dict]:
     """Evaluation batches ``{"image", "label", "mask"}``; the last one is zero-padded, nothing
     is dropped.
 
@@ -119,7 +123,8 @@ class TFDataPipeline(Pipeline):
       images, labels = load_arrays(spec, spec.eval_split, self.data_dir, self.download)
       ds = tf.data.Dataset.from_tensor_slices((images, labels))
       num_global = len(images) * jax.process_count()
-    num_batches = -(-(-(-num_global // jax.process_count())) // batch)
+    per_process = -(-num_global // jax.process_count())  # ceil
+    num_batches = -(-per_process // batch)
     mean, std = self.mean, self.std
     imagenet = self.dataset_spec.geometry == "imagenet"
     preprocess = imagenet_eval_preprocess if imagenet else (lambda x: x)

@@ -19,8 +19,9 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import ml_collections
 from absl import logging

@@ -9,14 +9,13 @@ diagrams of the largest N before and after (``reliability_before.png``,
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
 from smoothing_jax import recalibration
-from smoothing_jax.evaluators.common import (gather, predictive, sample_log_probs_step,
-                                             write_results)
+from smoothing_jax.evaluators.common import gather, predictive, sample_log_probs_step, write_results
 from smoothing_jax.metrics import UncertaintyMetrics
 from smoothing_jax.parallel import eval_batch_size, sharded_eval_step
 from smoothing_jax.plots import plot_reliability_diagram

@@ -5,7 +5,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
-from typing import Any, Callable, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +15,13 @@ from etils import epath
 from smoothing_jax import plots, ranking, temporal
 from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.experiment.checkpoints import load_variables
+from smoothing_jax.inference import (
+  batch_ensemble_predict,
+  ensemble_predict,
+  mc_predict,
+  stack_variables,
+)
 from smoothing_jax.methods.ibnn import ibnn_predict
-from smoothing_jax.inference import (batch_ensemble_predict, ensemble_predict, mc_predict,
-                                     stack_variables)
 from smoothing_jax.metrics import UncertaintyMetrics
 from smoothing_jax.models import is_batch_ensemble, is_ibnn, is_stochastic
 from smoothing_jax.parallel import evaluate_batches, shardings
@@ -33,7 +38,7 @@ def save_figure(fig, path) -> None:
 
 
 def write_results(output_dir, name: str, rows: list,
-                  figures: Optional[Mapping[str, Callable]] = None) -> None:
+                  figures: Mapping[str, Callable] | None = None) -> None:
   """By process 0 (results are replicated): ``rows`` as ``<output_dir>/<name>.{json,csv}``
   (:func:`write_table`) and each ``{file name: function drawing the figure}``."""
   if jax.process_index() != 0:
@@ -87,7 +92,7 @@ def check_single_model(run, evaluator: str) -> None:
                      f"{evaluator} on that workdir).")
 
 
-def predictive(run, members: Sequence[str] = (), sizes: Optional[Sequence[int]] = None
+def predictive(run, members: Sequence[str] = (), sizes: Sequence[int] | None = None
                ) -> Predictive:
   """The run's predictive: an iBNN's K·S draws (S = ``config.ibnn.eval_samples``; sizes up to
   K·S), a BatchEnsemble's M members (sizes 1..M), a deep ensemble (sizes 1..M: the first N

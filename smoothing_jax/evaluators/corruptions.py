@@ -10,15 +10,15 @@ from __future__ import annotations
 import csv
 import io
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 from etils import epath
 
-from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.data import CORRUPTIONS, corruption_dataset
 from smoothing_jax.evaluators.common import ensemble_metrics_step, predictive, write_table
+from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.parallel import evaluate_batches, sharded_eval_step, shardings
 
 # The reference's AlexNet results (SS resources/results), shipped in smoothing_jax/data/baselines.
@@ -28,7 +28,7 @@ DEFAULT_BASELINES = {"cifar100": "cifar100_alexnet_dnn_corrupted.csv",
                      "imagenet2012": "imagenet_alexnet_dnn_corrupted.csv"}
 
 
-def default_baseline(base: str) -> Optional[str]:
+def default_baseline(base: str) -> str | None:
   """Path of the shipped AlexNet baseline for a dataset (``cifar100``, ``imagenet2012``), else
   None."""
   return os.path.join(BASELINES_DIR, DEFAULT_BASELINES[base]) if base in DEFAULT_BASELINES else None
@@ -58,14 +58,14 @@ def read_corruption_table(path: str) -> dict:
   if not {"type", "severity", "NLL", "Acc", "ECE"} <= set(header):
     raise ValueError(f"{path}: need a header with columns type, severity, NLL, Acc, ECE, or the "
                      f"reference's headerless rows (severity, type, nll, ...); got {header}.")
-  records = [dict(zip(header, r)) for r in rows[1:]]
+  records = [dict(zip(header, r, strict=False)) for r in rows[1:]]
   scale = 100.0 if any(float(r["Acc"]) > 1 for r in records) else 1.0
   return {(r["type"], int(float(r["severity"]))): {
       "nll": float(r["NLL"]), "err": 1.0 - float(r["Acc"]) / scale, "ece": float(r["ECE"]) / scale}
       for r in records}
 
 
-def corruption_aggregates(table: dict, baseline: Optional[dict] = None,
+def corruption_aggregates(table: dict, baseline: dict | None = None,
                           corruptions: Sequence[str] = CORRUPTIONS) -> dict:
   """Paper Eqs. 34–36: per corruption Σ_s value(c, s) / Σ_s baseline(c, s), averaged over
   corruptions.

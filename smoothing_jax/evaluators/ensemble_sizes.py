@@ -8,12 +8,16 @@ the run and its ``members`` (other workdirs of the same architecture).  Writes
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 
-from smoothing_jax.evaluators.common import (METRIC_COLUMNS, ensemble_metrics_step, predictive,
-                                             write_results)
+from smoothing_jax.evaluators.common import (
+  METRIC_COLUMNS,
+  ensemble_metrics_step,
+  predictive,
+  write_results,
+)
 from smoothing_jax.parallel import evaluate_batches, sharded_eval_step, shardings
 from smoothing_jax.plots import plot_ensemble_sizes, plot_reliability_diagram
 
@@ -31,7 +35,7 @@ def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[st
   totals = evaluate_batches(step, pred.variables, run.eval_batches(), shardings(run.mesh)[1],
                             jax.random.key(seed))
   rows = [{"ensemble_size": n, **{k: m[k] for k in ("count",) + METRIC_COLUMNS}}
-          for n, m in zip(sizes, (t.compute() for t in totals))]
+          for n, m in zip(sizes, (t.compute() for t in totals), strict=True)]
   name = "deep ensemble" if pred.kind == "deep_ensemble" else config.model
   write_results(output_dir, "ensemble_sizes", rows, {
       "ensemble_sizes.png": lambda: plot_ensemble_sizes(rows, f"{name} on {config.input.dataset}"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from smoothing_jax import ranking
 from smoothing_jax.data import CORRUPTIONS, corruption_dataset

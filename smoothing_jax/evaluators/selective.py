@@ -6,7 +6,7 @@ accuracy–rejection curves).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from smoothing_jax import ranking
 from smoothing_jax.evaluators.common import gather, predictive, ranking_step, write_results

@@ -4,17 +4,23 @@ with one pass per frame; per-pixel metrics and temporal consistency.
 """
 from __future__ import annotations
 
-
 import jax
 import numpy as np
 
 from smoothing_jax import temporal
+from smoothing_jax.evaluators.common import (
+  check_single_model,
+  save_figure,
+  stream_metrics_step,
+  stream_rows,
+  stream_table,
+  write_table,
+)
 from smoothing_jax.experiment import workdir as workdir_lib
-from smoothing_jax.evaluators.common import (check_single_model, save_figure, stream_metrics_step,
-                                             stream_rows, stream_table, write_table)
 from smoothing_jax.metrics import class_iou
 from smoothing_jax.parallel import eval_batch_size, evaluate_batches, sharded_eval_step, shardings
 from smoothing_jax.plots import plot_stream_examples, plot_stream_table
+
 
 def evaluate(run, output_dir, *, num_samples: int = 0,
              num_frames: int = temporal.NUM_FRAMES, decay_rate: float = temporal.DECAY_RATE,
@@ -68,7 +74,8 @@ def evaluate(run, output_dir, *, num_samples: int = 0,
   if jax.process_index() == 0:  # results are replicated; one process writes them
     write_table(rows, output_dir, "streams")
     workdir_lib.write_json(output_dir / "streams_class_iou.json", {
-        r["method"]: dict(zip(camvid.CLASSES, class_iou(totals[r["method"]][0].confusion).tolist()))
+        r["method"]: dict(zip(camvid.CLASSES, class_iou(totals[r["method"]][0].confusion).tolist(),
+                              strict=False))
         for r in rows
     })
     save_figure(plot_stream_table(rows, f"{config.model} on CamVid {split} clips"),

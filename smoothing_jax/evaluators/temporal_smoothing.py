@@ -6,13 +6,17 @@ Writes ``temporal.{json,csv,png}``.
 """
 from __future__ import annotations
 
-
 import jax
 import numpy as np
 
 from smoothing_jax import temporal
-from smoothing_jax.evaluators.common import (check_single_model, stream_metrics_step, stream_rows,
-                                             stream_table, write_results)
+from smoothing_jax.evaluators.common import (
+  check_single_model,
+  stream_metrics_step,
+  stream_rows,
+  stream_table,
+  write_results,
+)
 from smoothing_jax.parallel import evaluate_batches, sharded_eval_step, shardings
 from smoothing_jax.plots import plot_stream_table
 

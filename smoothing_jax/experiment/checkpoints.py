@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging as std_logging
 import sys
-from typing import Optional
 
 import jax
 import numpy as np
@@ -16,11 +15,11 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from smoothing_jax.parallel import shardings
 from smoothing_jax.experiment.workdir import CONFIG_FILE, checkpoint_dir, read_record, workdir_path
+from smoothing_jax.parallel import shardings
 
 
-def checkpoint_manager(workdir: str, max_to_keep: Optional[int] = None,
+def checkpoint_manager(workdir: str, max_to_keep: int | None = None,
                        read_only: bool = False) -> ocp.CheckpointManager:
   """The orbax manager of ``<workdir>/checkpoints`` (created unless ``read_only``)."""
   # A reader saves nothing (save_interval_steps 0; orbax warns when it has to set that itself).

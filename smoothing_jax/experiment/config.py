@@ -10,7 +10,8 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
-from typing import Any, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Any
 
 import ml_collections
 
@@ -78,8 +79,8 @@ def differences(base, other, skip=()) -> dict:
           not any(key == s or key.startswith(f"{s}.") for s in skip)}
 
 
-def load(config: Union[str, ml_collections.ConfigDict],
-         overrides: Optional[Mapping[str, Any]] = None) -> ml_collections.ConfigDict:
+def load(config: str | ml_collections.ConfigDict,
+         overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
   """``config`` — ``"<file>.py[:<args>]"`` as ``--config=`` of ``smoothing_jax.main`` (the path
   relative to the current directory, e.g. ``"configs/cifar_resnet.py:resnet_mcdo_18,cifar10"``)
   or a ConfigDict — with ``overrides`` (:func:`with_overrides`)."""

@@ -2,7 +2,8 @@
 that each recipe in ``configs/`` sets (``check_recipe`` names any it left unset)."""
 import difflib
 import types
-from typing import Any, Mapping, NoReturn, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
 
 import ml_collections
 from ml_collections.config_dict import placeholder

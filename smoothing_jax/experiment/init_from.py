@@ -11,8 +11,8 @@ from absl import logging
 
 from smoothing_jax.experiment import checkpoints
 from smoothing_jax.experiment.spec import ModelSpec, build_model, model_overrides
-from smoothing_jax.variables import classifier_paths, transfer_variables
 from smoothing_jax.experiment.workdir import workdir_path
+from smoothing_jax.variables import classifier_paths, transfer_variables
 
 
 def is_workdir(init_from: str) -> bool:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,20 +25,23 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
+from smoothing_jax.data import Pipeline, create_pipeline
 from smoothing_jax.experiment import checkpoints, init_from
+from smoothing_jax.experiment import spec as spec_lib
 from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.experiment.config import check_key, with_overrides
-from smoothing_jax.data import Pipeline, create_pipeline
-from smoothing_jax.inference import (batch_ensemble_predict, ensemble_predict, mc_predict,
-                                     member_of)
-from smoothing_jax.models import is_batch_ensemble, is_stochastic
-from smoothing_jax.parallel import (create_mesh, evaluate_batches, eval_batch_size,
-                                    sharded_eval_step, shardings)
-from smoothing_jax.experiment import spec as spec_lib
 from smoothing_jax.experiment.spec import ModelSpec, build_model, check_model_fits
-from smoothing_jax.variables import abstract_variables
 from smoothing_jax.experiment.workdir_lock import lock_workdir
-
+from smoothing_jax.inference import batch_ensemble_predict, ensemble_predict, mc_predict, member_of
+from smoothing_jax.models import is_batch_ensemble, is_stochastic
+from smoothing_jax.parallel import (
+  create_mesh,
+  eval_batch_size,
+  evaluate_batches,
+  sharded_eval_step,
+  shardings,
+)
+from smoothing_jax.variables import abstract_variables
 
 # Config keys (dotted) that decide which training examples a run trained on and held out.
 DATA_SPLIT_KEYS = ("seed", "input.split_seed", "input.train_fraction", "input.holdout_fraction")
@@ -92,13 +96,13 @@ class Run:
   model_spec: ModelSpec
   model: Any
   mesh: Mesh
-  variables: Optional[dict] = None
+  variables: dict | None = None
   step: int = 0
   read_only: bool = False  # a restored run never writes checkpoints (nor cleans up others')
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, workdir: str, *,
-                  mesh: Optional[Mesh] = None) -> "Run":
+                  mesh: Mesh | None = None) -> Run:
     """``config.model`` on ``config.input.dataset`` for ``workdir``: loads the data, builds the
     model.  Resuming a run that recorded the model options of a timm ``init_from`` reads no
     ``init_from`` file."""
@@ -117,8 +121,8 @@ class Run:
 
   @classmethod
   def from_workdir(cls, workdir: str,
-                   overrides: Union[Mapping[str, Any], ml_collections.ConfigDict, None] = None, *,
-                   mesh: Optional[Mesh] = None) -> "Run":
+                   overrides: Mapping[str, Any] | ml_collections.ConfigDict | None = None, *,
+                   mesh: Mesh | None = None) -> Run:
     """The run recorded in ``workdir``, with the variables of its latest intact checkpoint (or,
     recorded to stand for its ``init_from``, those at step 0).  ``overrides``: dotted keys
     (``config.with_overrides``) or a whole ConfigDict replacing the recorded config (evaluation
@@ -141,8 +145,8 @@ class Run:
     return run
 
   @classmethod
-  def for_evaluation(cls, workdir: str, config: Optional[ml_collections.ConfigDict] = None
-                     ) -> "Run":
+  def for_evaluation(cls, workdir: str, config: ml_collections.ConfigDict | None = None
+                     ) -> Run:
     """The run ``--mode=evaluate`` (and every evaluator alias) opens: ``workdir``'s, or for an
     empty workdir and a ``config`` with ``init_from``, that ``init_from`` recorded in
     ``workdir`` (:meth:`record_init_from`)."""
@@ -208,7 +212,7 @@ class Run:
     """M: the members stacked along the leading axis of :attr:`variables` (1: one model)."""
     return self.config.get("ensemble_members", 1)
 
-  def member(self, m: int) -> "Run":
+  def member(self, m: int) -> Run:
     """Member ``m`` of an ensemble run as a run of its own (read-only, in this workdir): the
     single run with seed + ``m``, its variables the ensemble's slice ``m``; what per-model
     analyses take.  :meth:`write_member` writes it out as a workdir."""
@@ -220,7 +224,7 @@ class Run:
     return dataclasses.replace(self, config=config, variables=member_of(self.variables, m),
                                read_only=True)
 
-  def write_member(self, m: int, workdir: str) -> "Run":
+  def write_member(self, m: int, workdir: str) -> Run:
     """Write member ``m`` of this ensemble workdir into the empty ``workdir`` as the single run
     it is (config with seed + m, the checkpoint of the latest step with that member's slice of
     the train state: parameters, BatchNorm statistics, optimizer state; it resumes and every
@@ -247,7 +251,7 @@ class Run:
       manager.wait_until_finished()
       manager.close()
 
-  def __enter__(self) -> "Run":
+  def __enter__(self) -> Run:
     return self
 
   def __exit__(self, *exc) -> None:
@@ -262,7 +266,7 @@ class Run:
     """Pixels in [0, 1], NHWC → the model's normalised input."""
     return (pixels - jnp.asarray(self.pipeline.mean)) / jnp.asarray(self.pipeline.std)
 
-  def predict(self, images, num_samples: int = 1, rng: Optional[jax.Array] = None,
+  def predict(self, images, num_samples: int = 1, rng: jax.Array | None = None,
               batch_size: int = 500) -> np.ndarray:
     """Mean predictive ``[B, C]`` (numpy) of normalised ``images`` over ``num_samples`` MC
     samples (an ensemble run's: over its members, one sample each), in batches of
@@ -284,7 +288,7 @@ class Run:
                              concatenate=True)
     return probs[:len(images)]
 
-  def eval_batches(self, dataset: Optional[str] = None):
+  def eval_batches(self, dataset: str | None = None):
     """Padded, masked evaluation batches of ``dataset`` (default: the run's evaluation split),
     ``config.eval_batch_size`` rounded up to the mesh."""
     return self.pipeline.eval_batches(eval_batch_size(self.config, self.mesh), dataset)

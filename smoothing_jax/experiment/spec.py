@@ -8,7 +8,6 @@ the recorded config and spec alone (``build_model``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import jax.numpy as jnp
 
@@ -25,7 +24,7 @@ class ModelSpec:
   num_classes: int
   stem: str
   image_shape: tuple
-  num_train_examples: Optional[int] = None  # None: recorded by a version that did not count them
+  num_train_examples: int | None = None  # None: recorded by a version that did not count them
   model_options: dict = dataclasses.field(default_factory=dict)
   evaluates_init_from: bool = False
 
@@ -42,7 +41,7 @@ class ModelSpec:
     return record
 
   @classmethod
-  def from_record(cls, record: dict) -> "ModelSpec":
+  def from_record(cls, record: dict) -> ModelSpec:
     count = record.get("num_train_examples")
     return cls(int(record["num_classes"]), record["stem"],
                tuple(int(d) for d in record["image_shape"]),
@@ -50,7 +49,7 @@ class ModelSpec:
                bool(record.get("evaluates_init_from", False)))
 
 
-def model_spec(config, pipeline, model_options: Optional[dict] = None) -> ModelSpec:
+def model_spec(config, pipeline, model_options: dict | None = None) -> ModelSpec:
   """The spec of ``config.model`` on ``pipeline``'s data: classes (``config.num_classes`` > 0
   overrides the dataset's), stem geometry, image shape and the number of training examples;
   ``model_options``: those of a timm ``init_from`` (``init_from.model_options``)."""

@@ -1,4 +1,4 @@
-"""A run's directory and its files (the run layer's I/O):
+"""A run's directory and its files (the run layer's I/O)::
 
   <workdir>/config.json            the run's config, plus ``model_spec`` (``spec.ModelSpec``:
                                    classes, stem, image shape): the model without the dataset

@@ -40,7 +40,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import jax
 import numpy as np
@@ -56,17 +56,17 @@ class WorkdirLockedError(OSError):
 
 
 def _now() -> str:
-  return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+  return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _holder_record(lease_seconds: Optional[float] = None, token: Optional[str] = None) -> dict:
+def _holder_record(lease_seconds: float | None = None, token: str | None = None) -> dict:
   record = {"host": socket.gethostname(), "pid": os.getpid(), "since": _now()}
   if token is not None:
     record.update(token=token, heartbeat=time.time(), lease_seconds=lease_seconds)
   return record
 
 
-def describe(record: Optional[dict]) -> str:
+def describe(record: dict | None) -> str:
   """``pid 123 on host h since 2026-… UTC`` (what a refused writer is told)."""
   if not record:
     return "another process (it has not recorded itself yet)"
@@ -76,7 +76,7 @@ def describe(record: Optional[dict]) -> str:
   return text
 
 
-def _parse(text: str) -> Optional[dict]:
+def _parse(text: str) -> dict | None:
   try:
     record = json.loads(text)
   except ValueError:  # empty (being written) or not ours
@@ -89,20 +89,20 @@ class WorkdirLock:
   :class:`WorkdirLockedError` naming the holder.  ``lease=None`` chooses by path: a lease for
   URIs, ``flock`` for local paths."""
 
-  def __init__(self, workdir, *, lease: Optional[bool] = None, lease_seconds: float = 120.0,
+  def __init__(self, workdir, *, lease: bool | None = None, lease_seconds: float = 120.0,
                heartbeat_seconds: float = 30.0, settle_seconds: float = 2.0):
     self.workdir = str(workdir)
     self.path = workdir_path(workdir) / LOCK_FILE
     self.lease = is_uri(self.workdir) if lease is None else lease
     self.lease_seconds, self.heartbeat_seconds = lease_seconds, heartbeat_seconds
     self.settle_seconds = settle_seconds
-    self._fd: Optional[int] = None
-    self._token: Optional[str] = None
+    self._fd: int | None = None
+    self._token: str | None = None
     self._stop = threading.Event()
-    self._heartbeat: Optional[threading.Thread] = None
-    self._lost: Optional[dict] = None
+    self._heartbeat: threading.Thread | None = None
+    self._lost: dict | None = None
 
-  def _refuse(self, holder: Optional[dict]) -> WorkdirLockedError:
+  def _refuse(self, holder: dict | None) -> WorkdirLockedError:
     return WorkdirLockedError(
         f"{self.workdir} is in use by {describe(holder)} (lock: {self.path}); wait for that run "
         "to end or choose another workdir.")
@@ -146,7 +146,7 @@ class WorkdirLock:
     self._fd = fd
 
   @staticmethod
-  def _read_fd(fd: int, wait_for_record: bool = False) -> Optional[dict]:
+  def _read_fd(fd: int, wait_for_record: bool = False) -> dict | None:
     """The record in the lock file; a holder that has just taken the lock writes it within
     moments, so a refused writer waits up to a second for it."""
     for _ in range(20 if wait_for_record else 1):
@@ -157,13 +157,13 @@ class WorkdirLock:
     return None
 
   # A lease object with a heartbeat (object stores).
-  def _read_lease(self) -> Optional[dict]:
+  def _read_lease(self) -> dict | None:
     try:
       return _parse(self.path.read_text())
     except FileNotFoundError:
       return None
 
-  def _write_lease(self, since: Optional[str] = None) -> dict:
+  def _write_lease(self, since: str | None = None) -> dict:
     """Write this holder's record (``since`` kept across heartbeats); returns it."""
     record = _holder_record(self.lease_seconds, self._token)
     if since:
@@ -199,7 +199,7 @@ class WorkdirLock:
         return
       self._write_lease(since)
 
-  def acquire(self) -> "WorkdirLock":
+  def acquire(self) -> WorkdirLock:
     self.path.parent.mkdir(parents=True, exist_ok=True)
     if self.lease:
       self._acquire_lease()
@@ -230,7 +230,7 @@ class WorkdirLock:
           self.path.unlink()
       self._token = None
 
-  def __enter__(self) -> "WorkdirLock":
+  def __enter__(self) -> WorkdirLock:
     return self.acquire()
 
   def __exit__(self, *exc) -> None:

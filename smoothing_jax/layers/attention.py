@@ -15,7 +15,7 @@ intermediate ``"attention"`` ([B, heads, N, N]) so they can be inspected.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -36,7 +36,7 @@ class MultiHeadAttention(nn.Module):
   """
   num_heads: int
   head_dim: int = 64
-  out_features: Optional[int] = None
+  out_features: int | None = None
   dropout_rate: float = 0.0
   dtype: Any = jnp.float32
   qkv_bias: bool = False
@@ -108,7 +108,7 @@ class WindowAttention(nn.Module):
   window_size: int
   num_heads: int
   head_dim: int = 64
-  out_features: Optional[int] = None
+  out_features: int | None = None
   dropout_rate: float = 0.0
   dtype: Any = jnp.float32
 

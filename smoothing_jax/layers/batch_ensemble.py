@@ -15,7 +15,8 @@ Parameters: ``kernel`` (W), ``fast_in`` [M, C_in] (s; edward2's ``alpha``, Torch
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -93,7 +94,7 @@ class BatchEnsembleConv(_BatchEnsemble):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, members: Optional[jax.Array] = None):
+  def __call__(self, x, members: jax.Array | None = None):
     x, members = self.scale_input(x, members)
     kernel = self.param("kernel", self.kernel_init,
                         (self.kernel_size, self.kernel_size, x.shape[-1] // self.groups,
@@ -110,7 +111,7 @@ class BatchEnsembleDense(_BatchEnsemble):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, members: Optional[jax.Array] = None):
+  def __call__(self, x, members: jax.Array | None = None):
     x, members = self.scale_input(x, members)
     kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
     return self.scale_output(x.astype(self.dtype) @ kernel.astype(self.dtype), members)

@@ -26,7 +26,8 @@ evaluation alike.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -60,7 +61,7 @@ def mean_field_layers(params) -> list:
   return layers_holding(params, "kernel_rho")
 
 
-def kl_divergence(params, prior_std: float, prior_mean: Optional[float] = None):
+def kl_divergence(params, prior_std: float, prior_mean: float | None = None):
   """Σ over every mean-field kernel entry of KL(q(w) ‖ p(w)), p = N(prior_mean, prior_std²).
 
   ``prior_mean`` None ties the prior's mean to the posterior's (uncertainty-baselines' default,

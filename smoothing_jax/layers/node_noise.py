@@ -19,7 +19,8 @@ loads into the deterministic part unchanged.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -97,7 +98,7 @@ class NodeNoiseConv(_NodeNoise):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, components: Optional[jax.Array] = None):
+  def __call__(self, x, components: jax.Array | None = None):
     x, components = self.perturb_input(x, components)
     kernel = self.param("kernel", self.kernel_init,
                         (self.kernel_size, self.kernel_size, x.shape[-1], self.features))
@@ -113,7 +114,7 @@ class NodeNoiseDense(_NodeNoise):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, components: Optional[jax.Array] = None):
+  def __call__(self, x, components: jax.Array | None = None):
     x, components = self.perturb_input(x, components)
     kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
     y = x.astype(self.dtype) @ kernel.astype(self.dtype)

@@ -6,7 +6,6 @@ All layers take NHWC feature maps.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -57,8 +56,8 @@ class Prob(nn.Module):
 
   ``temperature`` None takes the kind's default (:data:`DEFAULT_TEMPERATURE`).
   """
-  kind: Optional[str] = "tanh"
-  temperature: Optional[float] = None
+  kind: str | None = "tanh"
+  temperature: float | None = None
 
   def setup(self):
     if self.kind not in PROB_KINDS:
@@ -120,8 +119,8 @@ class Blur(nn.Module):
 class Smooth(nn.Module):
   """Spatial smoothing ``Blur ∘ Prob`` (the reference's TanhBlurBlock; ``prob="scale"``:
   ScalingBlurBlock).  ``temperature`` None: the Prob kind's default."""
-  prob: Optional[str] = "tanh"
-  temperature: Optional[float] = None
+  prob: str | None = "tanh"
+  temperature: float | None = None
   blur_size: int = 2
   same: bool = False
   pad_mode: str = "constant"

@@ -12,19 +12,19 @@ prior mean (``config.bnnvi.prior_mean``) gives Blundell et al.'s N(m, s²) inste
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 
-from smoothing_jax.methods.ibnn import kl_weight
 from smoothing_jax.layers.functional import in_layers_holding
 from smoothing_jax.layers.mean_field import kl_divergence
+from smoothing_jax.methods.ibnn import kl_weight
 
 
 class Objective(NamedTuple):
   """Static settings of the BNN-VI ELBO (hashable: a ``jit`` static argument)."""
   prior_std: float
-  prior_mean: Optional[float]  # None: tied to the posterior mean
+  prior_mean: float | None  # None: tied to the posterior mean
   num_train: int
   steps_per_epoch: int
   kl_anneal_epochs: int

@@ -8,7 +8,8 @@ in :mod:`smoothing_jax.layers.node_noise`).
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import flax
 import jax
@@ -16,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from smoothing_jax.variables import transfer_variables
 from smoothing_jax.inference import Prediction, log_probs, map_in_chunks, mean_probs, sample_rngs
 from smoothing_jax.layers.functional import layers_holding
 from smoothing_jax.layers.mean_field import gaussian_kl
 from smoothing_jax.layers.node_noise import VARIATIONAL_PARAMS
-from smoothing_jax.models import is_ibnn
 from smoothing_jax.metrics import uncertainty_decomposition
+from smoothing_jax.models import is_ibnn
+from smoothing_jax.variables import transfer_variables
 
 
 class Objective(NamedTuple):
@@ -225,7 +226,7 @@ def salt_and_pepper(images, probability: float, rng):
 def ood_entropy_curves(predict: Callable,
                        images,
                        kind: str = "blend",
-                       levels: Optional[Sequence[float]] = None,
+                       levels: Sequence[float] | None = None,
                        rng=None) -> dict:
   """Mean total / aleatoric / epistemic entropy vs corruption level (paper Fig. 8).
 

@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-from smoothing_jax.models.cnn import (CNN, GAPHead, MLPHead, adaptive_avg_pool, check_images,
-                                         conv, max_pool)
+from smoothing_jax.models.cnn import (
+  CNN,
+  GAPHead,
+  MLPHead,
+  adaptive_avg_pool,
+  check_images,
+  conv,
+  max_pool,
+)
 
 
 class AlexNetBlock(CNN):

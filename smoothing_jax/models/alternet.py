@@ -5,8 +5,10 @@ Build-up rule: in a stage of n blocks with m MSA blocks the sequence is
 paper's smoothing layers sit.  AlterNet-50: pre-act bottleneck stages
 (3, 4, 6, 4), MSA blocks (0, 1, 3, 2), heads (3, 6, 12, 24), head width 64.
 
-MSA block (HV ``AttentionBlockB``), pre-activation:
+MSA block (HV ``AttentionBlockB``), pre-activation::
+
   x + DropPath(BN(Conv1×1(GELU(BN(x)))) → windowed MSA with relative position bias → C_out).
+
 Windows are 4×4 on CIFAR (32×32 inputs; a 7-window does not divide the 4×4 last
 stage) and 7×7 on ImageNet.  Stem without BN (conv 3×3 on CIFAR, conv 7×7/2 +
 max-pool on ImageNet), head BN-ReLU-GAP-Dense.  ``msa_blocks=(0, 0, 0, 0)`` is the
@@ -16,14 +18,22 @@ Lesion studies: ``block_mask`` [sum(stage_sizes)] scales every block's residual 
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax.numpy as jnp
 
 from smoothing_jax.layers.attention import WindowAttention
-from smoothing_jax.models.cnn import (STEMS, GAPHead, batch_norm, check_images, conv, drop_path,
-                                         max_pool)
+from smoothing_jax.models.cnn import (
+  STEMS,
+  GAPHead,
+  batch_norm,
+  check_images,
+  conv,
+  drop_path,
+  max_pool,
+)
 from smoothing_jax.models.resnet import EXPANSION, PreActBlock
 
 WINDOW_SIZES = {"cifar": 4, "imagenet": 7}
@@ -43,8 +53,9 @@ class AttentionBlock(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool, keep=None):
     out_channels = self.channels * EXPANSION[self.block]
-    bn = lambda name: batch_norm(use_running_average=not train, dtype=self.dtype, name=name
-                                )  # noqa: E731
+    def bn(name):
+      return batch_norm(use_running_average=not train, dtype=self.dtype, name=name)
+
     pre = nn.gelu(bn("bn1")(x), approximate=False)
     skip = x if x.shape[-1] == out_channels else conv(
         out_channels, 1, dtype=self.dtype, name="shortcut_0")(pre)
@@ -74,7 +85,7 @@ class AlterNet(nn.Module):
   msa_blocks: Sequence[int] = (0, 1, 3, 2)
   num_heads: Sequence[int] = (3, 6, 12, 24)
   head_dim: int = 64
-  window_size: Optional[int] = None
+  window_size: int | None = None
   block: str = "bottleneck"
   width: int = 64
   stochastic_depth: float = 0.0
@@ -86,7 +97,7 @@ class AlterNet(nn.Module):
     """``[(name, kind)]`` of the residual blocks in order; kind is "conv" or "msa"."""
     self._check_structure()
     out = []
-    for stage, (n, m) in enumerate(zip(self.stage_sizes, self.msa_blocks), start=1):
+    for stage, (n, m) in enumerate(zip(self.stage_sizes, self.msa_blocks, strict=True), start=1):
       kinds = ["conv"] * (n - 2 * m) + ["conv", "msa"] * m
       out += [(f"layer{stage}_{j}", kind) for j, kind in enumerate(kinds)]
     return out
@@ -101,7 +112,7 @@ class AlterNet(nn.Module):
       raise ValueError(
           f"stage_sizes {tuple(self.stage_sizes)}, msa_blocks {tuple(self.msa_blocks)} and "
           f"num_heads {tuple(self.num_heads)} need one entry per stage.")
-    for n, m in zip(self.stage_sizes, self.msa_blocks):
+    for n, m in zip(self.stage_sizes, self.msa_blocks, strict=True):
       if not 0 <= 2 * m <= n:
         raise ValueError(
             f"A stage of {n} blocks holds at most {n // 2} MSA blocks (each follows a Conv block); "

@@ -7,7 +7,8 @@ so :mod:`smoothing_jax.convert` maps reference checkpoints one to one.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -15,8 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from smoothing_jax.layers import MCDropout, Smooth
-from smoothing_jax.layers.batch_ensemble import (RANDOM_SIGN_INIT, BatchEnsembleConv,
-                                                 BatchEnsembleDense)
+from smoothing_jax.layers.batch_ensemble import (
+  RANDOM_SIGN_INIT,
+  BatchEnsembleConv,
+  BatchEnsembleDense,
+)
 from smoothing_jax.layers.mean_field import POSTERIOR_STD_INIT, MeanFieldConv, MeanFieldDense
 from smoothing_jax.layers.node_noise import NodeNoiseConv, NodeNoiseDense
 
@@ -217,14 +221,14 @@ class CNN(nn.Module):
   num_classes: int = 10
   dropout_rate: float = 0.0
   smoothing: bool = False
-  prob: Optional[str] = "tanh"
-  temperature: Optional[
-      float] = None  # None: 10 for "tanh", 5 for "scale" (layers.DEFAULT_TEMPERATURE)
+  prob: str | None = "tanh"
+  # None: 10 for "tanh", 5 for "scale" (layers.DEFAULT_TEMPERATURE)
+  temperature: float | None = None
   blur_size: int = 2
   blur_same: bool = False
   pad_mode: str = "constant"
   stem: str = "cifar"
-  classifier: Optional[str] = None
+  classifier: str | None = None
   dtype: Any = jnp.float32
   num_components: int = 0
   noise_init_std: float = 0.5

@@ -39,7 +39,8 @@ MSA) and the pooling layers, all tokens [B, 1 + h·w, D] (the analyses drop the 
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -94,8 +95,8 @@ class PiT(nn.Module):
   num_heads: Sequence[int] = (2, 4, 8)
   head_dim: int = 32
   mlp_ratio: int = 4
-  patch_size: Optional[int] = None
-  stride: Optional[int] = None
+  patch_size: int | None = None
+  stride: int | None = None
   stochastic_depth: float = 0.0
   position_embedding: str = "tokens"
   qkv_bias: bool = False
@@ -164,7 +165,7 @@ class PiT(nn.Module):
     units = iter(enumerate(self.units()))
     num_blocks = sum(self.depths)
     block = 0
-    for stage, (depth, heads) in enumerate(zip(self.depths, self.num_heads), start=1):
+    for stage, (depth, heads) in enumerate(zip(self.depths, self.num_heads, strict=True), start=1):
       if stage > 1:
         tokens = Pooling(widths[stage - 1], grid, self.dtype, name=f"stage{stage}_pool")(tokens)
         grid = tuple(-(-n // 2) for n in grid)  # ⌊(n + 2·1 − 3) / 2⌋ + 1

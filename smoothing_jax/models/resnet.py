@@ -14,13 +14,21 @@ One module, variants as arguments:
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from smoothing_jax.models.cnn import (CNN, GAPHead, MLPHead, adaptive_avg_pool, batch_norm,
-                                         check_images, drop_path, max_pool)
+from smoothing_jax.models.cnn import (
+  CNN,
+  GAPHead,
+  MLPHead,
+  adaptive_avg_pool,
+  batch_norm,
+  check_images,
+  drop_path,
+  max_pool,
+)
 
 EXPANSION = {"basic": 1, "bottleneck": 4}
 WEIGHTS = ("point", "batch_ensemble", "mean_field")  # what ResNet's conv / dense weights can be

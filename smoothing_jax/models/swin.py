@@ -41,15 +41,20 @@ Lesion studies: ``block_mask`` [2·Σ depths] scales the residual branch of each
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from smoothing_jax.layers.attention import (MultiHeadAttention, dense_init,
-                                            relative_position_index, window_merge,
-                                            window_partition)
+from smoothing_jax.layers.attention import (
+  MultiHeadAttention,
+  dense_init,
+  relative_position_index,
+  window_merge,
+  window_partition,
+)
 from smoothing_jax.models.cnn import STEMS, check_images, conv, staged_taps, staged_units
 from smoothing_jax.models.vit import PreNormUnit
 
@@ -143,8 +148,8 @@ class Swin(nn.Module):
   num_heads: Sequence[int] = (3, 6, 12, 24)
   head_dim: int = 32
   mlp_ratio: int = 4
-  patch_size: Optional[int] = None
-  window_size: Optional[int] = None
+  patch_size: int | None = None
+  window_size: int | None = None
   stochastic_depth: float = 0.0
   patch_norm: bool = False
   merge: str = "conv"
@@ -205,7 +210,7 @@ class Swin(nn.Module):
     units = iter(enumerate(self.units()))
     num_blocks = sum(self.depths)
     block = 0
-    for stage, (depth, heads) in enumerate(zip(self.depths, self.num_heads), start=1):
+    for stage, (depth, heads) in enumerate(zip(self.depths, self.num_heads, strict=True), start=1):
       width = self.embed_dim * 2 ** (stage - 1)
       if stage > 1:
         if x.shape[1] % 2 or x.shape[2] % 2:

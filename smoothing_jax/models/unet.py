@@ -92,8 +92,8 @@ class UNet(CNN):
       pad = ((0, x.shape[1] % 2), (0, x.shape[2] % 2)
             )  # ceil mode ("SAME"): odd maps keep their last row
       x = nn.max_pool(x, (2, 2), (2, 2), padding=pad)
-    for stage, (level, convs) in enumerate(zip(reversed(range(self.depth)), self.decoder_convs),
-                                           start=self.depth + 2):
+    levels_and_convs = zip(reversed(range(self.depth)), self.decoder_convs, strict=True)
+    for stage, (level, convs) in enumerate(levels_and_convs, start=self.depth + 2):
       skip = skips[level]
       features = self.width * 2 ** level
       x = nn.ConvTranspose(features, (3, 3), strides=(2, 2), padding="SAME", dtype=self.dtype,

@@ -15,14 +15,21 @@ and kept on at test time for its MC dropout (``head_mc_dropout``).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import flax.linen as nn
 
 from smoothing_jax.layers import MCDropout
-
-from smoothing_jax.models.cnn import (CLASSIFIERS, CNN, WEIGHTS, GAPHead, MLPHead,
-                                         adaptive_avg_pool, check_images, max_pool)
+from smoothing_jax.models.cnn import (
+  CLASSIFIERS,
+  CNN,
+  WEIGHTS,
+  GAPHead,
+  MLPHead,
+  adaptive_avg_pool,
+  check_images,
+  max_pool,
+)
 
 VGG_STAGES = {11: (1, 1, 2, 2, 2), 13: (2, 2, 2, 2, 2), 16: (2, 2, 3, 3, 3), 19: (2, 2, 4, 4, 4)}
 
@@ -73,7 +80,7 @@ class VGG(CNN):
     check_images(x)
     classifier = self.check_options("mlp", CLASSIFIERS, weights=WEIGHTS)
     widths = [self.width, 2 * self.width, 4 * self.width, 8 * self.width, 8 * self.width]
-    for stage, (num_blocks, features) in enumerate(zip(self.stage_sizes, widths)):
+    for stage, (num_blocks, features) in enumerate(zip(self.stage_sizes, widths, strict=False)):
       offset = 0
       if stage > 0:
         x = max_pool(x, 2, 2)

@@ -24,13 +24,17 @@ Lesion studies: ``block_mask`` [2·depth] scales the residual branch of each uni
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from smoothing_jax.layers.attention import (MultiHeadAttention, WindowAttention, dense_init,
-                                            neighbourhood_mask)
+from smoothing_jax.layers.attention import (
+  MultiHeadAttention,
+  WindowAttention,
+  dense_init,
+  neighbourhood_mask,
+)
 from smoothing_jax.models.cnn import STEMS, check_images, drop_path
 
 PATCH_SIZES = {"cifar": 2, "imagenet": 16}
@@ -72,9 +76,9 @@ class TransformerUnit(PreNormUnit):
   Windowed / convolutional attention treats the N tokens as a ``grid`` (h, w); neither: global.
   """
   dropout_rate: float = 0.0
-  window_size: Optional[int] = None
-  kernel_size: Optional[int] = None
-  grid: Optional[tuple] = None
+  window_size: int | None = None
+  kernel_size: int | None = None
+  grid: tuple | None = None
   qkv_bias: bool = False
 
   def _dropout(self, y, train: bool):
@@ -122,13 +126,13 @@ class ViT(nn.Module):
   num_heads: int = 3
   head_dim: int = 64
   mlp_dim: int = 768
-  patch_size: Optional[int] = None
+  patch_size: int | None = None
   classifier: str = "token"
   dropout_rate_train: float = 0.0      # HV models/vit.py: dropout=0.0, emb_dropout=0.0
   embedding_dropout_rate: float = 0.0
   stochastic_depth: float = 0.0
-  window_size: Optional[int] = None
-  kernel_size: Optional[int] = None
+  window_size: int | None = None
+  kernel_size: int | None = None
   stem: str = "cifar"
   dtype: Any = jnp.float32
   qkv_bias: bool = False

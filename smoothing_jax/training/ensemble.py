@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +34,8 @@ from smoothing_jax.data.resident import device_memory_bytes
 from smoothing_jax.inference import ensemble_predict, member_of
 from smoothing_jax.metrics import UncertaintyMetrics
 from smoothing_jax.models import is_batch_ensemble, is_ibnn
-from smoothing_jax.training.optim import create_optimizer
 from smoothing_jax.parallel import sharded_eval_step, shardings
+from smoothing_jax.training.optim import create_optimizer
 from smoothing_jax.training.steps import TrainState, init_train_state, train_step
 
 MAX_STATE_FRACTION = 0.5  # of one device's memory; activations, gradients and data need the rest
@@ -137,7 +137,7 @@ def ensemble_train_step(member_step, vmap_size: int, state: TrainState, member_b
         lambda *xs: jnp.stack(xs), *[member_batch(m) for m in group])
     one = lambda s, b, r: member_step(s.replace(step=step), b, r)  # noqa: E731
     outputs.append(jax.vmap(one, in_axes=(0, None if shared else 0, 0))(
-        jax.tree.map(lambda x: x[group.start:group.stop], rest), batches,
+        jax.tree.map(lambda x, group=group: x[group.start:group.stop], rest), batches,
         rngs[group.start:group.stop]))
   new_state, metrics = jax.tree.map(lambda *xs: jnp.concatenate(xs), *outputs)
   return new_state.replace(step=new_state.step[0]), metrics

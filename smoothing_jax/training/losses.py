@@ -8,23 +8,20 @@ masked and, with ``class_balancing="median_frequency"``, class weights (paper Ap
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
 
-from smoothing_jax.methods import bnnvi, ibnn
 from smoothing_jax.data.mixup import Mixing, mix_batch
 from smoothing_jax.inference import repeat_for_members, sample_rngs
+from smoothing_jax.methods import bnnvi, ibnn
 from smoothing_jax.metrics import label_mask
-from smoothing_jax.models import (is_batch_ensemble, is_ibnn, is_mean_field,
-                                  is_segmentation_model)
+from smoothing_jax.models import is_batch_ensemble, is_ibnn, is_mean_field, is_segmentation_model
 
 
-def training_mixing(config, model) -> Optional[Mixing]:
+def training_mixing(config, model) -> Mixing | None:
   """Label smoothing / Mixup / CutMix of the training loss (None when all are off)."""
   if not (config.label_smoothing or config.mixup_alpha or config.cutmix_alpha):
     return None
@@ -40,7 +37,7 @@ def training_mixing(config, model) -> Optional[Mixing]:
                 config.mixup_switch_prob).check()
 
 
-def class_weights(config, model, pipeline) -> Optional[np.ndarray]:
+def class_weights(config, model, pipeline) -> np.ndarray | None:
   """Per-class loss weights ``[C]``: ``config.class_balancing`` "median_frequency"
   (segmentation) or "none"."""
   if config.class_balancing == "none":
@@ -81,7 +78,7 @@ def bnnvi_objective(config, num_train: int, steps_per_epoch: int) -> bnnvi.Objec
                          steps_per_epoch, config.bnnvi.kl_anneal_epochs).check()
 
 
-def supervised_loss(model, mixing: Optional[Mixing] = None, class_weights=None):
+def supervised_loss(model, mixing: Mixing | None = None, class_weights=None):
   """``loss_fn(params, batch_stats, batch, rng, step) -> (loss, aux)`` of the cross-entropy:
   :func:`cross_entropy` (per pixel for segmentation, void masked, ``class_weights`` if given),
   or against soft targets (label smoothing, Mixup / CutMix drawn from ``fold_in(rng, 2)``).

@@ -12,8 +12,8 @@ from __future__ import annotations
 import jax
 import optax
 
-from smoothing_jax.methods import bnnvi, ibnn
 from smoothing_jax.layers.batch_ensemble import fast_weight_mask
+from smoothing_jax.methods import bnnvi, ibnn
 from smoothing_jax.models import is_batch_ensemble, is_ibnn, is_mean_field
 
 

@@ -15,11 +15,11 @@ from flax.training import train_state
 from jax.sharding import Mesh
 
 from smoothing_jax.inference import batch_ensemble_predict, mc_predict, sample_rngs
-from smoothing_jax.training.losses import supervised_loss
 from smoothing_jax.metrics import UncertaintyMetrics, label_mask
 from smoothing_jax.models import is_batch_ensemble
-from smoothing_jax.training.optim import create_optimizer
 from smoothing_jax.parallel import sharded_eval_step, shardings
+from smoothing_jax.training.losses import supervised_loss
+from smoothing_jax.training.optim import create_optimizer
 
 
 class TrainState(train_state.TrainState):

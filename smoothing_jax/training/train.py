@@ -12,7 +12,7 @@ The pieces live one idea a module: ``optim`` (schedules, optimisers), ``losses``
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,22 +21,26 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from smoothing_jax.training import ensemble
-from smoothing_jax.methods import ibnn
 from smoothing_jax.experiment import init_from
-from smoothing_jax.training.callbacks import Callback, Preempted, Preemption
-from smoothing_jax.experiment.checkpoints import load_variables, set_aside_newer_steps
-from smoothing_jax.training.losses import class_weights, make_loss
-from smoothing_jax.models import is_ibnn
-from smoothing_jax.training.optim import create_learning_rate_schedule
-from smoothing_jax.parallel import (DispatchWindow, evaluate_batches, prefetch_to_devices,
-                                    shardings)
-from smoothing_jax.experiment.run import Run
-from smoothing_jax.training.steps import (TrainState, compile_steps, create_train_state,
-                                 train_batch_sharding, variables_of)
-from smoothing_jax.training.trajectory_recorder import TrajectoryRecorder
 from smoothing_jax.experiment import workdir as workdir_lib
+from smoothing_jax.experiment.checkpoints import load_variables, set_aside_newer_steps
+from smoothing_jax.experiment.run import Run
 from smoothing_jax.experiment.workdir_lock import lock_workdir
+from smoothing_jax.methods import ibnn
+from smoothing_jax.models import is_ibnn
+from smoothing_jax.parallel import DispatchWindow, evaluate_batches, prefetch_to_devices, shardings
+from smoothing_jax.training import ensemble
+from smoothing_jax.training.callbacks import Callback, Preempted, Preemption
+from smoothing_jax.training.losses import class_weights, make_loss
+from smoothing_jax.training.optim import create_learning_rate_schedule
+from smoothing_jax.training.steps import (
+  TrainState,
+  compile_steps,
+  create_train_state,
+  train_batch_sharding,
+  variables_of,
+)
+from smoothing_jax.training.trajectory_recorder import TrajectoryRecorder
 from smoothing_jax.training.writers import MetricWriter, ProgressReporter
 
 
@@ -78,7 +82,7 @@ def _check_finite(pending: list, last_good_step: int, checkpoint_dir):
   pending.clear()
 
 
-def train(run: Run, *, stop_after_steps: Optional[int] = None,
+def train(run: Run, *, stop_after_steps: int | None = None,
           callbacks: Sequence[Callback] = ()) -> TrainState:
   """Train ``run.model`` on ``run.pipeline``, writing checkpoints and metrics to ``run.workdir``
   while holding its lock (``workdir_lock.lock_workdir``: another run writing there is refused,
@@ -95,7 +99,7 @@ def train(run: Run, *, stop_after_steps: Optional[int] = None,
     return _train(run, lock, stop_after_steps, callbacks)
 
 
-def _train(run: Run, lock, stop_after_steps: Optional[int], callbacks: Sequence[Callback]
+def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Callback]
            ) -> TrainState:
   config, pipeline, mesh = run.config, run.pipeline, run.mesh
   workdir_lib.workdir_path(run.workdir).mkdir(parents=True, exist_ok=True)
@@ -175,7 +179,7 @@ def _train(run: Run, lock, stop_after_steps: Optional[int], callbacks: Sequence[
           p.device_order((step - 1) // steps_per_epoch) for p in member_pipelines))
   else:  # the next global batches are assembled on the devices while the current step runs
     iterators = [p.train_iterator(start_step) for p in member_pipelines]
-    batches = prefetch_to_devices(iterators[0] if members == 1 else zip(*iterators),
+    batches = prefetch_to_devices(iterators[0] if members == 1 else zip(*iterators, strict=True),
                                   batch_sharding, config.prefetch_batches)
     step_inputs = lambda step: (next(batches),)  # noqa: E731
   try:
@@ -249,7 +253,7 @@ def _train(run: Run, lock, stop_after_steps: Optional[int], callbacks: Sequence[
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
-                       stop_after_steps: Optional[int] = None) -> TrainState:
+                       stop_after_steps: int | None = None) -> TrainState:
   """:func:`train` of ``Run.from_config(config, workdir)`` (the evaluators then run on
   ``Run.from_workdir(workdir)``, or ``main`` passes them the same run)."""
   with lock_workdir(workdir), Run.from_config(config, workdir) as run:

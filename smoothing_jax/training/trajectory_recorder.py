@@ -74,7 +74,7 @@ def squared_norm(params) -> jax.Array:
   return sum(jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in jax.tree.leaves(params))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _snapshot_function(seed: int, dims: int):
   """Jitted ``params -> (projection [dims], ‖θ‖²)``, one per (seed, dims): compiled once for
   every run (and resume) of a process."""
@@ -92,7 +92,7 @@ class Trajectory:
   dims: int
   seed: int
 
-  def upto(self, step: int) -> "Trajectory":
+  def upto(self, step: int) -> Trajectory:
     """The rows before ``step``."""
     keep = self.steps < step
     return dataclasses.replace(self, steps=self.steps[keep], projections=self.projections[keep],
@@ -149,7 +149,7 @@ class TrajectoryRecorder(Callback):
     self._snapshot = _snapshot_function(seed, dims)
 
   @classmethod
-  def for_run(cls, config, workdir, last_step: int) -> "TrajectoryRecorder":
+  def for_run(cls, config, workdir, last_step: int) -> TrajectoryRecorder:
     """The recorder of ``config.trajectory_every_steps`` / ``trajectory_dims`` / ``seed``."""
     return cls(workdir, config.trajectory_every_steps, config.trajectory_dims, config.seed,
                last_step)
@@ -183,7 +183,7 @@ class TrajectoryRecorder(Callback):
     """Append the rows observed since the last write and write the record (process 0)."""
     if not self._pending:
       return
-    steps, projections, norm_sq = zip(*jax.device_get(self._pending))
+    steps, projections, norm_sq = zip(*jax.device_get(self._pending), strict=True)
     self._pending = []
     record = self.record
     self.record = dataclasses.replace(

@@ -17,7 +17,7 @@ import logging as std_logging
 import os
 import socket
 import time
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 from absl import logging
 from etils import epath
@@ -26,7 +26,7 @@ from etils import epath
 class MetricWriter:
   """Scalars to the log and, with a ``logdir``, to ``<logdir>/events.out.tfevents.*``."""
 
-  def __init__(self, logdir: Optional[str] = None):
+  def __init__(self, logdir: str | None = None):
     self._records = None
     if logdir is not None:
       from tensorboard.compat.proto import event_pb2
@@ -100,16 +100,23 @@ class ProgressReporter:
       self._sections[name] = self._sections.get(name, 0.0) + time.monotonic() - start
 
 
+# Library warnings that say nothing to a user: orbax warns whenever a checkpoint manager opens
+# read-only, which every evaluation of a trained workdir does on purpose (``Run.manager``).
+_EXPECTED_WARNINGS = ("Given directory is read only",)
+
+
 class _OurInfoLines(std_logging.Filter):
   def filter(self, record):
-    return record.levelno >= std_logging.WARNING or f"{os.sep}smoothing_jax{os.sep}" in (
-        record.pathname)
+    if record.levelno >= std_logging.WARNING:
+      return not str(record.msg).startswith(_EXPECTED_WARNINGS)
+    return f"{os.sep}smoothing_jax{os.sep}" in record.pathname
 
 
 def show_only_our_info_lines() -> None:
   """The console (absl's handler) keeps smoothing_jax's INFO lines only; every library's warnings
-  and errors still show.  orbax, for one, logs a dozen INFO lines per checkpoint.  Outside
-  ``absl.app.run`` (scripts, notebooks) it also installs absl's handler on the root logger."""
+  and errors still show, but the expected ones (:data:`_EXPECTED_WARNINGS`).  orbax, for one,
+  logs a dozen INFO lines per checkpoint.  Outside ``absl.app.run`` (scripts, notebooks) it also
+  installs absl's handler on the root logger."""
   logging.use_absl_handler()
   handler = logging.get_absl_handler()
   if not any(isinstance(f, _OurInfoLines) for f in handler.filters):

@@ -7,9 +7,39 @@ import numpy as np
 import pytest
 
 from smoothing_jax.analysis import delta_log_amplitude, top_eigenvalues
+from smoothing_jax.analysis.features import feature_maps, feature_variance, fourier_by_depth
+from smoothing_jax.analysis.frequency_noise import (
+  accuracy_vs_frequency,
+  band_limited_noise,
+  frequency_band_mask,
+)
+from smoothing_jax.analysis.landscape import loss_surface, random_direction
+from smoothing_jax.analysis.perturbation import (
+  consistency,
+  cross_entropy_consistency,
+  load_cifar10_p,
+  perturbation_metrics,
+  relative_confidence,
+  sequence_predictions,
+  translate_sequences,
+)
+from smoothing_jax.analysis.robustness import ensemble_nll, fgsm, pgd
+from smoothing_jax.analysis.spectrum import (
+  max_eigenvalue_spectrum,
+  spectrum_caption,
+  spectrum_summary,
+  training_loss,
+)
 from smoothing_jax.layers import Blur
-from tests.helpers import (MICRO_VIT, abstract_variables, init_variables, model_options,
-                           small_net_problem)
+from smoothing_jax.models import get_model
+from smoothing_jax.plots import plot_surface
+from tests.helpers import (
+  MICRO_VIT,
+  abstract_variables,
+  init_variables,
+  model_options,
+  small_net_problem,
+)
 
 
 def numpy_delta_log_amplitude(maps):
@@ -50,13 +80,6 @@ def test_low_frequency_falls_high_frequency_rises_blur_lowers_high_frequency():
 def test_non_square_maps_are_rejected():
   with pytest.raises(ValueError, match="square NHWC"):
     delta_log_amplitude(jnp.zeros((1, 8, 6, 2)))
-
-
-from smoothing_jax.analysis.features import (feature_maps, feature_variance,  # noqa: E402
-                                             fourier_by_depth)
-from smoothing_jax.analysis.spectrum import (max_eigenvalue_spectrum,  # noqa: E402
-                                             spectrum_caption, spectrum_summary, training_loss)
-from smoothing_jax.models import get_model  # noqa: E402
 
 
 def test_spectrum_summary_hand_worked():
@@ -116,11 +139,6 @@ def test_feature_variance_model_part_is_positive_with_mc_dropout(tiny_mcdo, imag
   model, variables = tiny_mcdo
   stochastic = feature_variance(model, variables, images, num_samples=3)
   assert all(v["model"] > 0 for v in stochastic.values())
-
-
-from smoothing_jax.analysis.landscape import loss_surface, random_direction  # noqa: E402
-from smoothing_jax.analysis.robustness import ensemble_nll, fgsm, pgd  # noqa: E402
-from smoothing_jax.plots import plot_surface  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -204,15 +222,13 @@ def test_pgd_stays_in_the_ball_and_raises_the_ensemble_loss(tiny_mcdo):
   pixels = jax.random.uniform(jax.random.key(0), (3, 16, 16, 3))
   labels = jnp.array([0, 1, 2])
   keys = jax.random.split(jax.random.key(1), 2)
-  loss = lambda x, y: ensemble_nll(model, variables, keys, lambda z: (z - 0.5) / 0.25, x, y)
+  def loss(x, y):
+    return ensemble_nll(model, variables, keys, lambda z: (z - 0.5) / 0.25, x, y)
+
   adversarial = pgd(loss, pixels, labels, eps=8 / 255, steps=3, rng=jax.random.key(2))
   assert float(jnp.max(jnp.abs(adversarial - pixels))) <= 8 / 255 + 1e-6
   assert float(adversarial.min()) >= 0.0 and float(adversarial.max()) <= 1.0
   assert float(loss(adversarial, labels)) > float(loss(pixels, labels))
-
-
-from smoothing_jax.analysis.frequency_noise import accuracy_vs_frequency, band_limited_noise, \
-    frequency_band_mask  # noqa: E402
 
 
 @pytest.mark.parametrize("center", [0.0, 0.5, 1.0])
@@ -236,21 +252,12 @@ def test_band_mask_by_hand():
 def test_accuracy_vs_frequency_with_a_fixed_classifier():
   images = jnp.concatenate([jnp.full((4, 8, 8, 1), -1.0), jnp.full((4, 8, 8, 1), 1.0)])
   labels = jnp.array([0] * 4 + [1] * 4)
-  predict = lambda x: jnp.stack([-x.mean((1, 2, 3)), x.mean(
-      (1, 2, 3))], -1)  # sign of the mean pixel
+  def predict(x):  # the sign of the mean pixel
+    return jnp.stack([-x.mean((1, 2, 3)), x.mean((1, 2, 3))], -1)
+
   # Noise away from DC does not move the mean; strong DC noise does.
   assert list(accuracy_vs_frequency(predict, images, labels, [0.5, 1.0], std=10.0)) == [1.0, 1.0]
   assert accuracy_vs_frequency(predict, images, labels, [0.0], std=10.0)[0] < 1.0
-
-
-from smoothing_jax.analysis.perturbation import (
-    consistency,
-    cross_entropy_consistency,  # noqa: E402
-    load_cifar10_p,
-    perturbation_metrics,
-    relative_confidence,
-    sequence_predictions,
-    translate_sequences)
 
 
 def test_consistency_and_cec_hand_worked():
@@ -296,8 +303,9 @@ def test_translated_sequences_shift_by_one_pixel_per_frame():
 def test_perturbation_metrics_of_a_translation_invariant_classifier():
   images = np.random.default_rng(1).random((4, 8, 8, 1)).astype(np.float32)
   videos = translate_sequences(images, length=5, max_shift=2)
-  predict = lambda x: jax.nn.softmax(
-      jnp.stack([jnp.sum(x, (1, 2, 3)) * 0, jnp.max(x, (1, 2, 3))], -1))
+  def predict(x):
+    return jax.nn.softmax(jnp.stack([jnp.sum(x, (1, 2, 3)) * 0, jnp.max(x, (1, 2, 3))], -1))
+
   probs = sequence_predictions(predict, videos, batch_size=3)
   assert probs.shape == (4, 5, 2)
   metrics = perturbation_metrics(probs, np.ones(4, int))
@@ -361,6 +369,7 @@ def test_lesion_accuracy_drops_table_and_plot(micro_vit):
 
 def test_spectrum_with_negative_eigenvalues_matches_the_explicit_hessian(micro_vit):
   from jax.flatten_util import ravel_pytree
+
   from smoothing_jax.analysis.spectrum import max_eigenvalue_spectrum, training_loss
   model, variables, x, y = micro_vit
   result = max_eigenvalue_spectrum(model,
@@ -386,9 +395,9 @@ def test_spectrum_with_negative_eigenvalues_matches_the_explicit_hessian(micro_v
 def test_load_or_train_trains_an_empty_workdir_once_then_loads_it(tmp_path, monkeypatch):
   from pathlib import Path
 
+  from smoothing_jax.analysis import trained
   from smoothing_jax.experiment.checkpoints import load_variables
   from smoothing_jax.parallel import create_mesh
-  from smoothing_jax.analysis import trained
   from tests.conftest import _quadrant_npz
   monkeypatch.chdir(Path(__file__).parents[2])  # config paths are relative to the current directory
   workdir = str(tmp_path / "run")

@@ -14,8 +14,13 @@ import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
 
-from smoothing_jax.analysis import (eigenvalue_density, hessian_trace, hvp, min_eigenvalue,
-                                    top_eigenvalues)
+from smoothing_jax.analysis import (
+  eigenvalue_density,
+  hessian_trace,
+  hvp,
+  min_eigenvalue,
+  top_eigenvalues,
+)
 from smoothing_jax.analysis.hessian import linearized_hvp, top_and_min_eigenvalues
 from tests.helpers import SmallNet, small_net_problem
 
@@ -82,7 +87,8 @@ def test_hvp_and_linearized_hvp_equal_the_explicit_hessian_product(problem):
 
 def test_hvp_and_lanczos_on_an_eight_device_mesh(problem):
   """The batch sharded over a ``data`` mesh axis (parameters replicated) gives the same operator."""
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
   from jax.tree_util import Partial
   _, params, unravel, hessian = problem
   mesh = Mesh(np.asarray(jax.devices()[:8]), ("data",))
@@ -116,7 +122,7 @@ def test_top3_eigenpairs_match_eigh(problem, method):
   result = top_eigenvalues(loss_fn, params, k=3, max_iters=1000, tol=1e-6, rng=jax.random.key(5),
                            method=method)
   np.testing.assert_allclose(result.eigenvalues, true_values[order[:3]], rtol=1e-3)
-  for value, vector, index in zip(result.eigenvalues, result.eigenvectors, order[:3]):
+  for _, vector, index in zip(result.eigenvalues, result.eigenvectors, order[:3], strict=True):
     assert abs(np.dot(ravel_pytree(vector)[0], true_vectors[:, index])) > 0.99
   # Lanczos: one shared Krylov space; power iteration: a run per eigenvalue.
   hvps = int(result.iterations[0]) if method == "lanczos" else int(np.sum(result.iterations))
@@ -183,7 +189,8 @@ def test_crowded_spectrum_power_iteration_stops_off_and_lanczos_converges(crowde
   # The residuals tell the two apart: converged pairs vs a stop that only looked converged.
   assert np.all(lanczos.relative_residuals <= 1e-3)
   assert np.max(power.relative_residuals) > 0.05
-  for value, vector, residual in zip(lanczos.eigenvalues, lanczos.eigenvectors, lanczos.residuals):
+  for value, vector, residual in zip(lanczos.eigenvalues, lanczos.eigenvectors, lanczos.residuals,
+                                     strict=True):
     np.testing.assert_allclose(residual, explicit_residual(hessian, value, vector), rtol=0.05,
                                atol=1e-4)
 

@@ -105,7 +105,8 @@ def test_hv_regularizer_is_the_sum_of_each_tensors_l2_norm():
   for i, a in enumerate(axis):
     for j, b in enumerate(axis):
       norms = sum(np.sqrt(np.sum((np.asarray(p, np.float64) + a * np.asarray(u) +
-                                  b * np.asarray(v)) ** 2)) for p, u, v in zip(*leaves))
+                                  b * np.asarray(v)) ** 2))
+                  for p, u, v in zip(*leaves, strict=True))
       assert surface["loss_l2"][i, j] - surface["loss"][i, j] == pytest.approx(0.01 * norms,
                                                                                rel=1e-4)
   squared = sum(float(np.sum(np.asarray(p, np.float64) ** 2)) for p in leaves[0])

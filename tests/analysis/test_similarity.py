@@ -6,24 +6,31 @@ import numpy as np
 import pytest
 
 from smoothing_jax.analysis.features import feature_maps
-from smoothing_jax.analysis.similarity import (cross_model_similarity, feature_similarity,
-                                               hsic_terms, minibatch_cka, stage_block_structure,
-                                               unbiased_hsic)
+from smoothing_jax.analysis.similarity import (
+  cross_model_similarity,
+  feature_similarity,
+  hsic_terms,
+  minibatch_cka,
+  stage_block_structure,
+  unbiased_hsic,
+)
 
 
 def u_statistic_hsic(x, y) -> float:
   """Song et al. (2012) Thm. 2: HSIC₁ = 1/(n)₄ Σ over distinct (i, j, q, r) of
   K_ij L_ij + K_ij L_qr − 2 K_ij L_iq, linear kernels of the rows of x, y [n, ...] (float64)."""
   x, y = (np.asarray(a, np.float64).reshape(len(a), -1) for a in (x, y))
-  k, l = x @ x.T, y @ y.T
+  gram_k, gram_l = x @ x.T, y @ y.T
   i, j, q, r = np.array(list(itertools.permutations(range(len(x)), 4))).T
-  return float(np.mean(k[i, j] * l[i, j] + k[i, j] * l[q, r] - 2 * k[i, j] * l[i, q]))
+  return float(np.mean(gram_k[i, j] * gram_l[i, j] + gram_k[i, j] * gram_l[q, r]
+                       - 2 * gram_k[i, j] * gram_l[i, q]))
 
 
 def reference_cka(batches_a, batches_b) -> np.ndarray:
   """[A, B] Σ_batches HSIC₁(a, b) / sqrt(Σ HSIC₁(a, a) · Σ HSIC₁(b, b)) by ``u_statistic_hsic``."""
   def summed(first, second):
-    return np.array([[sum(u_statistic_hsic(fa[a], fb[b]) for fa, fb in zip(first, second))
+    return np.array([[sum(u_statistic_hsic(fa[a], fb[b])
+                          for fa, fb in zip(first, second, strict=True))
                       for b in range(len(second[0]))] for a in range(len(first[0]))])
   cross = summed(batches_a, batches_b)
   self_a, self_b = np.diag(summed(batches_a, batches_a)), np.diag(summed(batches_b, batches_b))
@@ -46,7 +53,9 @@ def test_hsic_terms_equal_the_u_statistic_over_distinct_tuples():
   np.testing.assert_allclose(self_a, [u_statistic_hsic(a, a) for a in features_a], rtol=2e-4)
   np.testing.assert_allclose(self_b, [u_statistic_hsic(b, b) for b in features_b], rtol=2e-4)
   # The vectorised estimator on the raw (uncentred) Gram matrices, as written in the paper.
-  grams = lambda fs: np.stack([f.reshape(12, -1) @ f.reshape(12, -1).T for f in fs])
+  def grams(fs):
+    return np.stack([f.reshape(12, -1) @ f.reshape(12, -1).T for f in fs])
+
   np.testing.assert_allclose(unbiased_hsic(grams(features_a), grams(features_b)), expected,
                              rtol=2e-3)
   one_sided, diagonal, _ = hsic_terms(features_a)
@@ -72,11 +81,11 @@ def test_minibatch_cka_is_the_ratio_of_hsics_summed_over_batches():
   batches_a = [random_features(rng, n, [(4,), (3, 2)]) for n in (10, 12, 10)]
   batches_b = [[a[0] * 2 + rng.normal(size=a[0].shape).astype(np.float32), a[1][..., 0]**2]
                for a in batches_a]
-  cka = minibatch_cka(zip(batches_a, batches_b))
+  cka = minibatch_cka(zip(batches_a, batches_b, strict=True))
   np.testing.assert_allclose(cka, reference_cka(batches_a, batches_b), rtol=1e-4)
   # Not the average of per-batch CKAs: one batch of larger scale weighs more.
   scaled_a = [[10 * f for f in batches_a[0]]] + batches_a[1:]
-  np.testing.assert_allclose(minibatch_cka(zip(scaled_a, batches_b)),
+  np.testing.assert_allclose(minibatch_cka(zip(scaled_a, batches_b, strict=True)),
                              reference_cka(scaled_a, batches_b), rtol=1e-4)
 
 

@@ -42,7 +42,6 @@ def test_missing_unexpected_and_mismatched_keys_are_named():
 torch = pytest.importorskip("torch")
 from tests import torch_reference as ref  # noqa: E402
 
-
 PARITY_CASES = [
     ("resnet_dnn_smoothing_18", dict(width=4), lambda: ref.ResNet(
         (2, 2, 2, 2), False, 10, width=4, smoothing=True)),
@@ -97,8 +96,7 @@ def test_preact_mcdo_bottleneck_has_the_reference_shortcut_batchnorm():
 
 # ------------------------------------------------------------------ HV's released checkpoints
 
-from smoothing_jax.convert import (TIMM_LAYOUTS, load_torch_checkpoint,  # noqa: E402
-                                   reference_keys)
+from smoothing_jax.convert import TIMM_LAYOUTS, load_torch_checkpoint, reference_keys  # noqa: E402
 from tests.helpers import import_timm, num_params  # noqa: E402
 
 # A ViT of HV's released layout (timm, qkv_bias=False), cut to 2 blocks of width 16 on 8×8 images.
@@ -181,7 +179,7 @@ class _HVResNet50(torch.nn.Module):
     self.layer0 = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width),
                                 nn.ReLU())
     cin = width
-    for i, (blocks, stride) in enumerate(zip((3, 4, 6, 3), (1, 2, 2, 2))):
+    for i, (blocks, stride) in enumerate(zip((3, 4, 6, 3), (1, 2, 2, 2), strict=True)):
       layer = []
       for j in range(blocks):
         layer.append(_HVBottleneck(cin, width * 2**i, stride if j == 0 else 1))

@@ -48,8 +48,9 @@ def test_timm_0_5_4_state_dict_loads_as_timm_1_0_31(model_name):
   model = MODELS[model_name]
   # HV's constructor in timm 1.0.31; every tensor random, so none can stand in for another.
   rng = np.random.default_rng(0)
+  reference = eval(model["constructor"], {"timm": timm})  # pylint: disable=eval-used
   new = {k: rng.normal(size=v.shape).astype(np.float32)
-         for k, v in eval(model["constructor"]).state_dict().items()}  # pylint: disable=eval-used
+         for k, v in reference.state_dict().items()}
   old = {timm_0_5_4_key(model_name, k): v for k, v in new.items()}
   assert {k: list(v.shape) for k, v in old.items()} == {
       k: s for k, s in model["keys"].items() if not BUFFERS.search(k)}

@@ -4,8 +4,11 @@ import pytest
 
 pytest.importorskip("tensorflow")  # the tf.data path's ops
 
-from smoothing_jax.data.augment import (cifar_train_augment, imagenet_eval_preprocess,
-                                        imagenet_train_augment)
+from smoothing_jax.data.augment import (
+  cifar_train_augment,
+  imagenet_eval_preprocess,
+  imagenet_train_augment,
+)
 
 
 def test_cifar_augmentation_is_a_padded_crop_maybe_flipped():

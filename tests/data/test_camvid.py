@@ -101,6 +101,7 @@ def test_camvid_builder_on_fake_release(fake_camvid):
 
 def test_camvid_builder_names_a_missing_video_frame(fake_camvid, tmp_path):
   import shutil
+
   import tensorflow_datasets as tfds
   root, _ = fake_camvid
   release = tmp_path / "release"
@@ -128,8 +129,8 @@ def test_camvid_pipeline(fake_camvid):
 @pytest.mark.slow
 def test_camvid_recipe_trains_and_evaluates_streams(fake_camvid, tmp_path):
   from configs import camvid_unet
-  from tests.helpers import evaluate_workdir
   from smoothing_jax.training import train
+  from tests.helpers import evaluate_workdir
   _, data_dir = fake_camvid
   config = camvid_unet.get_config("unet_mcdo_smoothing,camvid,runlocal")
   config.unlock()

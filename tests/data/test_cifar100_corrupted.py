@@ -4,7 +4,7 @@ import pytest
 
 tfds = pytest.importorskip("tensorflow_datasets")  # a TFDS builder
 
-from smoothing_jax.data.cifar100_corrupted import Cifar100Corrupted
+from smoothing_jax.data.cifar100_corrupted import Cifar100Corrupted  # noqa: E402  (imports TFDS)
 
 
 def test_cifar100_corrupted_builder_reads_a_fake_release(tmp_path):
@@ -22,5 +22,6 @@ def test_cifar100_corrupted_builder_reads_a_fake_release(tmp_path):
                     key=lambda ex: int(ex["label"]) * 0)
   got_images = np.stack([ex["image"] for ex in examples])
   # Severity 3 is the third block of 4; compare as sets (TFDS may reorder examples).
-  expected = {img.tobytes(): int(lab) for img, lab in zip(images[8:12], labels[8:12])}
-  assert {img.tobytes(): int(ex["label"]) for img, ex in zip(got_images, examples)} == expected
+  expected = {img.tobytes(): int(lab) for img, lab in zip(images[8:12], labels[8:12], strict=True)}
+  got = {img.tobytes(): int(ex["label"]) for img, ex in zip(got_images, examples, strict=True)}
+  assert got == expected

@@ -2,11 +2,16 @@
 import numpy as np
 import pytest
 
-tfds = pytest.importorskip("tensorflow_datasets")  # TFDS sources under mock data
-
-from smoothing_jax.data import (CORRUPTIONS, DatasetUnavailableError, NORMALIZATION,
-                                corruption_dataset, parse_dataset)
+from smoothing_jax.data import (
+  CORRUPTIONS,
+  NORMALIZATION,
+  DatasetUnavailableError,
+  corruption_dataset,
+  parse_dataset,
+)
 from tests.helpers import input_pipeline
+
+tfds = pytest.importorskip("tensorflow_datasets")  # TFDS sources under mock data
 
 
 def test_parse_dataset():

@@ -68,7 +68,7 @@ def cases(images, tf_randaugment):
   def theirs(magnitudes):
     return np.stack([
         tf_apply(tf.constant(i), tf.constant(images[n]), tf.constant(m), tf.constant(s)).numpy()
-        for i, n, m, s in zip(index, image, magnitudes, sign)
+        for i, n, m, s in zip(index, image, magnitudes, sign, strict=True)
     ])
 
   reference = theirs(magnitude)
@@ -120,7 +120,8 @@ def test_randaugment_is_a_function_of_the_key(images):
   batch = jax.jit(jax.vmap(functools.partial(dra.randaugment, magnitude_std=1.0)))(
       keys[:3], images)
   np.testing.assert_array_equal(
-      batch, [_randaugment(k, im, 2, 9.0, 1.0, 0.5) for k, im in zip(keys[:3], images)])
+      batch,
+      [_randaugment(k, im, 2, 9.0, 1.0, 0.5) for k, im in zip(keys[:3], images, strict=True)])
 
 
 def test_randaugment_magnitude_and_identity(images):

@@ -1,11 +1,11 @@
 """smoothing_jax.data.randaugment: the operations against PIL, determinism in the seed."""
 import numpy as np
 import pytest
-
-tf = pytest.importorskip("tensorflow")  # the tf.data path's RandAugment
 from PIL import Image, ImageEnhance, ImageOps
 
-from smoothing_jax.data import randaugment as ra
+tf = pytest.importorskip("tensorflow")  # the tf.data path's RandAugment
+
+from smoothing_jax.data import randaugment as ra  # noqa: E402  (imports TensorFlow)
 
 
 @pytest.fixture(scope="module")

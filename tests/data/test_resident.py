@@ -1,12 +1,16 @@
 """smoothing_jax.data.resident: crops and flips against numpy slicing, the order a permutation per
 epoch, resume and device count that change nothing, padded evaluation, the memory refusal."""
-import numpy as np
 import jax
+import numpy as np
 import pytest
 
 from smoothing_jax.data import parse_dataset
-from smoothing_jax.data.resident import (PADDING, ResidentPipeline, augment_example,
-                                         check_fits_on_devices)
+from smoothing_jax.data.resident import (
+  PADDING,
+  ResidentPipeline,
+  augment_example,
+  check_fits_on_devices,
+)
 from smoothing_jax.parallel import create_mesh
 from tests.helpers import input_pipeline, npz_dataset
 
@@ -51,10 +55,10 @@ def test_crop_and_flip_are_numpy_windows_of_the_padded_image(pipeline):
   maybe mirrored; over the epoch every offset range and both flips occur."""
   order = pipeline.epoch_order(0)
   seen = set()
-  for step, batch in zip(range(pipeline.steps_per_epoch), pipeline.train_iterator()):
+  for step, batch in zip(range(pipeline.steps_per_epoch), pipeline.train_iterator(), strict=False):
     images = _denormalize(pipeline, batch["image"])
     np.testing.assert_array_equal(np.asarray(batch["label"]), pipeline.train_labels[order[step]])
-    for image, row in zip(images, order[step]):
+    for image, row in zip(images, order[step], strict=True):
       matches = _crop_offsets(pipeline.train_images[row].astype(np.int64), image)
       assert len(matches) == 1, matches
       seen.add(matches[0])
@@ -85,9 +89,10 @@ def test_resuming_mid_stream_gives_the_same_batches(pipeline, npz_dir):
   """Steps 3..7 (across the epoch boundary at 5) from a fresh pipeline started at step 3 equal
   those of an uninterrupted one, bit for bit, with RandAugment on."""
   make = lambda: input_pipeline(f"npz:{npz_dir}", 8, seed=3, randaugment=RANDAUGMENT)  # noqa: E731
-  uninterrupted = [b["image"] for _, b in zip(range(8), make().train_iterator())]
-  resumed = [b["image"] for _, b in zip(range(5), make().train_iterator(start_step=3))]
-  for a, b in zip(uninterrupted[3:], resumed):
+  uninterrupted = [b["image"] for _, b in zip(range(8), make().train_iterator(), strict=False)]
+  resumed = [b["image"]
+             for _, b in zip(range(5), make().train_iterator(start_step=3), strict=False)]
+  for a, b in zip(uninterrupted[3:], resumed, strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   plain = next(pipeline.train_iterator())["image"]
   assert not np.array_equal(np.asarray(plain), np.asarray(uninterrupted[0]))
@@ -128,7 +133,7 @@ def test_segmentation_crop_and_flip_keep_labels_on_their_pixels(tmp_path):
   pipeline = input_pipeline(f"npz:{tmp_path}", 2, 0, crop_size=(8, 12))
   assert pipeline.resident and pipeline.is_segmentation
   flips = set()
-  for _, batch in zip(range(6), pipeline.train_iterator()):
+  for _, batch in zip(range(6), pipeline.train_iterator(), strict=False):
     pixels, crops = _denormalize(pipeline, batch["image"]), np.asarray(batch["label"])
     np.testing.assert_array_equal(pixels[..., 0], 40 * crops)
     for crop in crops:  # a window of one training map, maybe mirrored

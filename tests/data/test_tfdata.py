@@ -8,12 +8,13 @@ import sys
 import numpy as np
 import pytest
 
+from smoothing_jax.data.datasets import hide_accelerators_from_tensorflow
+from tests.helpers import input_pipeline, npz_dataset
+
 tf = pytest.importorskip("tensorflow")  # the tf.data path
 tfds = pytest.importorskip("tensorflow_datasets")
 
-from smoothing_jax.data.datasets import hide_accelerators_from_tensorflow
-from smoothing_jax.data.tfdata import TFDataPipeline
-from tests.helpers import input_pipeline, npz_dataset
+from smoothing_jax.data.tfdata import TFDataPipeline  # noqa: E402  (imports TensorFlow)
 
 create_pipeline = functools.partial(input_pipeline, data_pipeline="tfdata")
 
@@ -56,9 +57,9 @@ def test_order_is_a_function_of_seed_and_epoch(npz_dir):
   epoch1 = list(tfds.as_numpy(pipeline.train_dataset(1)))
   again = list(tfds.as_numpy(create_pipeline(f"npz:{npz_dir}", 8, seed=3).train_dataset(1)))
   resumed = list(tfds.as_numpy(pipeline.train_dataset(1, start_step=2)))
-  for a, b in zip(epoch1, again):
+  for a, b in zip(epoch1, again, strict=True):
     np.testing.assert_array_equal(a["image"], b["image"])
-  for a, b in zip(epoch1[2:], resumed):  # resuming mid-epoch sees the same batches
+  for a, b in zip(epoch1[2:], resumed, strict=True):  # resuming mid-epoch sees the same batches
     np.testing.assert_array_equal(a["image"], b["image"])
   assert len(resumed) == 3
   epoch2 = next(iter(tfds.as_numpy(pipeline.train_dataset(2))))
@@ -133,7 +134,7 @@ def test_pipeline_with_randaugment_resumes_exactly(tmp_path):
   randaugment = {"num_layers": 2, "magnitude": 9.0, "magnitude_std": 1.0}
   epoch = list(tfds.as_numpy(make(randaugment).train_dataset(0)))
   resumed = list(tfds.as_numpy(make(randaugment).train_dataset(0, start_step=2)))
-  for a, b in zip(epoch[2:], resumed):
+  for a, b in zip(epoch[2:], resumed, strict=True):
     np.testing.assert_array_equal(a["image"], b["image"])
   plain = list(tfds.as_numpy(make(None).train_dataset(0)))
   assert not np.allclose(plain[0]["image"], epoch[0]["image"])
@@ -153,7 +154,7 @@ def test_segmentation_crop_and_flip_keep_labels_on_their_pixels(tmp_path):
   pipeline = create_pipeline(f"npz:{tmp_path}", 2, 0, crop_size=(8, 12))
   assert pipeline.is_segmentation
   flips = set()
-  for step, batch in zip(range(6), pipeline.train_iterator()):
+  for _, batch in zip(range(6), pipeline.train_iterator(), strict=False):
     red = batch["image"][..., 0] * pipeline.std[0] + pipeline.mean[0]
     np.testing.assert_allclose(red * 255, 40 * batch["label"], atol=1e-3)
     for crop in batch["label"]:  # a window of one training map, maybe mirrored
@@ -195,7 +196,7 @@ def test_eval_cache_keeps_the_preprocessed_images_and_gives_the_same_batches(npz
   assert any(f.endswith(".index") for f in cached), cached  # a completed TF cache file
   again = list(pipeline.eval_batches(5))
   plain = list(create_pipeline(f"npz:{npz_dir}", 8, seed=0).eval_batches(5))
-  for a, b, c in zip(first, again, plain):
+  for a, b, c in zip(first, again, plain, strict=True):
     for key in ("image", "label", "mask"):
       np.testing.assert_array_equal(a[key], b[key])
       np.testing.assert_array_equal(a[key], c[key])

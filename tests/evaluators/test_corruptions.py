@@ -6,8 +6,11 @@ import numpy as np
 import pytest
 
 from smoothing_jax.data import CORRUPTIONS
-from smoothing_jax.evaluators.corruptions import (corruption_aggregates, default_baseline,
-                                                  read_corruption_table)
+from smoothing_jax.evaluators.corruptions import (
+  corruption_aggregates,
+  default_baseline,
+  read_corruption_table,
+)
 from tests.helpers import evaluate_workdir, tiny_config
 
 MODEL = {

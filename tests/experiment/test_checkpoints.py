@@ -19,12 +19,17 @@ import numpy as np
 import pytest
 
 from configs import cifar_resnet
-from smoothing_jax.training import train
 from smoothing_jax.experiment import workdir as workdir_lib
-from smoothing_jax.experiment.checkpoints import (NoIntactCheckpointError, evaluates_init_from,
-                                       has_checkpoint, has_run, load_variables)
-from smoothing_jax.parallel import create_mesh
+from smoothing_jax.experiment.checkpoints import (
+  NoIntactCheckpointError,
+  evaluates_init_from,
+  has_checkpoint,
+  has_run,
+  load_variables,
+)
 from smoothing_jax.experiment.spec import ModelSpec
+from smoothing_jax.parallel import create_mesh
+from smoothing_jax.training import train
 from tests.helpers import evaluate_workdir, flat_variables, override, small_npz_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -7,9 +7,15 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from smoothing_jax.experiment.config_base import (RECIPE_KEYS, RECIPE_KEYS_OF, base_config,
-                                                  check_recipe, finalize, missing_recipe_keys,
-                                                  parse_config_arg)
+from smoothing_jax.experiment.config_base import (
+  RECIPE_KEYS,
+  RECIPE_KEYS_OF,
+  base_config,
+  check_recipe,
+  finalize,
+  missing_recipe_keys,
+  parse_config_arg,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = sorted(path.stem for path in (ROOT / "configs").glob("*.py") if path.stem != "__init__")
@@ -102,8 +108,8 @@ def test_cifar_ibnn_arguments_and_ece_bins():
 
 def test_cifar_ibnn_trains_every_method_under_one_protocol():
   from configs import cifar_ibnn
-  from smoothing_jax.models import is_stochastic
   from smoothing_jax.experiment.spec import ModelSpec, build_model
+  from smoothing_jax.models import is_stochastic
   shared = ("optimizer", "nesterov", "input.batch_size", "learning_rate", "weight_decay",
             "num_epochs", "lr_schedule", "lr_final_ratio", "ece_bins")
   for architecture, methods in cifar_ibnn.METHODS.items():

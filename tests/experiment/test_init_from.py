@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from smoothing_jax.experiment import init_from
-from smoothing_jax.training import train
 from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.experiment.checkpoints import has_checkpoint
-from smoothing_jax.parallel import create_mesh
 from smoothing_jax.experiment.spec import ModelSpec, build_model
+from smoothing_jax.parallel import create_mesh
+from smoothing_jax.training import train
 from smoothing_jax.variables import abstract_variables
 from tests.helpers import evaluate_workdir, flat_variables, override, small_npz_config
 
@@ -73,6 +73,7 @@ def test_evaluation_and_analyses_of_a_timm_checkpoint_file(small_npz_run, tmp_pa
   from tests.helpers import import_timm, model_options
   timm = import_timm()  # skips without torch or timm, before anything imports them
   import torch
+
   from tests.torch_reference import randomize
   data = small_npz_run[0]
   vit = randomize(timm.models.vision_transformer.VisionTransformer(

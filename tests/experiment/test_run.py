@@ -11,9 +11,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 from smoothing_jax import main
+from smoothing_jax.experiment.run import Run
 from smoothing_jax.models import get_model
 from smoothing_jax.parallel import create_mesh
-from smoothing_jax.experiment.run import Run
 from tests.helpers import small_npz, small_npz_config
 
 

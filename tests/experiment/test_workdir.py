@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.evaluators.common import write_table
 from smoothing_jax.evaluators.corruptions import read_corruption_table
+from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.experiment.spec import ModelSpec
 from tests.helpers import small_npz_config
 

@@ -17,8 +17,12 @@ import numpy as np
 import pytest
 
 from smoothing_jax.experiment import workdir_lock
-from smoothing_jax.experiment.workdir_lock import (LOCK_FILE, WorkdirLock, WorkdirLockedError,
-                                                   lock_workdir)
+from smoothing_jax.experiment.workdir_lock import (
+  LOCK_FILE,
+  WorkdirLock,
+  WorkdirLockedError,
+  lock_workdir,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

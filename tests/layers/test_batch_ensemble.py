@@ -8,14 +8,23 @@ import optax
 import pytest
 
 from configs import cifar_resnet
-from smoothing_jax.training import optim
 from smoothing_jax.inference import batch_ensemble_predict
-from smoothing_jax.layers.batch_ensemble import (BatchEnsembleConv, BatchEnsembleDense,
-                                                 random_sign_init)
-from smoothing_jax.training.losses import supervised_loss
+from smoothing_jax.layers.batch_ensemble import (
+  BatchEnsembleConv,
+  BatchEnsembleDense,
+  random_sign_init,
+)
 from smoothing_jax.models import get_model
-from tests.helpers import (init_variables, num_params, override, tiny_config, tiny_run,
-                           train_resume_and_evaluate)
+from smoothing_jax.training import optim
+from smoothing_jax.training.losses import supervised_loss
+from tests.helpers import (
+  init_variables,
+  num_params,
+  override,
+  tiny_config,
+  tiny_run,
+  train_resume_and_evaluate,
+)
 
 M = 3
 

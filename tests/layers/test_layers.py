@@ -9,8 +9,13 @@ import numpy as np
 import pytest
 
 from smoothing_jax.layers import Blur, MCDropout, Prob, Smooth
-from smoothing_jax.layers.attention import (MultiHeadAttention, WindowAttention, neighbourhood_mask,
-                                            relative_position_index, window_partition)
+from smoothing_jax.layers.attention import (
+  MultiHeadAttention,
+  WindowAttention,
+  neighbourhood_mask,
+  relative_position_index,
+  window_partition,
+)
 from smoothing_jax.layers.node_noise import NodeNoiseConv, NodeNoiseDense
 
 RNG = np.random.default_rng(0)

@@ -8,14 +8,24 @@ import pytest
 from scipy import stats
 
 from configs import cifar_resnet
-from smoothing_jax.methods import bnnvi
-from smoothing_jax.training import losses, optim
-from smoothing_jax.layers.mean_field import (MeanFieldConv, MeanFieldDense, kl_divergence,
-                                             mean_field_layers)
 from smoothing_jax.inference import sample_rngs
+from smoothing_jax.layers.mean_field import (
+  MeanFieldConv,
+  MeanFieldDense,
+  kl_divergence,
+  mean_field_layers,
+)
+from smoothing_jax.methods import bnnvi
 from smoothing_jax.models import get_model, is_stochastic
-from tests.helpers import (ALL_CLASSIFIER_EVALS, num_params, override, tiny_config, tiny_run,
-                           train_resume_and_evaluate)
+from smoothing_jax.training import losses, optim
+from tests.helpers import (
+  ALL_CLASSIFIER_EVALS,
+  num_params,
+  override,
+  tiny_config,
+  tiny_run,
+  train_resume_and_evaluate,
+)
 
 
 def _layer_params(shape, seed=0, std=(0.05, 0.3)):

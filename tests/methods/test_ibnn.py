@@ -8,13 +8,17 @@ import numpy as np
 import optax
 import pytest
 
-from smoothing_jax.methods import ibnn
 from smoothing_jax.inference import sample_rngs
+from smoothing_jax.methods import ibnn
 from smoothing_jax.models import get_model
 from smoothing_jax.plots import plot_ood_curves
-from tests.helpers import (abstract_variables, evaluate_workdir, init_variables, model_options,
-                           tiny_run)
-
+from tests.helpers import (
+  abstract_variables,
+  evaluate_workdir,
+  init_variables,
+  model_options,
+  tiny_run,
+)
 
 # VGG-16's layers with one convolution a stage: compiles in half the time of its (2, 2, 3, 3, 3).
 ONE_BLOCK_A_STAGE = (1, 1, 1, 1, 1)
@@ -186,8 +190,10 @@ def test_salt_and_pepper_matches_the_reference():
 def test_ood_curves_rise_with_blending(tiny_vgg):
   model, variables = tiny_vgg
   images = jax.random.normal(jax.random.key(8), (4, 32, 32, 3))
-  predict = lambda x: ibnn.ibnn_predict(model, variables, x, num_samples=2, rng=jax.random.key(0)
-                                       ).sample_probs  # noqa: E731
+  def predict(x):
+    return ibnn.ibnn_predict(model, variables, x, num_samples=2,
+                             rng=jax.random.key(0)).sample_probs
+
   curves = ibnn.ood_entropy_curves(predict, images, "salt_pepper", levels=[0.0, 0.5])
   np.testing.assert_allclose(curves["total"], curves["aleatoric"] + curves["epistemic"], rtol=1e-5)
   assert curves["total"].shape == (2,)
@@ -198,9 +204,9 @@ def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(tmp_path):
   tfds = pytest.importorskip("tensorflow_datasets")  # CIFAR-10 under TFDS mock data
 
   from configs import cifar_ibnn, cifar_resnet
-  from smoothing_jax.training import train
   from smoothing_jax.experiment.checkpoints import load_variables
   from smoothing_jax.parallel import create_mesh
+  from smoothing_jax.training import train
 
   one_block_a_stage = (1, 1)  # two of VGG-16's five stages: the path at half the compile time
   det = tiny_run(cifar_resnet.get_config("vgg_dnn_16,cifar10,runlocal"),

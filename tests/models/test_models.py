@@ -13,7 +13,9 @@ from tests.helpers import TINY_UNET, abstract_variables, init_variables, num_par
 def wrn_param_count(depth, k, num_classes):
   """Closed-form count of the iBNN/meliketoy WRN (conv biases, BN γ/β, 1×1 shortcuts)."""
   n = (depth - 4) // 6
-  conv = lambda cin, cout, ks: cin * cout * ks * ks + cout
+  def conv(cin, cout, ks):
+    return cin * cout * ks * ks + cout
+
   total, cin = conv(3, 16, 3), 16
   for width in (16 * k, 32 * k, 64 * k):
     for j in range(n):
@@ -235,7 +237,7 @@ def _unet_parameter_count(width=64, encoder=(2, 2, 3, 3, 3), decoder=(3, 3, 3, 2
     for _ in range(n):
       total += conv(cin, cout) + 2 * cout
       cin = cout
-  for level, n in zip(reversed(range(len(decoder))), decoder):
+  for level, n in zip(reversed(range(len(decoder))), decoder, strict=True):
     cout = width * 2 ** level
     total += conv(cin, cout) + 2 * cout  # 3×3 transposed conv + BN
     for _ in range(n):
@@ -290,7 +292,7 @@ def test_unet_dropout_and_smoothing_positions(tiny_unet):
 
 @pytest.mark.parametrize("name,overrides,size", [
     ("resnet_mcdo_smoothing_18", dict(width=8), 16),
-    ("vgg_ibnn_16", dict(width=8, num_components=2), 32),  # five poolings need 32×32
+    ("vgg_ibnn_16", dict(width=8, num_components=2, stage_sizes=(1, 1)), 16),  # two stages
     ("alternet_18", dict(width=8, stage_sizes=(1, 1, 1, 2), msa_blocks=(0, 0, 0, 1),
                          num_heads=(1, 1, 1, 2), head_dim=4, window_size=2), 16),
     ("unet_mcdo_smoothing", TINY_UNET, 12),

@@ -8,8 +8,12 @@ import pytest
 
 from smoothing_jax import convert
 from smoothing_jax.analysis import top_eigenvalues
-from smoothing_jax.analysis.features import block_kinds, feature_maps, feature_variance, \
-    fourier_by_depth
+from smoothing_jax.analysis.features import (
+  block_kinds,
+  feature_maps,
+  feature_variance,
+  fourier_by_depth,
+)
 from smoothing_jax.analysis.lesion import lesion_accuracy_drops
 from smoothing_jax.analysis.spectrum import training_loss
 from smoothing_jax.models import get_model

@@ -49,7 +49,8 @@ def test_parameter_counts_equal_the_torch_reference():
 
 def test_shapes_of_the_registered_sizes():
   for name in ("vit_ti", "alternet_50"):
-    out = jax.eval_shape(lambda x, m=get_model(name, 100): m.init_with_output(rngs(), x)[0],
+    model = get_model(name, 100)
+    out = jax.eval_shape(lambda x, m=model: m.init_with_output(rngs(), x)[0],
                          jnp.zeros((2, 32, 32, 3)))
     assert out.shape == (2, 100)
   # ImageNet geometry: patch 16 / window 7 from the stem, like the CNNs.

@@ -2,21 +2,19 @@
 run with its seed, device counts, resume, member workdirs and every evaluator against
 ``--ensemble_workdirs`` over the members written out."""
 import os
-import shutil
 
 import jax
 import numpy as np
 import pytest
 
-from smoothing_jax.training import ensemble, train
-from smoothing_jax.training.steps import variables_of
 from smoothing_jax import main
 from smoothing_jax.analysis.trained import load_trained
-from smoothing_jax.evaluators import (calibration, ensemble_sizes, ood, selective,
-                                      temporal_smoothing)
+from smoothing_jax.evaluators import calibration, ensemble_sizes, ood, selective, temporal_smoothing
+from smoothing_jax.experiment.run import Run
 from smoothing_jax.models import get_model
 from smoothing_jax.parallel import create_mesh
-from smoothing_jax.experiment.run import Run
+from smoothing_jax.training import ensemble, train
+from smoothing_jax.training.steps import variables_of
 from tests.helpers import flat_variables, override, small_npz, small_npz_config
 
 MEMBERS = 2
@@ -119,7 +117,7 @@ def test_every_evaluator_on_the_ensemble_equals_ensemble_workdirs_of_its_members
     if isinstance(together, dict):
       together, apart = [together], [apart]
     assert len(together) == len(apart) > 0, name
-    for a, b in zip(together, apart):
+    for a, b in zip(together, apart, strict=True):
       assert a.keys() == b.keys(), name
       for key in a:
         if isinstance(a[key], float):

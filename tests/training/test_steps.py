@@ -9,13 +9,18 @@ import optax
 import pytest
 
 from smoothing_jax.data.mixup import Mixing
-from smoothing_jax.training.losses import make_loss, supervised_loss
-from smoothing_jax.models import get_model
-from smoothing_jax.training.optim import create_learning_rate_schedule
-from smoothing_jax.parallel import create_mesh, shard_batch
 from smoothing_jax.experiment.spec import ModelSpec, build_model
-from smoothing_jax.training.steps import (TrainState, compile_steps, create_train_state,
-                                 train_batch_sharding, train_step)
+from smoothing_jax.models import get_model
+from smoothing_jax.parallel import create_mesh, shard_batch
+from smoothing_jax.training.losses import make_loss, supervised_loss
+from smoothing_jax.training.optim import create_learning_rate_schedule
+from smoothing_jax.training.steps import (
+  TrainState,
+  compile_steps,
+  create_train_state,
+  train_batch_sharding,
+  train_step,
+)
 from tests.helpers import MICRO_VIT, model_options, override, tiny_config
 
 

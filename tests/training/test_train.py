@@ -8,12 +8,12 @@ import jax
 import numpy as np
 import pytest
 
-tfds = pytest.importorskip("tensorflow_datasets")  # CIFAR-10 under TFDS mock data
-
-from smoothing_jax.training import train
 from smoothing_jax.experiment.checkpoints import load_variables
 from smoothing_jax.parallel import create_mesh
+from smoothing_jax.training import train
 from tests.helpers import model_options, override, tiny_config
+
+tfds = pytest.importorskip("tensorflow_datasets")  # CIFAR-10 under TFDS mock data
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,8 @@ def test_resume_after_interruption_is_bit_identical(tmp_path):
   its size in config.json) and with the learning trajectory recorded every 3 steps (rows 0, 3
   and the last step 4, the resumed record equal to the uninterrupted one)."""
   from smoothing_jax.analysis import trained as trained_lib
-  from smoothing_jax.training.trajectory_recorder import load_trajectory
   from smoothing_jax.data import load_arrays, parse_dataset
+  from smoothing_jax.training.trajectory_recorder import load_trajectory
   config = tiny_config(num_train_steps=4, checkpoint_every_steps=2, trajectory_every_steps=3,
                        trajectory_dims=8, **{"input.train_fraction": 0.5})
   with tfds.testing.mock_data(num_examples=16):

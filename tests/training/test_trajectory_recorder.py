@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from smoothing_jax import plots
-from smoothing_jax.training import trajectory_recorder as recording
 from smoothing_jax.analysis import trajectory
+from smoothing_jax.training import trajectory_recorder as recording
 
 
 def test_straight_line_to_the_optimum_keeps_angle_zero_and_shrinks_linearly():

@@ -46,3 +46,26 @@ def test_progress_reports_steps_per_second_and_timed_sections(monkeypatch):
                                  "eval_fraction": pytest.approx(18 / 70)})]
   progress(100)      # t = 71: the last step always reports
   assert recorder.rows[-1] == (100, {"steps_per_sec": pytest.approx(39.0)})
+
+
+def test_the_console_keeps_our_info_lines_and_the_warnings_that_say_something():
+  import logging as std_logging
+  import os
+
+  from absl import logging as absl_logging
+
+  from smoothing_jax.training.writers import show_only_our_info_lines
+  handler = absl_logging.get_absl_handler()
+  before = list(handler.filters)
+  show_only_our_info_lines()
+  try:
+    def shown(level, pathname, msg):
+      return bool(handler.filter(std_logging.LogRecord("x", level, pathname, 1, msg, (), None)))
+    ours = os.path.join(os.sep, "src", "smoothing_jax", "training", "train.py")
+    orbax = os.path.join(os.sep, "site", "orbax", "checkpoint", "checkpoint_manager.py")
+    assert shown(std_logging.INFO, ours, "Step 10/10")
+    assert not shown(std_logging.INFO, orbax, "Saving checkpoint")
+    assert shown(std_logging.WARNING, orbax, "Checkpoint step 3 is corrupted")
+    assert not shown(std_logging.WARNING, orbax, "Given directory is read only=%s")
+  finally:
+    handler.filters[:] = before
