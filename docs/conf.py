@@ -18,6 +18,10 @@ import re
 import shutil
 import sys
 
+# autodoc imports the package, and TensorFlow with it: keep its start-up lines out of the log.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
 from docutils import nodes as _nodes
 from docutils.core import publish_doctree as _publish_doctree
 
@@ -234,4 +238,5 @@ html_theme_options = {
     "use_fullscreen_button": False,
     "navigation_with_keys": False,
 }
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]

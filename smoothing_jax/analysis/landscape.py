@@ -7,10 +7,11 @@ output projection [h, d, C]; the last three of the fused qkv projection [C, 3, h
 tensor of two or more axes (ViT's ``cls_token`` [1, 1, D]) has PyTorch's layout already, so its
 first axis plays the output units' part, as dim 0 does in the references' code.
 
-  * ``"filter"`` (Li et al.): each output unit (filter) of d gets the norm of the same
-    unit of θ: norms over the input axes;
-  * ``"reference"`` (SS/HV code, ``torch.norm(w, dim=0)`` on PyTorch's [out, in, ...] layout):
-    normalised over the output axes, separately for every input position.
+* ``"filter"`` (Li et al.): each output unit (filter) of d gets the norm of the same
+  unit of θ: norms over the input axes;
+* ``"reference"`` (SS/HV code, ``torch.norm(w, dim=0)`` on PyTorch's [out, in, ...] layout):
+  normalised over the output axes, separately for every input position.
+
 1-D tensors (biases, BatchNorm scale/offset) get zero direction in both, and so do
 parameters whose path matches a pattern of ``ignore`` (default: HV's ``kws``, position
 embeddings and relative-position tables, ``ops/loss_landscapes.ignore_kw``).
