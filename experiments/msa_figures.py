@@ -161,7 +161,7 @@ def _plot(name: str, results: dict, models: dict, out: str):
     return fig
   if name == "fourier":
     fig, axes = plt.subplots(1, len(results) + 1, figsize=(5 * (len(results) + 1), 3.4))
-    for ax, (label, curves) in zip(axes, results.items(), strict=True):
+    for ax, (label, curves) in zip(axes, results.items(), strict=False):  # + one by-depth panel
       plot_delta_log_amplitude(curves, label, ax=ax)
     high = {
         label: {b: float(c[-1]) for b, c in curves.items()} for label, curves in results.items()
