@@ -21,7 +21,7 @@ TINY = {
         "NUM_IMAGES = 8\nNUM_SAMPLES = 2",
     "robustness": (
         "NUM_IMAGES = 8\nNUM_SAMPLES = 2\nNOISE_STD = 0.1\nNUM_FREQUENCIES = 3\nNUM_SEQUENCES = 2\n"
-        "EPSILONS = (2 / 255,)\nPGD_STEPS = 2"),
+        "ATTACK_IMAGES = 8\nEPSILONS = (2 / 255,)\nPGD_STEPS = 2"),
 }
 
 
@@ -62,9 +62,53 @@ def images_in(book) -> int:
 MSA_TINY = "NUM_BATCHES = 2\nBATCH_SIZE = 16\nMAX_ITERS = 3\nNUM_IMAGES = 8\nLESION_IMAGES = 16"
 
 
+NOTEBOOKS = sorted(f[:-6] for f in os.listdir(COLABS) if f.endswith(".ipynb"))
+
+
 def test_every_notebook_is_covered():
-  names = sorted(f[:-6] for f in os.listdir(COLABS) if f.endswith(".ipynb"))
-  assert names == sorted([*TINY, "loss_landscape", "quickstart", "msa_analysis", "uncertainty"])
+  assert NOTEBOOKS == sorted([*TINY, "loss_landscape", "quickstart", "msa_analysis", "uncertainty"])
+
+
+def assert_stored_executed(path):
+  """The notebook at ``path`` is stored executed: every code cell ran, in order, in one session
+  (execution_count 1, 2, …), none failed (no "error" output, no traceback on stderr), and at
+  least one figure is stored (an ``image/png`` output)."""
+  book = nbformat.read(path, as_version=4)
+  code = [c for c in book.cells if c.cell_type == "code"]
+  counts = [c.execution_count for c in code]
+  assert counts == list(range(1, len(code) + 1)), f"{path}: execution counts {counts}"
+  for index, cell in enumerate(book.cells):
+    for out in cell.get("outputs", []):
+      assert out.output_type != "error", f"{path}, cell {index}: {out.ename}: {out.evalue}"
+      assert not (out.output_type == "stream" and out.name == "stderr"
+                  and "Traceback" in out.text), f"{path}, cell {index}: a traceback on stderr"
+  assert images_in(book) >= 1, f"{path}: no image/png output"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_is_stored_executed(name):
+  """The notebooks are committed with their outputs (the docs render them as stored)."""
+  assert_stored_executed(os.path.join(COLABS, f"{name}.ipynb"))
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("strip", "execution counts"),  # as `jupyter nbconvert --clear-output` leaves it
+    ("outputs", "no image/png output"),  # outputs gone, counts kept
+    ("error", "ValueError: bad"),
+])
+def test_stored_executed_check_rejects_a_damaged_copy(tmp_path, damage, message):
+  book = nbformat.read(os.path.join(COLABS, "quickstart.ipynb"), as_version=4)
+  code = [c for c in book.cells if c.cell_type == "code"]
+  for cell in code:
+    if damage in ("strip", "outputs"):
+      cell.outputs = []
+    if damage == "strip":
+      cell.execution_count = None
+  if damage == "error":
+    code[-1].outputs.append(nbformat.v4.new_output("error", ename="ValueError", evalue="bad"))
+  nbformat.write(book, tmp_path / "damaged.ipynb")
+  with pytest.raises(AssertionError, match=message):
+    assert_stored_executed(tmp_path / "damaged.ipynb")
 
 
 @pytest.mark.slow
