@@ -10,7 +10,7 @@ NLL and ECE (15 bins) of the whole test split with ``--samples`` predictions per
 (``diverged``).
 
 ``--part batchensemble``: BatchEnsemble of 4 (``resnet_batchensemble_18``) against a deep ensemble
-of 4 trained as one job (``resnet_dnn_18`` with ``ensemble_members=4``) and a single
+of 4 trained as one job (``resnet_dnn_18`` with ``deep_ensemble.members=4``) and a single
 ``resnet_dnn_18``, all at ``--width`` on ``configs/cifar_resnet.py`` shortened to ``--epochs``
 after one warm-up epoch (lr × 0.2 at 1/2 and 3/4), with each job's wall time.
 
@@ -63,7 +63,7 @@ def batchensemble_settings(args) -> dict:
             "lr_milestones": (round(args.epochs / 2), round(3 * args.epochs / 4)),
             "nesterov": False, "weight_decay": 5e-4, "ensemble_sizes": (1,)}
   return {"single ResNet-18": ("resnet_dnn_18", common),
-          "deep ensemble of 4 (one job)": ("resnet_dnn_18", {**common, "ensemble_members": 4}),
+          "deep ensemble of 4 (one job)": ("resnet_dnn_18", {**common, "deep_ensemble.members": 4}),
           "BatchEnsemble of 4": ("resnet_batchensemble_18", common)}
 
 

@@ -1,13 +1,13 @@
-"""Deep ensembles trained as one job (``config.ensemble_members``) against the same members
+"""Deep ensembles trained as one job (``config.deep_ensemble.members``) against the same members
 trained one after another, in the same run: images/s per member.
 
 * ``bare_step``: for each M, M sequential calls of the single-model jitted SGD step against one
-  call of the ensemble step (``ensemble.ensemble_train_step``) in each strategy it offers:
+  call of the ensemble step (``deep_ensemble.ensemble_train_step``) in each strategy it offers:
   ``unrolled`` (vmap size 1), ``vmapped`` (M) and ``chunked`` (2, for M ≥ 4); every member sees
   the same batch (host-made, on the devices), as the issue's table.  Median of ``--repeats`` after
   one compiling call, whose time is reported as ``compile_seconds``.
 * ``train_loop``: the real loop (``train.train_and_evaluate`` on a synthetic CIFAR-shaped set,
-  device-resident data, each member its own batches) with ``ensemble_members`` M against M = 1,
+  device-resident data, each member its own batches) with ``deep_ensemble.members`` M against M = 1,
   compilation and fixed costs excluded (``bench_train.train_loop_images_per_s``); M single runs one
   after another train at the single run's rate.
 
@@ -33,12 +33,13 @@ import numpy as np
 from bench_train import recipe_config, train_loop_images_per_s, use_persistent_compilation_cache
 from timing import median_seconds
 
+from smoothing_jax.methods import resolve
+from smoothing_jax.methods.deep_ensemble import DeepEnsemble, ensemble_train_step
+from smoothing_jax.methods.losses import supervised_loss
 from smoothing_jax.models import get_model
 from smoothing_jax.parallel import create_mesh, shard_batch, shardings
-from smoothing_jax.training import ensemble
-from smoothing_jax.training.losses import supervised_loss
 from smoothing_jax.training.optim import create_learning_rate_schedule
-from smoothing_jax.training.steps import create_train_state, train_step
+from smoothing_jax.training.steps import create_train_state, state_initializer, train_step
 
 MODEL = "resnet_dnn_18"
 RECIPE = ("cifar_resnet", "resnet_dnn_18,cifar10")
@@ -101,10 +102,11 @@ def bare_step_rows(width, batch_size: int, members_list, repeats: int) -> list:
            "sequential": {"seconds_per_step": seconds, "first_call_seconds": compile_seconds,
                           "images_per_s_per_member": batch_size * members / seconds}}
     for name, vmap_size in strategies(members).items():
-      holder = [jax.device_put(ensemble.create_ensemble_state(config, model, members,
-                                                              (32, 32, 3), schedule), replicated)]
+      ensemble = DeepEnsemble.wrap(resolve(config, model), config, size=members)
+      init_one = state_initializer(config, ensemble.base, (32, 32, 3), schedule)
+      holder = [jax.device_put(ensemble.init_train_state(config, init_one), replicated)]
       rngs = jax.random.split(rng, members)
-      fn = jax.jit(lambda s, b, r, k=vmap_size: ensemble.ensemble_train_step(
+      fn = jax.jit(lambda s, b, r, k=vmap_size: ensemble_train_step(
           step, k, s, lambda m: b, r, shared=True),
           in_shardings=(replicated, data, replicated),
           out_shardings=(replicated, replicated), donate_argnums=(0,))
@@ -125,7 +127,7 @@ def bare_step_rows(width, batch_size: int, members_list, repeats: int) -> list:
 
 
 def train_loop_rows(width, batch_size: int, members_list, steps: int, train_images: int) -> list:
-  """The real training loop with ``ensemble_members`` M (unrolled, each member its own batches)
+  """The real training loop with ``deep_ensemble.members`` M (unrolled, each member its own batches)
   against M = 1: images/s per member."""
   rows, single = [], None
   for members in members_list:
@@ -136,7 +138,7 @@ def train_loop_rows(width, batch_size: int, members_list, steps: int, train_imag
     config.eval_every_epochs = 10 ** 6  # evaluate and checkpoint after the last step only
     config.checkpoint_every_steps = 10 ** 9
     config.log_every_steps = max(1, steps // 4)
-    config.ensemble_members = members
+    config.deep_ensemble.members = members
     config.num_train_steps = steps
     loop = train_loop_images_per_s(config, log)
     per_member = loop["images_per_s"] * members

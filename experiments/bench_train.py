@@ -45,10 +45,10 @@ import numpy as np
 
 from smoothing_jax.data import create_pipeline
 from smoothing_jax.experiment import config as config_lib
+from smoothing_jax.methods import resolve
 from smoothing_jax.models import get_model
 from smoothing_jax.parallel import create_mesh, shard_batch, shardings
 from smoothing_jax.training import train
-from smoothing_jax.training.losses import make_loss
 from smoothing_jax.training.optim import create_learning_rate_schedule
 from smoothing_jax.training.steps import compile_steps, create_train_state
 
@@ -70,8 +70,9 @@ def time_train_steps(name, overrides, config, batch, steps):
   state = jax.device_put(
       create_train_state(config, model, jax.random.key(0), batch["image"].shape[1:], schedule),
       replicated)
-  loss_fn = make_loss(config, model, num_train=50000, steps_per_epoch=100)
-  step_fn, _ = compile_steps(model, schedule, mesh, 10, loss_fn)
+  method = resolve(config, model)
+  loss_fn = method.loss(config, num_train=50000, steps_per_epoch=100)
+  step_fn, _ = compile_steps(method, schedule, mesh, 10, loss_fn)
   batch = shard_batch(batch, data)
   rng = jax.random.key(1)
   flops = step_fn.lower(state, batch, rng).compile().cost_analysis()

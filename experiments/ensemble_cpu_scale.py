@@ -1,5 +1,5 @@
 """SS Fig. E.1 at CPU scale: deep ensembles with and without spatial smoothing, each trained as
-one job of M members (``config.ensemble_members``), evaluated at N = 1..M.
+one job of M members (``config.deep_ensemble.members``), evaluated at N = 1..M.
 
 For each model (default ``resnet_dnn_18`` and ``resnet_dnn_smoothing_18``, the quickstart recipe
 of ``configs/quickstart.py``: width 16, batch 64, SGD, ``--epochs`` after one warm-up epoch, the
@@ -55,7 +55,7 @@ def main_(argv=None):
     summary[model] = {}
     for label, members in (("single", 1), ("ensemble", args.members)):
       overrides = {"model": model, "input.dataset": f"npz:{os.path.abspath(args.data)}",
-                   "input.train_fraction": args.train_fraction, "ensemble_members": members,
+                   "input.train_fraction": args.train_fraction, "deep_ensemble.members": members,
                    "num_epochs": args.epochs, "eval_every_epochs": args.epochs + 1,
                    "lr_milestones": (int(args.epochs / 2 + 0.5), int(3 * args.epochs / 4 + 0.5)),
                    "evals": {"ensemble_sizes": {}} if members > 1 else {}}

@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from smoothing_jax.models import is_batch_ensemble
 from smoothing_jax.models.cnn import check_images
 
 
@@ -85,7 +86,9 @@ def map_in_chunks(fn, xs, chunk_size: int | None):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "num_samples", "chunk_size"))
-def _mc_log_probs(model, variables, images, rng, num_samples, chunk_size):
+def mc_log_probs(model, variables, images, rng, num_samples: int, chunk_size: int | None = None):
+  """``[N, B, ..., C]`` log-probabilities of N passes, pass ``i`` with key ``split(rng, N)[i]``
+  (in chunks of ``chunk_size`` passes, :func:`map_in_chunks`)."""
   keys = jax.random.split(rng, num_samples)
   if num_samples == 1:  # one plain pass: a vmap over one key only adds work
     return log_probs(model, variables, images, keys[0])[None]
@@ -123,7 +126,7 @@ def mc_predict(model: nn.Module, variables, images, *, num_samples: int, rng,
   if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
     raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}.")
   check_images(images)
-  samples = _mc_log_probs(model, variables, images, check_rng(rng), num_samples, chunk_size)
+  samples = mc_log_probs(model, variables, images, check_rng(rng), num_samples, chunk_size)
   return Prediction(jnp.exp(samples), mean_probs(samples))
 
 
@@ -144,13 +147,16 @@ def member_of(stacked, m: int):
   return jax.tree.map(lambda x: x[m], stacked)
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
-def _ensemble_log_probs(model, stacked_variables, images, rng):
+@functools.partial(jax.jit, static_argnames=("model", "chunk_size"))
+def ensemble_log_probs(model, stacked_variables, images, rng, chunk_size: int | None = None):
+  """``[M, B, ..., C]`` log-probabilities of the members stacked along the leading axis of
+  ``stacked_variables``, member m with key ``split(rng, M)[m]`` (None: no key), in chunks of
+  ``chunk_size`` members (:func:`map_in_chunks`)."""
   members = jax.tree.leaves(stacked_variables)[0].shape[0]
   if rng is None:
-    return map_in_chunks(lambda v: log_probs(model, v, images), stacked_variables, None)
+    return map_in_chunks(lambda v: log_probs(model, v, images), stacked_variables, chunk_size)
   return map_in_chunks(lambda args: log_probs(model, args[0], images, args[1]),
-                        (stacked_variables, jax.random.split(rng, members)), None)
+                        (stacked_variables, jax.random.split(rng, members)), chunk_size)
 
 
 def ensemble_predict(model: nn.Module, stacked_variables, images, *, rng=None) -> Prediction:
@@ -162,7 +168,7 @@ def ensemble_predict(model: nn.Module, stacked_variables, images, *, rng=None) -
   """
   check_images(images)
   rng = None if rng is None else check_rng(rng)
-  samples = _ensemble_log_probs(model, stacked_variables, images, rng)
+  samples = ensemble_log_probs(model, stacked_variables, images, rng)
   return Prediction(jnp.exp(samples), mean_probs(samples))
 
 
@@ -173,18 +179,13 @@ def repeat_for_members(x, ensemble_size: int):
   return jnp.repeat(x, ensemble_size, axis=0)
 
 
-def member_log_probs(model: nn.Module, variables, images, rng=None):
-  """One evaluation pass as ``[P, B, ..., C]`` log-probabilities: P = 1 (:func:`log_probs`), or a
-  BatchEnsemble's M members, all in one pass over the batch repeated M times (pure: for losses
-  and analyses that differentiate through the prediction)."""
-  m = getattr(model, "ensemble_size", 0)
-  if m < 1:
-    return log_probs(model, variables, images, rng)[None]
+@functools.partial(jax.jit, static_argnames=("model",))
+def batch_ensemble_log_probs(model: nn.Module, variables, images, rng=None):
+  """``[M, B, ..., C]`` log-probabilities of a BatchEnsemble's M members, all in one pass over
+  the batch repeated M times (:func:`repeat_for_members`)."""
+  m = model.ensemble_size
   out = log_probs(model, variables, repeat_for_members(images, m), rng)   # [B·M, ..., C]
   return jnp.swapaxes(out.reshape((images.shape[0], m) + out.shape[1:]), 0, 1)
-
-
-_batch_ensemble_log_probs = jax.jit(member_log_probs, static_argnames=("model",))
 
 
 def batch_ensemble_predict(model: nn.Module, variables, images, *, rng=None) -> Prediction:
@@ -194,10 +195,10 @@ def batch_ensemble_predict(model: nn.Module, variables, images, *, rng=None) -> 
   Returns ``Prediction(sample_probs [M, B, C], mean_probs [B, C])`` (uncertainty-baselines
   averages the members' probabilities too).
   """
-  if getattr(model, "ensemble_size", 0) < 1:
+  if not is_batch_ensemble(model):  # an input check (methods.BatchEnsemble calls the primitive)
     raise ValueError("batch_ensemble_predict needs a BatchEnsemble model (ensemble_size >= 1), "
                      "e.g. get_model('resnet_batchensemble_18', 10).")
   check_images(images)
   rng = None if rng is None else check_rng(rng)
-  samples = _batch_ensemble_log_probs(model, variables, images, rng)
+  samples = batch_ensemble_log_probs(model, variables, images, rng)
   return Prediction(jnp.exp(samples), mean_probs(samples))

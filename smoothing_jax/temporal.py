@@ -1,7 +1,8 @@
 """Temporal smoothing (VQ-BNN, Park et al. 2021) for data streams such as video.
 
-VQ-BNN runs the network once per frame (one stochastic pass: an MC dropout or
-iBNN sample, or the deterministic net = "VQ-DNN") and complements the new
+VQ-BNN runs the network once per frame (one stochastic pass of the run's method,
+``Method.frame_probs``: an MC dropout, BNN-VI or iBNN sample, a BatchEnsemble's members, or the
+deterministic net = "VQ-DNN"; a deep ensemble refuses) and complements the new
 prediction with the memorised predictions of the previous frames:
 
     p(y | x_0) ≈ Σ_{t=0}^{L-1} π_t p(y | x_t, w_t),   π_t ∝ exp(−λ·t),
@@ -14,8 +15,8 @@ fewer than L frames have been seen, π is normalised over the frames present.
 Everything is a pure function of a carried :class:`StreamState`, so a whole
 video is one ``lax.scan`` (:func:`vq_bnn_predict`) and a long stream can be
 processed in chunks, carrying the state from one call to the next, with the
-same result.  Works with any registered model: predictions are ``[B, C]`` for
-classifiers and ``[B, H, W, C]`` for segmentation models.
+same result.  Works with any registered model (or its method, ``methods.as_method``):
+predictions are ``[B, C]`` for classifiers and ``[B, H, W, C]`` for segmentation models.
 
 :func:`stream_predictions` and :func:`stream_statistics` compare one pass per
 frame, MC dropout and temporal smoothing on clips (paper Table E.4); :func:`translate_sequences`
@@ -31,9 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from smoothing_jax.inference import batch_ensemble_predict, check_rng, log_probs, mc_predict
+from smoothing_jax.inference import check_rng
+from smoothing_jax.methods import Method, as_method
 from smoothing_jax.metrics import TemporalConsistency, UncertaintyMetrics, label_mask
-from smoothing_jax.models import is_batch_ensemble, is_stochastic
 from smoothing_jax.models.cnn import check_images
 
 NUM_FRAMES = 5      # L: predictions kept (the current one included)
@@ -83,41 +84,34 @@ def temporal_smoothing(state: StreamState, probs, decay_rate=DECAY_RATE):
   return StreamState(history, frames_seen), smoothed
 
 
-def _frame_probs(model, variables, frame, key):
-  """One stochastic forward pass: the predictive probabilities ``[B, ..., C]`` (a BatchEnsemble's:
-  its members' mean, all M members in one pass over the repeated batch)."""
-  if is_batch_ensemble(model):
-    return batch_ensemble_predict(model, variables, frame, rng=key).mean_probs
-  return jnp.exp(log_probs(model, variables, frame, key))
-
-
-def _stream_step(model, variables, rng, decay_rate, state, frame):
+def _stream_step(method: Method, variables, rng, decay_rate, state, frame):
   # Frame number n uses key fold_in(rng, n): chunked and whole-video runs draw the same samples.
-  probs = _frame_probs(model, variables, frame, jax.random.fold_in(rng, state.frames_seen))
+  probs = method.frame_probs(variables, frame, jax.random.fold_in(rng, state.frames_seen))
   return temporal_smoothing(state, probs, decay_rate)
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
-def _jit_stream_step(model, variables, state, frame, rng, decay_rate):
-  return _stream_step(model, variables, rng, decay_rate, state, frame)
+@functools.partial(jax.jit, static_argnames=("method",))
+def _jit_stream_step(method, variables, state, frame, rng, decay_rate):
+  return _stream_step(method, variables, rng, decay_rate, state, frame)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "num_frames"))
-def _jit_scan(model, variables, state, frames, rng, decay_rate, num_frames):
+@functools.partial(jax.jit, static_argnames=("method", "num_frames"))
+def _jit_scan(method, variables, state, frames, rng, decay_rate, num_frames):
   if state is None:  # a new stream: its shape is found while tracing, not on every call
-    state = init_stream(prediction_shape(model, variables, frames.shape[1:]), num_frames)
-  return jax.lax.scan(functools.partial(_stream_step, model, variables, rng, decay_rate), state,
+    state = init_stream(prediction_shape(method, variables, frames.shape[1:]), num_frames)
+  return jax.lax.scan(functools.partial(_stream_step, method, variables, rng, decay_rate), state,
                       frames)
 
 
-def prediction_shape(model: nn.Module, variables, frame_shape) -> tuple:
+def prediction_shape(model: nn.Module | Method, variables, frame_shape) -> tuple:
   """Shape of one frame's prediction (``[B, C]`` or ``[B, H, W, C]``), from ``jax.eval_shape``."""
+  method = as_method(model)
   frame = jax.ShapeDtypeStruct(tuple(frame_shape), jnp.float32)
-  out = jax.eval_shape(lambda v, x: _frame_probs(model, v, x, jax.random.key(0)), variables, frame)
+  out = jax.eval_shape(lambda v, x: method.frame_probs(v, x, jax.random.key(0)), variables, frame)
   return tuple(out.shape)
 
 
-def stream_predict(model: nn.Module, variables, state: StreamState, frame, *, rng,
+def stream_predict(model: nn.Module | Method, variables, state: StreamState, frame, *, rng,
                    decay_rate=DECAY_RATE):
   """One jitted VQ-BNN step: predict ``frame [B, H, W, 3]`` once and smooth it with the
   stream's past.
@@ -127,15 +121,17 @@ def stream_predict(model: nn.Module, variables, state: StreamState, frame, *, rn
   model's prediction shape (``[B, C]`` or ``[B, H, W, C]``).
   """
   check_images(frame)
-  return _jit_stream_step(model, variables, state, frame, check_rng(rng), jnp.float32(decay_rate))
+  return _jit_stream_step(as_method(model), variables, state, frame, check_rng(rng),
+                          jnp.float32(decay_rate))
 
 
-def vq_bnn_predict(model: nn.Module, variables, frames, *, rng, num_frames: int = NUM_FRAMES,
+def vq_bnn_predict(model: nn.Module | Method, variables, frames, *, rng,
+                   num_frames: int = NUM_FRAMES,
                    decay_rate=DECAY_RATE, state: StreamState | None = None):
   """VQ-BNN over a video ``frames [T, B, H, W, 3]`` (B parallel streams) in one ``lax.scan``.
 
   Args:
-    model, variables: any registered model and its variables.
+    model, variables: any registered model (or its method) and its variables.
     frames: ``[T, B, H, W, 3]`` normalised float frames, time first.
     rng: PRNG key of the stream (frame n uses ``fold_in(rng, n)``).
     num_frames: L, predictions kept (ignored when ``state`` is given).
@@ -153,52 +149,39 @@ def vq_bnn_predict(model: nn.Module, variables, frames, *, rng, num_frames: int 
   check_images(frames[0])
   if not isinstance(num_frames, int) or num_frames < 1:
     raise ValueError(f"num_frames (L) must be a positive integer, got {num_frames!r}.")
-  return _jit_scan(model, variables, state, frames, check_rng(rng), jnp.float32(decay_rate),
-                   num_frames)
+  return _jit_scan(as_method(model), variables, state, frames, check_rng(rng),
+                   jnp.float32(decay_rate), num_frames)
 
 
-def stream_predictions(model,
+def stream_predictions(model: nn.Module | Method,
                        variables,
                        frames,
                        *,
                        rng,
                        num_samples: int,
                        num_frames: int = NUM_FRAMES,
-                       decay_rate: float = DECAY_RATE,
-                       chunk_size: int | None = None) -> dict:
+                       decay_rate: float = DECAY_RATE) -> dict:
   """Predictions of the last two frames of clips ``frames [T, B, H, W, 3]`` by each inference
   method.
 
   Returns ``{method: probs [2, B, ..., C]}`` with methods ``"single"`` (one
-  forward pass per frame: the deterministic net, one MC dropout or BNN-VI sample, or a
-  BatchEnsemble's members' mean),
-  ``"mc"`` (mean of ``num_samples`` MC dropout passes; dropout models only — iBNN
-  ensembles are ``smoothing_jax.methods.ibnn.ibnn_predict``)
-  and ``"temporal"`` (VQ-BNN: one pass per frame, smoothed over the last
-  ``num_frames`` frames with π_t ∝ exp(−λ t); the clip must hold ≥ num_frames + 1
-  frames for both outputs to be fully smoothed).
+  forward pass per frame, ``Method.frame_probs``: the deterministic net, one MC dropout, BNN-VI
+  or iBNN sample, or a BatchEnsemble's members' mean), ``"mc"`` (the method's predictive with
+  ``num_samples`` draws, ``Method.with_samples``; stochastic methods only) and ``"temporal"``
+  (VQ-BNN: one pass per frame, smoothed over the last ``num_frames`` frames with
+  π_t ∝ exp(−λ t); the clip must hold ≥ num_frames + 1 frames for both outputs to be fully
+  smoothed).
   """
+  method = as_method(model)
   keys = jax.random.split(rng, 3)
   last_two = frames[-2:].reshape((-1,) + frames.shape[2:])
   shape = (2, frames.shape[1])
-
-  def single(key):
-    if is_batch_ensemble(model):
-      probs = _frame_probs(model, variables, last_two, key)
-    else:
-      probs = mc_predict(model, variables, last_two, num_samples=1, rng=key).mean_probs
-    return probs.reshape(shape + probs.shape[1:])
-
-  out = {"single": single(keys[0])}
-  if is_stochastic(model) and num_samples > 1:
-    pred = mc_predict(model,
-                      variables,
-                      last_two,
-                      num_samples=num_samples,
-                      rng=keys[1],
-                      chunk_size=chunk_size)
+  probs = method.frame_probs(variables, last_two, keys[0])
+  out = {"single": probs.reshape(shape + probs.shape[1:])}
+  if method.stochastic and num_samples > 1:
+    pred = method.with_samples(num_samples).predict(variables, last_two, rng=keys[1])
     out["mc"] = pred.mean_probs.reshape(shape + pred.mean_probs.shape[1:])
-  _, smoothed = vq_bnn_predict(model,
+  _, smoothed = vq_bnn_predict(method,
                                variables,
                                frames,
                                rng=keys[2],

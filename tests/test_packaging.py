@@ -196,3 +196,35 @@ def test_loading_a_workdir_imports_neither_torch_nor_the_checkpoint_conversions(
           "assert not loaded, loaded\n")
   result = _run_python(code)
   assert result.returncode == 0, result.stderr[-3000:]
+
+
+# What decides a run's method: read only in smoothing_jax/methods/ and the layer factory (models/,
+# layers/), plus the places listed here, each commented in its file with why.
+METHOD_QUESTIONS = re.compile(
+    r"\bis_(ibnn|mean_field|batch_ensemble|stochastic)\b|\.num_components\b|\.ensemble_size\b"
+    r"|\.mean_field\b|\bensemble_members\b|isinstance\([^)]*(MCDropout|DeepEnsemble|IBNN|BNNVI|"
+    r"BatchEnsemble|Deterministic)\b")
+METHOD_QUESTIONS_ALLOWED = {  # file: lines (code, strings and comments left out)
+    # The BatchEnsemble primitive: its members, and the check of its input (one branch).
+    "inference.py": 3,
+    # Run.ensemble_members (the members a Run stacks) and Run.member's bounds (one branch).
+    "experiment/run.py": 2,
+    # load_trained: the analyses study one network; which member of a deep ensemble is the
+    # user's call (one branch).
+    "analysis/trained.py": 1,
+}
+
+
+def test_only_the_methods_ask_which_method_a_run_uses():
+  """Outside methods/ and the layer factory, the method is asked for, not worked out: three
+  branches remain (at most five allowed), each in a file listed here and commented there."""
+  counts = {}
+  for path in (ROOT / "smoothing_jax").rglob("*.py"):
+    relative = path.relative_to(ROOT / "smoothing_jax").as_posix()
+    if relative.split("/")[0] in ("methods", "models", "layers"):
+      continue
+    code = [re.sub(r"\"[^\"]*\"|'[^']*'|#.*", "", line) for line in path.read_text().splitlines()]
+    lines = [line for line in code if METHOD_QUESTIONS.search(line)]
+    if lines:
+      counts[relative] = len(lines)
+  assert counts == METHOD_QUESTIONS_ALLOWED

@@ -21,6 +21,7 @@ import numpy as np
 
 from smoothing_jax.analysis.fourier import delta_log_amplitude
 from smoothing_jax.inference import sample_rngs
+from smoothing_jax.methods import as_method
 
 
 def _taps(model) -> list:
@@ -58,16 +59,14 @@ def _captured(model, variables, images, rng) -> dict:
     path = module.scope.path if module.scope is not None else ()
     return method_name == "__call__" and len(path) == 1 and path[0] in names
 
-  # A BatchEnsemble's feature maps are its first member's (one network, as for other models).
-  members = {"components": jnp.zeros(images.shape[0], jnp.int32)} if getattr(
-      model, "ensemble_size", 0) else {}
+  # One network's feature maps (a BatchEnsemble's: its first member's; Method.one_network).
   _, state = model.apply(variables,
                          images,
                          train=False,
                          rngs=sample_rngs(rng),
                          capture_intermediates=tapped,
                          mutable=["intermediates"],
-                         **members)
+                         **as_method(model).one_network(images.shape[0]))
   # A tapped submodule's entry is {"__call__": (output,), ...}; a sown tap's is (value,).
   return {
       name: out["__call__"][0] if isinstance(out, Mapping) else out[0]

@@ -1,7 +1,8 @@
-"""Adversarial robustness against the MC-averaged prediction (HV ``ops/adversarial.py`` semantics).
+"""Adversarial robustness against the method's predictive (HV ``ops/adversarial.py`` semantics).
 
-The attack loss is the NLL of the ensemble prediction, −log p̄(y|x) with
-p̄ = mean_n softmax(f_n(x)), over ``num_samples`` fixed dropout keys.  ε is in
+The attack loss is the NLL of the predictive, −log p̄(y|x) with p̄ = mean_n softmax(f_n(x)) over
+the method's N draws for a fixed key (``Method.sample_log_probs``: MC dropout's N passes, an
+iBNN's K·S component draws, an ensemble's members).  ε is in
 pixel space [0, 1]; ``normalize`` maps pixels to the model's input, and
 adversarial images are clipped to [0, 1] (unlike the reference, which clips
 normalised inputs).
@@ -13,14 +14,15 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from smoothing_jax.inference import log_mean_probs, member_log_probs
+from smoothing_jax.inference import log_mean_probs
+from smoothing_jax.methods import as_method
 
 
-def ensemble_nll(model, variables, keys, normalize: Callable, pixels, labels):
-  """Mean −log p̄(y | x) of pixel images ``[B,H,W,3]`` under the MC ensemble given by
-  ``keys`` (a BatchEnsemble's: all its members for each key)."""
-  samples = jax.vmap(lambda key: member_log_probs(model, variables, normalize(pixels), key))(keys)
-  log_mean = log_mean_probs(samples.reshape((-1,) + samples.shape[2:]))
+def ensemble_nll(model, variables, rng, normalize: Callable, pixels, labels):
+  """Mean −log p̄(y | x) of pixel images ``[B,H,W,3]`` under the predictive of ``model``'s
+  method (or the method given) drawn with key ``rng``."""
+  samples = as_method(model).sample_log_probs(variables, normalize(pixels), rng)
+  log_mean = log_mean_probs(samples)
   return -jnp.mean(jnp.take_along_axis(log_mean, labels[:, None], axis=1))
 
 

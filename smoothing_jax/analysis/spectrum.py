@@ -20,7 +20,8 @@ import optax
 from jax.tree_util import Partial
 
 from smoothing_jax.analysis.hessian import top_and_min_eigenvalues
-from smoothing_jax.inference import repeat_for_members, sample_rngs
+from smoothing_jax.inference import sample_rngs
+from smoothing_jax.methods import as_method
 
 REGULARIZERS = ("half_squared_l2", "sum_of_l2_norms")
 
@@ -45,10 +46,12 @@ def regularization(params, regularizer: str = "half_squared_l2"):
 def training_loss(model, weight_decay, batch_stats, dropout_key, images, labels, params,
                   regularizer: str = "half_squared_l2"):
   """NLL + weight_decay · R(θ) (:func:`regularization`) of one batch, BatchNorm with running
-  statistics, fixed dropout key (a BatchEnsemble's: every member on the batch, as it trains)."""
-  members = getattr(model, "ensemble_size", 0)
-  if members:
-    images, labels = repeat_for_members(images, members), repeat_for_members(labels, members)
+  statistics, fixed dropout key, on the batch as the model's method trains on it
+  (``Method.tile``: a BatchEnsemble's, every member on the batch).  ``model``: a Flax module or
+  its method."""
+  method = as_method(model)
+  model = method.model
+  images, labels = method.tile(images, labels)
   logits = model.apply({"params": params, "batch_stats": batch_stats}, images, train=False,
                        rngs=sample_rngs(dropout_key))
   nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()

@@ -58,9 +58,11 @@ def load_trained(workdir: str, member: int | None = None) -> Run:
   (``Run.from_workdir``: its ``config.json`` picks model and data; training batches come from the
   ``train_fraction`` subset it trained on); a workdir without checkpoints that records
   ``init_from`` (e.g. ``--mode=evaluate`` of a torch checkpoint) gives those variables, at step
-  0.  The analyses take one model: of an ensemble workdir (``config.ensemble_members``), its
-  ``member`` (``Run.member``)."""
+  0.  The analyses take one model: of an ensemble workdir (``config.deep_ensemble.members``),
+  its ``member`` (``Run.member``)."""
   run = Run.from_workdir(workdir)
+  # Branches on the method: the analyses study one network's weights and features, which a deep
+  # ensemble has M of; choosing one is the user's call, not a method's.
   if run.ensemble_members > 1:
     if member is None:
       raise ValueError(f"{workdir} holds an ensemble of {run.ensemble_members} members and the "
@@ -283,11 +285,14 @@ def temporal_smoothing_study(trained: Run,
       decay_rate=decay_rate, batch_size=batch_size, seed=seed)
 
 
-def _attack(trained: Run, kind: str, pgd_steps: int, seed: int):
-  """Jitted ``(variables, keys, pixels, labels, eps) -> adversarial pixels`` (arrays as
-  arguments, not constants, so XLA does not constant-fold the network)."""
-  def run(variables, keys, x, y, eps):
-    loss = functools.partial(ensemble_nll, trained.model, variables, keys, trained.normalize)
+def _attack(trained: Run, num_samples: int, kind: str, pgd_steps: int, seed: int):
+  """Jitted ``(variables, key, pixels, labels, eps) -> adversarial pixels`` against the run's
+  predictive with ``num_samples`` draws (arrays as arguments, not constants, so XLA does not
+  constant-fold the network)."""
+  method = trained.method.with_samples(num_samples)
+
+  def run(variables, key, x, y, eps):
+    loss = functools.partial(ensemble_nll, method, variables, key, trained.normalize)
     if kind == "fgsm":
       return fgsm(loss, x, y, eps)
     return pgd(loss, x, y, eps, step_size=eps / 4, steps=pgd_steps, rng=jax.random.key(seed + 1))
@@ -301,21 +306,22 @@ def adversarial_study(trained: Run,
                       num_samples: int = 1,
                       pgd_steps: int = 10,
                       seed: int = 0) -> dict:
-  """Accuracy and attack success rate of FGSM and PGD (random start) for each ε in pixel space."""
+  """Accuracy and attack success rate of FGSM and PGD (random start) for each ε in pixel space,
+  the attacks on the NLL of the predictive that scores them (``Run.predict`` with
+  ``num_samples`` draws, and the same key)."""
   pixels, labels = eval_pixels(trained, num_images)
-  num_samples = num_samples if trained.stochastic else 1
-  keys = jax.random.split(jax.random.key(seed), num_samples)
+  key = jax.random.key(seed)
   predict = functools.partial(trained.predict, num_samples=num_samples, rng=jax.random.key(seed))
   clean_correct = predict(trained.normalize(pixels)).argmax(-1) == labels
   x, y = jnp.asarray(pixels), jnp.asarray(labels)
   attacks = {
-      "fgsm": _attack(trained, "fgsm", pgd_steps, seed),
-      "pgd": _attack(trained, "pgd", pgd_steps, seed)
+      "fgsm": _attack(trained, num_samples, "fgsm", pgd_steps, seed),
+      "pgd": _attack(trained, num_samples, "pgd", pgd_steps, seed)
   }
   rows = []
   for eps in epsilons:
     for name, attack in attacks.items():
-      correct = predict(trained.normalize(attack(trained.variables, keys, x, y,
+      correct = predict(trained.normalize(attack(trained.variables, key, x, y,
                                                  eps))).argmax(-1) == labels
       success = float(np.sum(clean_correct & ~correct) / max(np.sum(clean_correct), 1))
       rows.append({

@@ -1,7 +1,7 @@
 """Class balancing of segmentation losses: per-class pixel counts and median-frequency weights.
 
 Label maps ``[N, H, W]``; labels outside ``[0, num_classes)`` are void and count as no
-class.  The loss that uses the weights is :func:`smoothing_jax.training.losses.cross_entropy`.
+class.  The loss that uses the weights is :func:`smoothing_jax.methods.losses.cross_entropy`.
 """
 from __future__ import annotations
 

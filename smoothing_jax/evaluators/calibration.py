@@ -35,8 +35,7 @@ def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[st
   "holdout_fraction", "seed"}``, one per N and placement."""
   config = run.config
   pred = predictive(run, members, sizes)
-  step = sharded_eval_step(sample_log_probs_step, run.mesh, pred.kind, run.model,
-                           pred.num_samples, config.get("eval_chunk_size"))
+  step = sharded_eval_step(sample_log_probs_step, run.mesh, pred.method)
   held = gather(step, pred.variables, run.mesh,
                 run.pipeline.holdout_batches(eval_batch_size(config, run.mesh)), seed)
   test = gather(step, pred.variables, run.mesh, run.eval_batches(), seed + 1)
@@ -53,7 +52,8 @@ def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[st
       after = _metrics(test_log_probs[:n], test["label"], temperature, config.ece_bins,
                        placement)
       a = after.compute()
-      rows.append({"ensemble_size": n, "placement": placement, "temperature": temperature,
+      rows.append({"method": pred.method.name, "ensemble_size": n, "placement": placement,
+                   "temperature": temperature,
                    "nll_before": b["nll"], "nll_after": a["nll"], "ece_before": b["ece"],
                    "ece_after": a["ece"], "brier_before": b["brier"], "brier_after": a["brier"],
                    "accuracy": b["acc"], "holdout_examples": len(held["label"]),

@@ -101,7 +101,7 @@ def evaluate(run, output_dir, *, baseline_csv: str = "", num_samples: int = 1,
   """The sweep for ``run``: ``num_samples`` MC samples per prediction for MC dropout and BNN-VI
   models (default 1), every member of a deep ensemble or BatchEnsemble, K·S
   draws of an iBNN; returns the aggregates (:func:`corruption_aggregates`)."""
-  config, model = run.config, run.model
+  config = run.config
   output_dir = workdir_lib.workdir_path(output_dir)
   base = run.pipeline.dataset_spec.base
   baseline_csv = baseline_csv or default_baseline(base)
@@ -109,8 +109,8 @@ def evaluate(run, output_dir, *, baseline_csv: str = "", num_samples: int = 1,
   # num_samples MC samples, or every member / component draw.
   sampled = predictive(run, sizes=(num_samples,))
   size = max(sampled.sizes)
-  step = sharded_eval_step(ensemble_metrics_step, run.mesh, sampled.kind, model, (size,),
-                           sampled.num_samples, config.get("eval_chunk_size"), config.ece_bins)
+  step = sharded_eval_step(ensemble_metrics_step, run.mesh, sampled.method, (size,),
+                           config.ece_bins)
   rows, table = [], {}
   for corruption in corruptions:
     for severity in range(1, 6):
@@ -119,7 +119,8 @@ def evaluate(run, output_dir, *, baseline_csv: str = "", num_samples: int = 1,
                               jax.random.key(seed))
       m = m.compute()
       table[(corruption, severity)] = {"nll": m["nll"], "err": 1.0 - m["acc"], "ece": m["ece"]}
-      rows.append({"type": corruption, "severity": severity, "NLL": m["nll"], "Acc": m["acc"],
+      rows.append({"method": sampled.method.name, "type": corruption, "severity": severity,
+                   "NLL": m["nll"], "Acc": m["acc"],
                    "ECE": m["ece"], "count": m["count"]})
       if jax.process_index() == 0:
         write_table(rows, output_dir, "corruptions")

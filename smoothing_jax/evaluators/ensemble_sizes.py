@@ -30,13 +30,13 @@ def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[st
   config = run.config
   pred = predictive(run, members, sizes)
   sizes = pred.sizes
-  step = sharded_eval_step(ensemble_metrics_step, run.mesh, pred.kind, run.model, sizes,
-                           pred.num_samples, config.get("eval_chunk_size"), config.ece_bins)
+  step = sharded_eval_step(ensemble_metrics_step, run.mesh, pred.method, sizes, config.ece_bins)
   totals = evaluate_batches(step, pred.variables, run.eval_batches(), shardings(run.mesh)[1],
                             jax.random.key(seed))
-  rows = [{"ensemble_size": n, **{k: m[k] for k in ("count",) + METRIC_COLUMNS}}
+  rows = [{"method": pred.method.name, "ensemble_size": n,
+           **{k: m[k] for k in ("count",) + METRIC_COLUMNS}}
           for n, m in zip(sizes, (t.compute() for t in totals), strict=True)]
-  name = "deep ensemble" if pred.kind == "deep_ensemble" else config.model
+  name = f"{config.model} ({pred.method.describe()})"
   write_results(output_dir, "ensemble_sizes", rows, {
       "ensemble_sizes.png": lambda: plot_ensemble_sizes(rows, f"{name} on {config.input.dataset}"),
       "reliability.png": lambda: plot_reliability_diagram(

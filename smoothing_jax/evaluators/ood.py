@@ -56,8 +56,7 @@ def evaluate(run, output_dir, *, datasets: Sequence[str] = (), sizes: Sequence[i
   config = run.config
   names = resolve_ood_datasets(run.pipeline.dataset_spec.base, datasets)
   pred = predictive(run, members, sizes)
-  step = sharded_eval_step(ranking_step, run.mesh, pred.kind, run.model, pred.sizes,
-                           pred.num_samples, config.get("eval_chunk_size"))
+  step = sharded_eval_step(ranking_step, run.mesh, pred.method, pred.sizes)
   inside = gather(step, pred.variables, run.mesh, run.eval_batches(), seed)
   rows = []
   for k, name in enumerate(names):
@@ -67,7 +66,8 @@ def evaluate(run, output_dir, *, datasets: Sequence[str] = (), sizes: Sequence[i
       for score in ranking.SCORES:
         positive, negative = inside[score][:, j], outside[score][:, j]
         detection = ranking.detection_metrics(positive, negative)
-        rows.append({"ood_dataset": name, "ensemble_size": n, "score": score, **detection,
+        rows.append({"method": pred.method.name, "ood_dataset": name, "ensemble_size": n,
+                     "score": score, **detection,
                      "count_in": len(positive), "count_out": len(negative)})
         fpr, tpr = ranking.roc_curve(positive, negative)
         recall, precision = ranking.precision_recall_curve(positive, negative)

@@ -20,14 +20,13 @@ def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[st
   "coverage_at_99", "count"}``."""
   config = run.config
   pred = predictive(run, members, sizes)
-  step = sharded_eval_step(ranking_step, run.mesh, pred.kind, run.model, pred.sizes,
-                           pred.num_samples, config.get("eval_chunk_size"))
+  step = sharded_eval_step(ranking_step, run.mesh, pred.method, pred.sizes)
   test = gather(step, pred.variables, run.mesh, run.eval_batches(), seed)
   rows, curves = [], {}
   for j, n in enumerate(pred.sizes):
     for score in ranking.SCORES:
       confidence, correct = test[score][:, j], test["correct"][:, j]
-      rows.append({"ensemble_size": n, "score": score,
+      rows.append({"method": pred.method.name, "ensemble_size": n, "score": score,
                    **ranking.selective_metrics(confidence, correct), "count": len(correct)})
       curves[f"{score}, N={n}"] = ranking.selective_curve(confidence, correct)
   write_results(output_dir, "selective", rows, {"selective.png": lambda: plot_accuracy_rejection(

@@ -50,8 +50,8 @@ def evaluate(run, output_dir, *, num_samples: int = 0,
         f"Clips of {frames_uint8.shape[1]} frames are too short for num_frames={num_frames} "
         "(need num_frames + 1 to smooth the last two frames fully).")
 
-  step = sharded_eval_step(stream_metrics_step, run.mesh, run.model, num_samples, num_frames,
-                           decay_rate, config.get("eval_chunk_size"), config.ece_bins)
+  step = sharded_eval_step(stream_metrics_step, run.mesh, run.method, num_samples, num_frames,
+                           decay_rate, config.ece_bins)
   batch_size = eval_batch_size(config,
                                data_sharding.mesh) // jax.process_count()  # this process's rows
   num_batches = -(-camvid.num_examples("clips", split, config.input.data_dir) //

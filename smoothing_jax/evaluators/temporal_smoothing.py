@@ -49,8 +49,8 @@ def evaluate(run, output_dir, *, num_images: int = 1000, length: int = 6, max_sh
       batch["label"][:n], batch["mask"][:n] = labels[start:start + n], 1.0
       yield batch
 
-  step = sharded_eval_step(stream_metrics_step, run.mesh, run.model, num_samples, num_frames,
-                           decay_rate, run.config.get("eval_chunk_size"), run.config.ece_bins)
+  step = sharded_eval_step(stream_metrics_step, run.mesh, run.method, num_samples, num_frames,
+                           decay_rate, run.config.ece_bins)
   totals, _ = evaluate_batches(step, run.variables, batches(), shardings(run.mesh)[1],
                                jax.random.key(seed))
   rows = stream_rows(totals, num_samples)

@@ -1,5 +1,6 @@
 """Config keys shared by every experiment config: infrastructure defaults, and the recipe keys
 that each recipe in ``configs/`` sets (``check_recipe`` names any it left unset)."""
+import copy
 import difflib
 import types
 from collections.abc import Mapping, Sequence
@@ -8,6 +9,7 @@ from typing import Any, NoReturn
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from smoothing_jax import methods
 from smoothing_jax.models import model_options
 
 # Recipe keys: None in ``base_config()``; each recipe sets those its optimiser and schedule read.
@@ -106,31 +108,12 @@ def base_config() -> ml_collections.ConfigDict:
   config.mixup_alpha = 0.0          # Mixup Beta(α, α) (on device, in the train step)
   config.cutmix_alpha = 0.0         # CutMix Beta(α, α)
   config.mixup_switch_prob = 0.5    # P(CutMix) when both are on
-  # iBNN (models with node noise, e.g. vgg_ibnn_16): ELBO and posterior optimiser.
-  config.ibnn = ml_collections.ConfigDict({
-      "num_train_samples": 2,  # S: repeats of each example per step (Algorithm 1)
-      "prior_mean": 1.0,
-      "prior_std": 0.1,  # s of N(1, s²): 0.1 WRN, 0.3 VGG
-      "kl_anneal_epochs": 200,  # β: 0 → 1 linearly per epoch
-      "variational_lr": 2.4,  # constant, no weight decay
-      "eval_samples": 5,  # S at evaluation: K×S predictions
-      "freeze_deterministic": False,  # train only the posterior (with pretrained_workdir)
-      "pretrained_workdir":
-          placeholder(str),  # initialise W from a deterministic run of the same architecture
-  })
-  # BNN-VI (mean-field models, e.g. vgg_bnnvi_16): the ELBO's prior and annealing.
-  config.bnnvi = ml_collections.ConfigDict({
-      "prior_std": 0.1,  # s of the prior N(μ, s²) (uncertainty-baselines' --prior_stddev)
-      "prior_mean": placeholder(float),  # None: tied to the posterior mean (uncertainty-baselines)
-      "kl_anneal_epochs": 200,  # β: 0 → 1 linearly per epoch (the iBNN protocol)
-  })
-  # BatchEnsemble (models with ensemble_size, e.g. resnet_batchensemble_18): uncertainty-baselines'
-  # CIFAR settings.  The fast weights (and the members' biases) learn at the multiplied rate;
-  # weight decay skips the fast weights unless fast_weight_decay says otherwise.
-  config.batch_ensemble = ml_collections.ConfigDict({
-      "fast_weight_lr_multiplier": 0.5,
-      "fast_weight_decay": 0.0,
-  })
+  # Each method's settings, ``config.<method name>`` (``Method.settings``: iBNN's ELBO and
+  # posterior optimiser, BNN-VI's prior and annealing, BatchEnsemble's fast-weight rate and decay,
+  # the deep ensemble's members; their defaults and meanings are in smoothing_jax/methods/).
+  for name, method in methods.REGISTRY.items():
+    if method.settings:
+      config[name] = ml_collections.ConfigDict(copy.deepcopy(method.settings))
   # Logging, evaluation and checkpoints.
   config.log_every_steps = 100
   config.eval_every_epochs = 10
@@ -151,14 +134,6 @@ def base_config() -> ml_collections.ConfigDict:
   # MC ensemble sizes N the evaluators report (an evaluator's ``sizes`` option overrides them;
   # deterministic models use N = 1).
   config.ensemble_sizes = (1, 2, 3, 4, 5, 10, 20, 50)
-  # A deep ensemble of M members trained as one job (smoothing_jax.training.ensemble): member m is
-  # the single run with seed + m; the evaluators report the ensembles of its first N = 1..M members.
-  config.ensemble_members = 1
-  # Every member trains on the batches of ``seed`` (for speed comparisons; members then differ by
-  # initialisation and dropout only).
-  config.ensemble_shared_batches = False
-  # Members vmapped together in the step (1: unrolled, M: all vmapped; 0: per backend).
-  config.ensemble_vmap_size = 0
   # Samples evaluated together (None: inference.default_chunk_size, 1 on CPU, 10 on GPU/TPU).
   config.eval_chunk_size = placeholder(int)
   return config

@@ -32,8 +32,8 @@ from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.experiment.config import check_key, with_overrides
 from smoothing_jax.experiment.spec import ModelSpec, build_model, check_model_fits
 from smoothing_jax.experiment.workdir_lock import lock_workdir
-from smoothing_jax.inference import batch_ensemble_predict, ensemble_predict, mc_predict, member_of
-from smoothing_jax.models import is_batch_ensemble, is_stochastic
+from smoothing_jax.inference import member_of
+from smoothing_jax.methods import Method, resolve
 from smoothing_jax.parallel import (
   create_mesh,
   eval_batch_size,
@@ -47,7 +47,7 @@ from smoothing_jax.variables import abstract_variables
 DATA_SPLIT_KEYS = ("seed", "input.split_seed", "input.train_fraction", "input.holdout_fraction")
 # Config keys an evaluation config never replaces: the split, and how many members the
 # checkpoint stacks.
-RECORDED_KEYS = DATA_SPLIT_KEYS + ("ensemble_members",)
+RECORDED_KEYS = DATA_SPLIT_KEYS + ("deep_ensemble.members",)
 
 
 def create_run_pipeline(config, mesh: Mesh) -> Pipeline:
@@ -72,18 +72,10 @@ def _has_key(config, key: str) -> bool:
   return True
 
 
-def _mean_probs(model, num_samples, chunk_size, variables, batch, rng):
-  """``[B, C]`` mean predictive of one batch of normalised images (``Run.predict``): over MC
-  samples, or a BatchEnsemble's members."""
-  if is_batch_ensemble(model):
-    return batch_ensemble_predict(model, variables, batch["image"], rng=rng).mean_probs
-  return mc_predict(model, variables, batch["image"], num_samples=num_samples, rng=rng,
-                    chunk_size=chunk_size).mean_probs
-
-
-def _ensemble_mean_probs(model, variables, batch, rng):
-  """``[B, C]`` mean predictive of a stacked ensemble on one batch (``Run.predict``)."""
-  return ensemble_predict(model, variables, batch["image"], rng=rng).mean_probs
+def _mean_probs(method: Method, variables, batch, rng):
+  """``[B, C]`` mean predictive of ``method`` on one batch of normalised images
+  (``Run.predict``)."""
+  return method.predict(variables, batch["image"], rng=rng).mean_probs
 
 
 @dataclasses.dataclass(eq=False)
@@ -205,21 +197,28 @@ class Run:
                                     self.mesh)
     self.variables, self.step = jax.device_put(variables, shardings(self.mesh)[0]), 0
 
-  # Deep ensembles trained as one job (``config.ensemble_members``;
-  # smoothing_jax.training.ensemble).
+  @functools.cached_property
+  def method(self) -> Method:
+    """The uncertainty method of this run's model and config (``methods.resolve``): its
+    predictive, objective, optimiser rules and train state."""
+    return resolve(self.config, self.model)
+
+  # Deep ensembles trained as one job (``config.deep_ensemble.members``;
+  # smoothing_jax.methods.deep_ensemble).
   @property
   def ensemble_members(self) -> int:
     """M: the members stacked along the leading axis of :attr:`variables` (1: one model)."""
-    return self.config.get("ensemble_members", 1)
+    return self.method.members
 
   def member(self, m: int) -> Run:
     """Member ``m`` of an ensemble run as a run of its own (read-only, in this workdir): the
     single run with seed + ``m``, its variables the ensemble's slice ``m``; what per-model
     analyses take.  :meth:`write_member` writes it out as a workdir."""
-    if not 0 <= m < self.ensemble_members:
+    if not 0 <= m < self.ensemble_members:  # the bounds of the stacked members (a deep ensemble's)
       raise ValueError(f"{self.workdir} holds an ensemble of {self.ensemble_members} members; "
                        f"there is no member {m}.")
-    config = with_overrides(self.config, {"seed": self.config.seed + m, "ensemble_members": 1,
+    config = with_overrides(self.config, {"seed": self.config.seed + m,
+                                          "deep_ensemble.members": 1,
                                           "input.split_seed": split_seed(self.config)})
     return dataclasses.replace(self, config=config, variables=member_of(self.variables, m),
                                read_only=True)
@@ -260,7 +259,8 @@ class Run:
   # What the analyses and notebooks use.
   @property
   def stochastic(self) -> bool:
-    return is_stochastic(self.model)
+    """Whether two draws of the run's predictive differ (``Method.stochastic``)."""
+    return self.method.stochastic
 
   def normalize(self, pixels):
     """Pixels in [0, 1], NHWC → the model's normalised input."""
@@ -268,21 +268,18 @@ class Run:
 
   def predict(self, images, num_samples: int = 1, rng: jax.Array | None = None,
               batch_size: int = 500) -> np.ndarray:
-    """Mean predictive ``[B, C]`` (numpy) of normalised ``images`` over ``num_samples`` MC
-    samples (an ensemble run's: over its members, one sample each), in batches of
-    ``batch_size`` (at most the number of images, rounded up to the mesh) through the sharded
-    evaluation loop."""
+    """Mean predictive ``[B, C]`` (numpy) of normalised ``images`` by the run's method
+    (``Method.predict``) with ``num_samples`` draws where it samples (MC dropout and BNN-VI: N
+    passes; iBNN: S draws of each of its K components; ensembles: one draw per member), in
+    batches of ``batch_size`` (at most the number of images, rounded up to the mesh) through the
+    sharded evaluation loop: what the evaluators score at the same N, on the same batches, with
+    the same key."""
     rng = jax.random.key(0) if rng is None else rng
-    num_samples = num_samples if self.stochastic else 1
     images = np.asarray(images, np.float32)
     size = -(-min(batch_size, len(images)) // self.mesh.size) * self.mesh.size
     pad = -len(images) % size
     padded = np.concatenate([images, np.zeros((pad,) + images.shape[1:], np.float32)])
-    if self.ensemble_members > 1:  # the mean of the members' probabilities, one sample each
-      step = sharded_eval_step(_ensemble_mean_probs, self.mesh, self.model)
-    else:
-      step = sharded_eval_step(_mean_probs, self.mesh, self.model, num_samples,
-                               self.config.get("eval_chunk_size"))
+    step = sharded_eval_step(_mean_probs, self.mesh, self.method.with_samples(num_samples))
     batches = ({"image": padded[i:i + size]} for i in range(0, len(padded), size))
     probs = evaluate_batches(step, self.variables, batches, shardings(self.mesh)[1], rng,
                              concatenate=True)

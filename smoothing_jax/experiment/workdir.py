@@ -26,7 +26,8 @@ from smoothing_jax.experiment.spec import ModelSpec
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
 
-# Keys of the config.json files that 0.1.0 wrote, and where today's config holds them (dotted).
+# Keys of the config.json files that 0.1.0 (and main before the methods) wrote, and where
+# today's config holds them (dotted).
 MOVED_KEYS = {
     "dataset": "input.dataset",
     "data_dir": "input.data_dir",
@@ -39,6 +40,10 @@ MOVED_KEYS = {
     "holdout_fraction": "input.holdout_fraction",
     "data_split_seed": "input.split_seed",
     "eval_cache": "input.eval_cache",
+    # (written at the top level until each method's settings had their block)
+    "ensemble_members": "deep_ensemble.members",
+    "ensemble_shared_batches": "deep_ensemble.shared_batches",
+    "ensemble_vmap_size": "deep_ensemble.vmap_size",
 }
 
 

@@ -1,7 +1,9 @@
 """BNN-VI (Blundell et al. 2015): the ELBO of the mean-field models (``vgg_bnnvi_16``,
 ``wideresnet_bnnvi_28_10``; the layers are in :mod:`smoothing_jax.layers.mean_field`).
 
-The objective is the iBNN paper's, so the two compare under one protocol: per example,
+Predictive: N weight samples, as MC dropout's N passes (pass n with the noise key of
+``split(key, N)[n]``).  The objective is the iBNN paper's, so the two compare under one
+protocol: per example,
 
     −ELBO / N = mean NLL of one Flipout pass + β · KL(q(W) ‖ p(W)) / N,
 
@@ -12,13 +14,18 @@ prior mean (``config.bnnvi.prior_mean``) gives Blundell et al.'s N(m, s²) inste
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
+import optax
+from ml_collections.config_dict import placeholder
 
 from smoothing_jax.layers.functional import in_layers_holding
 from smoothing_jax.layers.mean_field import kl_divergence
 from smoothing_jax.methods.ibnn import kl_weight
+from smoothing_jax.methods.mc_dropout import MCDropout
+from smoothing_jax.models import is_mean_field
 
 
 class Objective(NamedTuple):
@@ -47,3 +54,41 @@ def elbo_terms(params, objective: Objective, nll, step):
   kl = kl_divergence(params, objective.prior_std, objective.prior_mean)
   beta = kl_weight(step, objective)
   return nll + beta * kl / objective.num_train, {"nll": nll, "kl": kl, "kl_weight": beta}
+
+
+@dataclasses.dataclass(frozen=True)
+class BNNVI(MCDropout):
+  """Mean-field Gaussian weights sampled by Flipout: the predictive of N weight samples, the
+  ELBO of ``config.bnnvi``, weight decay on everything but the posterior."""
+  name = "bnnvi"
+  settings = {
+      "prior_std": 0.1,  # s of the prior N(μ, s²) (uncertainty-baselines' --prior_stddev)
+      "prior_mean": placeholder(float),  # None: tied to the posterior mean (uncertainty-baselines)
+      "kl_anneal_epochs": 200,  # β: 0 → 1 linearly per epoch (the iBNN protocol)
+  }
+
+  @classmethod
+  def matches(cls, config, model) -> bool:
+    return is_mean_field(model)
+
+  def check(self, config) -> BNNVI:
+    if config.optimizer == "adamw":
+      raise ValueError("optimizer 'adamw' decays every parameter; BNN-VI trains with 'sgd' or "
+                       "'adam' (coupled decay that skips its variational weights).")
+    return self
+
+  def loss(self, config, *, num_train: int, steps_per_epoch: int, class_weights=None):
+    """The cross-entropy of one Flipout pass + β·KL/N (:func:`elbo_terms`)."""
+    objective = Objective(config.bnnvi.prior_std, config.bnnvi.prior_mean, num_train,
+                          steps_per_epoch, config.bnnvi.kl_anneal_epochs).check()
+    nll_fn = super().loss(config, num_train=num_train, steps_per_epoch=steps_per_epoch,
+                          class_weights=class_weights)
+
+    def elbo_fn(params, batch_stats, batch, rng, step):
+      nll, aux = nll_fn(params, batch_stats, batch, rng, step)
+      loss, metrics = elbo_terms(params, objective, nll, step)
+      return loss, {**aux, "metrics": metrics}
+    return elbo_fn
+
+  def weight_decay(self, config) -> optax.GradientTransformation:
+    return optax.add_decayed_weights(config.weight_decay, mask=decay_mask)

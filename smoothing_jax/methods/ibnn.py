@@ -1,12 +1,13 @@
 """iBNN (Trinh et al., "Scalable Bayesian neural networks by layer-wise input augmentation").
 
-Training objective (paper Algorithm 1, Eqs. 22–24), the two-learning-rate
-optimizer, K×S inference, component folding and out-of-distribution curves for
+The method (:class:`IBNN`), its training objective (paper Algorithm 1, Eqs. 22–24), the
+two-learning-rate optimizer, K×S inference, component folding and out-of-distribution curves for
 the node-noise models (``vgg_ibnn_16``, ``wideresnet_ibnn_28_10``; the layers are
 in :mod:`smoothing_jax.layers.node_noise`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -16,11 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from ml_collections.config_dict import placeholder
 
 from smoothing_jax.inference import Prediction, log_probs, map_in_chunks, mean_probs, sample_rngs
 from smoothing_jax.layers.functional import layers_holding
 from smoothing_jax.layers.mean_field import gaussian_kl
 from smoothing_jax.layers.node_noise import VARIATIONAL_PARAMS
+from smoothing_jax.methods.base import Method, check_num_samples, setting
 from smoothing_jax.metrics import uncertainty_decomposition
 from smoothing_jax.models import is_ibnn
 from smoothing_jax.variables import transfer_variables
@@ -205,6 +208,95 @@ def fold_component(variables, k: int):
       out["bias"] = tree["bias"] * (tree["b_mean"][k] if "b_mean" in tree else 1.0)
     return out
   return {**variables, "params": fold(variables["params"])}
+
+
+@dataclasses.dataclass(frozen=True)
+class IBNN(Method):
+  """K components of node noise on one set of weights: the predictive averages S draws of every
+  component (``num_samples`` = S = ``config.ibnn.eval_samples``, N = K·S, sample-major, so the
+  first K draws are one of each component; :func:`ibnn_predict`), the negative ELBO of
+  ``config.ibnn``, the two-learning-rate optimiser, and a deterministic warm start
+  (``config.ibnn.pretrained_workdir``)."""
+  name = "ibnn"
+  settings = {
+      "num_train_samples": 2,  # S: repeats of each example per step (Algorithm 1)
+      "prior_mean": 1.0,
+      "prior_std": 0.1,  # s of N(1, s²): 0.1 WRN, 0.3 VGG
+      "kl_anneal_epochs": 200,  # β: 0 → 1 linearly per epoch
+      "variational_lr": 2.4,  # constant, no weight decay
+      "eval_samples": 5,  # S at evaluation: K×S predictions
+      "freeze_deterministic": False,  # train only the posterior (with pretrained_workdir)
+      # Initialise W from a deterministic run of the same architecture (None: no warm start).
+      "pretrained_workdir": placeholder(str),
+  }
+
+  @classmethod
+  def matches(cls, config, model) -> bool:
+    return is_ibnn(model)
+
+  @classmethod
+  def from_config(cls, config, model) -> IBNN:
+    return cls(model, num_samples=check_num_samples(setting(config, "ibnn.eval_samples", 5)),
+               chunk_size=setting(config, "eval_chunk_size"))
+
+  @property
+  def stochastic(self) -> bool:
+    return True
+
+  @property
+  def num_draws(self) -> int:
+    return self.model.num_components * self.num_samples
+
+  def with_samples(self, num_samples: int) -> IBNN:
+    """S = ``num_samples`` draws of each of the K components."""
+    return dataclasses.replace(self, num_samples=check_num_samples(num_samples))
+
+  def nested(self, requested: Sequence[int] = ()) -> tuple:
+    """Each requested N below K·S, and K·S."""
+    total = self.num_draws
+    return self, tuple(sorted({n for n in requested if n < total} | {total}))
+
+  def sample_log_probs(self, variables, images, rng):
+    return _ibnn_log_probs(self.model, variables, images, rng, self.num_samples)
+
+  def check(self, config) -> IBNN:
+    if config.label_smoothing or config.mixup_alpha or config.cutmix_alpha:
+      raise ValueError(
+          "label_smoothing / mixup_alpha / cutmix_alpha are not supported with the iBNN ELBO.")
+    if config.init_from and config.ibnn.pretrained_workdir:
+      raise ValueError("Set config.init_from or config.ibnn.pretrained_workdir, not both.")
+    return self
+
+  def as_member(self, config=None) -> Method:
+    model = f" {config.model!r}" if config is not None else ""
+    raise ValueError(f"Model{model} is an iBNN, already a mixture of {self.model.num_components} "
+                     "components sharing one set of weights; train it with "
+                     "deep_ensemble.members=1.")
+
+  def loss(self, config, *, num_train: int, steps_per_epoch: int, class_weights=None):
+    """The negative ELBO (:func:`elbo_loss`), its NLL, KL and β joining the metrics."""
+    objective = Objective(self.model.num_components, config.ibnn.num_train_samples,
+                          config.ibnn.prior_mean, config.ibnn.prior_std, num_train,
+                          steps_per_epoch, config.ibnn.kl_anneal_epochs).check()
+
+    def loss_fn(params, batch_stats, batch, rng, step):
+      loss, aux = elbo_loss(self.model, objective, params, batch_stats, batch["image"],
+                            batch["label"], rng, step)
+      metrics = {k: aux.pop(k) for k in ("nll", "kl", "kl_weight")}
+      return loss, {**aux, "metrics": metrics}
+    return loss_fn
+
+  def optimizer(self, config, schedule) -> optax.GradientTransformation:
+    return create_optimizer(schedule, config.ibnn.variational_lr, config.weight_decay,
+                            config.momentum, config.ibnn.freeze_deterministic)
+
+  def warm_start(self, config) -> str | None:
+    return config.ibnn.pretrained_workdir or None
+
+  def load_warm_start(self, variables, loaded):
+    """The deterministic weights of ``loaded`` (:func:`load_deterministic`); the posterior stays
+    fresh."""
+    return {k: load_deterministic(v, loaded[k]) for k, v in variables.items()}
 
 
 def gaussian_blend(images, gamma: float, rng):

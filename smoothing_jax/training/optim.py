@@ -3,18 +3,16 @@
 
 Weight decay is the reference's (PyTorch SGD's) coupled L2: ``wd · w`` is added to the gradient
 before momentum (``optax.add_decayed_weights``), i.e. the gradient of ``wd/2 · ‖w‖²`` in the loss,
-on every parameter but a BNN-VI model's mean-field kernels (their KL regularises them) and a
-BatchEnsemble's fast weights (``config.batch_ensemble.fast_weight_decay`` instead).  Keras's
-``l2(λ)`` regulariser (uncertainty-baselines) is ``λ · ‖w‖²``: weight decay ``2λ`` here.
+on the parameters the run's method says (``Method.weight_decay``: all of them, but a BNN-VI
+model's mean-field kernels, whose KL regularises them, and a BatchEnsemble's fast weights).
+Keras's ``l2(λ)`` regulariser (uncertainty-baselines) is ``λ · ‖w‖²``: weight decay ``2λ`` here.
 """
 from __future__ import annotations
 
-import jax
 import optax
 
-from smoothing_jax.layers.batch_ensemble import fast_weight_mask
-from smoothing_jax.methods import bnnvi, ibnn
-from smoothing_jax.models import is_batch_ensemble, is_ibnn, is_mean_field
+from smoothing_jax.methods import Method, as_method
+from smoothing_jax.methods.deterministic import Deterministic
 
 
 def create_learning_rate_schedule(config, steps_per_epoch: int) -> optax.Schedule:
@@ -52,55 +50,25 @@ def create_learning_rate_schedule(config, steps_per_epoch: int) -> optax.Schedul
   return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup_steps), main], [warmup_steps])
 
 
-def weight_decay(config, model) -> optax.GradientTransformation:
-  """The coupled weight decay of ``config.weight_decay`` on the parameters it applies to."""
-  if is_mean_field(model):
-    return optax.add_decayed_weights(config.weight_decay, mask=bnnvi.decay_mask)
-  if is_batch_ensemble(model):
-    def slow(params):
-      return jax.tree.map(lambda fast: not fast, fast_weight_mask(params))
-    return optax.chain(
-        optax.add_decayed_weights(config.weight_decay, mask=slow),
-        optax.add_decayed_weights(config.batch_ensemble.fast_weight_decay, mask=fast_weight_mask))
-  return optax.add_decayed_weights(config.weight_decay)
-
-
-def regularised(config, model, tx: optax.GradientTransformation) -> optax.GradientTransformation:
-  """``tx`` after :func:`weight_decay`; for a BatchEnsemble, the fast weights' and member biases'
-  updates then scaled by ``fast_weight_lr_multiplier``: their learning rate × the multiplier.
-  With SGD that equals uncertainty-baselines' scaling of their gradients (decay included) before
-  the optimiser; after the optimiser it holds for Adam too, which would undo a gradient scale."""
-  if not is_batch_ensemble(model):
-    return optax.chain(weight_decay(config, model), tx)
-  fast_rate = optax.masked(optax.scale(config.batch_ensemble.fast_weight_lr_multiplier),
-                           lambda params: fast_weight_mask(params, with_bias=True))
-  return optax.chain(weight_decay(config, model), tx, fast_rate)
-
-
-def create_optimizer(config, schedule, model=None) -> optax.GradientTransformation:
+def create_optimizer(config, schedule, method: Method | None = None
+                     ) -> optax.GradientTransformation:
   """``config.optimizer``: "sgd" with coupled (PyTorch ``SGD``) weight decay, "adam" (PyTorch
   ``Adam``: β 0.9/0.999, coupled weight decay) or "adamw" (PyTorch ``AdamW``: decay lr·wd·w
-  decoupled from the moments); iBNN models get the two-learning-rate optimizer.
-  ``grad_clip_norm`` > 0 clips the global gradient norm first.
+  decoupled from the moments), with the run's ``method``'s rules (a Flax module: its method;
+  None: one network): its weight decay and update scaling, or its own optimiser (iBNN's two
+  learning rates).  ``grad_clip_norm`` > 0 clips the global gradient norm first.
   """
-  if is_ibnn(model):
-    tx = ibnn.create_optimizer(schedule, config.ibnn.variational_lr, config.weight_decay,
-                               config.momentum, config.ibnn.freeze_deterministic)
-  elif config.optimizer == "adamw":
-    if is_mean_field(model) or is_batch_ensemble(model):
-      raise ValueError("optimizer 'adamw' decays every parameter; BNN-VI and BatchEnsemble models "
-                       "train with 'sgd' or 'adam' (coupled decay that skips their variational "
-                       "or fast weights).")
+  method = Deterministic(None) if method is None else as_method(method, config)
+  tx = method.optimizer(config, schedule)
+  if tx is None and config.optimizer == "adamw":
     tx = optax.adamw(schedule, weight_decay=config.weight_decay)
-  elif config.optimizer == "adam":
-    tx = regularised(config, model, optax.adam(schedule))
-  elif config.optimizer == "sgd":
-    tx = regularised(config, model,
-                     optax.sgd(schedule, momentum=config.momentum, nesterov=config.nesterov))
-  else:
+  elif tx is None and config.optimizer in ("adam", "sgd"):
+    base = optax.adam(schedule) if config.optimizer == "adam" else optax.sgd(
+        schedule, momentum=config.momentum, nesterov=config.nesterov)
+    scaling = method.update_scaling(config)  # (none: the state of 0.1.0's checkpoints)
+    tx = optax.chain(method.weight_decay(config), base, *([scaling] if scaling else []))
+  elif tx is None:
     raise ValueError(f"Unknown optimizer {config.optimizer!r}; choose 'sgd', 'adam' or 'adamw'.")
   if config.grad_clip_norm > 0:
     tx = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), tx)
   return tx
-
-

@@ -14,11 +14,11 @@ from absl import logging
 from flax.training import train_state
 from jax.sharding import Mesh
 
-from smoothing_jax.inference import batch_ensemble_predict, mc_predict, sample_rngs
-from smoothing_jax.metrics import UncertaintyMetrics, label_mask
-from smoothing_jax.models import is_batch_ensemble
+from smoothing_jax.inference import sample_rngs
+from smoothing_jax.methods import Method, as_method
+from smoothing_jax.methods.losses import supervised_loss
+from smoothing_jax.metrics import label_mask
 from smoothing_jax.parallel import sharded_eval_step, shardings
-from smoothing_jax.training.losses import supervised_loss
 from smoothing_jax.training.optim import create_optimizer
 
 
@@ -33,13 +33,20 @@ def variables_of(state: TrainState) -> dict:
 
 
 def create_train_state(config, model, rng, image_shape, schedule) -> TrainState:
-  """Initialise parameters and BatchNorm statistics; attach the optimizer.
+  """Initialise parameters and BatchNorm statistics of one network (``model``: a Flax module or
+  its method); attach the optimizer of its method (``optim.create_optimizer``).
 
   One compiled call: outside ``jit`` the optimizer state would be created leaf by leaf, each
   new leaf shape an eager operation compiled (and kept) on its own.
   """
-  tx = create_optimizer(config, schedule, model)
-  return jax.jit(functools.partial(init_train_state, model, tx, image_shape))(rng)
+  return jax.jit(state_initializer(config, as_method(model, config), image_shape, schedule))(rng)
+
+
+def state_initializer(config, method: Method, image_shape, schedule):
+  """``init_one(key) -> TrainState`` of one network of ``method`` with its optimizer (what
+  ``Method.init_train_state`` initialises, once or for each member)."""
+  tx = create_optimizer(config, schedule, method)
+  return functools.partial(init_train_state, method.model, tx, image_shape)
 
 
 def init_train_state(model, tx, image_shape, rng) -> TrainState:
@@ -118,17 +125,10 @@ def train_step(schedule, loss_fn, state: TrainState, batch, dropout_rng, grad_ac
   }
 
 
-def eval_step(model, num_samples: int, num_bins: int, variables, batch, rng) -> UncertaintyMetrics:
-  """Metrics of the N-sample predictive on one padded, masked batch (per pixel, void masked,
-  for segmentation); a BatchEnsemble's: its M members."""
-  if is_batch_ensemble(model):
-    pred = batch_ensemble_predict(model, variables, batch["image"], rng=rng)
-  else:
-    pred = mc_predict(model, variables, batch["image"], num_samples=num_samples, rng=rng)
-  return UncertaintyMetrics.from_model_output(pred.mean_probs,
-                                              batch["label"],
-                                              batch["mask"],
-                                              num_bins=num_bins)
+def eval_step(method: Method, num_bins: int, variables, batch, rng) -> dict:
+  """``{tag suffix: UncertaintyMetrics}`` of ``method``'s predictive on one padded, masked batch
+  (per pixel, void masked, for segmentation; ``Method.eval_metrics``)."""
+  return method.eval_metrics(variables, batch, rng, num_bins)
 
 
 def train_batch_sharding(config, mesh: Mesh):
@@ -153,26 +153,51 @@ def train_batch_sharding(config, mesh: Mesh):
   return replicated
 
 
-def compile_steps(model, schedule, mesh: Mesh, num_bins: int, loss_fn=None,
-                  grad_accum_steps: int = 1, batch_sharding=None, pipeline=None):
-  """``(train_step, eval_step)`` jitted over ``mesh``: the training batch on ``batch_sharding``
-  (default: sharded on ``data``), state replicated and donated.  ``loss_fn``
-  (``losses.make_loss``) defaults to the plain cross-entropy.
+def compile_steps(method, schedule, mesh: Mesh, num_bins: int, loss_fn=None,
+                  grad_accum_steps: int = 1, batch_sharding=None, pipeline=None,
+                  pipelines=None):
+  """``(train_step, eval_step)`` of ``method`` (a Flax module: its method) jitted over ``mesh``:
+  the training batches on ``batch_sharding`` (default: sharded on ``data``), state replicated
+  and donated.  ``loss_fn`` (``Method.loss``) defaults to the plain cross-entropy.
 
-  ``train_step(state, batch, rng)``; for a device-resident ``pipeline``
+  ``pipelines`` (default ``[pipeline]``): those the train state learns from
+  (``Method.train_pipelines``; a deep ensemble's members each their own).  ``train_step(state,
+  batch, rng)`` with one pipeline, ``train_step(state, batches, rngs)`` with a tuple, one batch
+  per pipeline; for a device-resident ``pipeline``
   (:class:`~smoothing_jax.data.resident.ResidentPipeline`) ``train_step(state, arrays, order,
-  rng)``, which gathers and augments the batch of ``state.step`` inside the same compiled step.
+  rng)`` (or a tuple of orders), which gathers and augments the batch of ``state.step`` inside
+  the same compiled step (``Method.train_step`` runs the step on each member).
+  ``eval_step(variables, batch, rng)`` gives the metrics of the method's training evaluation
+  (``Method.for_training_eval``).
   """
+  method = as_method(method)
   replicated, data_sharding = shardings(mesh)
   batch_sharding = batch_sharding or data_sharding
-  loss_fn = loss_fn or supervised_loss(model)
+  pipelines = pipelines or [pipeline]
+  shared = len(pipelines) == 1
+  loss_fn = loss_fn or supervised_loss(method.model, tile=method.tile)
   step = functools.partial(train_step, schedule, loss_fn, grad_accum_steps=grad_accum_steps)
+  # One pipeline: its batch (order); several: a tuple, one per pipeline.
+  pick = (lambda inputs, m: inputs) if shared else (lambda inputs, m: inputs[m])  # noqa: E731
   if pipeline is not None and pipeline.resident:
-    def resident_step(state, arrays, order, rng):
-      return step(state, pipeline.train_batch(arrays, order, state.step, batch_sharding), rng)
+    def resident_step(state, arrays, orders, rngs):
+      member_batch = lambda m: pipelines[m].train_batch(  # noqa: E731
+          arrays, pick(orders, m), state.step, batch_sharding)
+      return method.train_step(step, state, member_batch, rngs, shared=shared)
     compiled_train_step = jax.jit(resident_step, in_shardings=(replicated,) * 4,
                                   out_shardings=(replicated, replicated), donate_argnums=(0,))
   else:
-    compiled_train_step = jax.jit(step, in_shardings=(replicated, batch_sharding, replicated),
+    def streamed_step(state, batches, rngs):
+      return method.train_step(step, state, lambda m: pick(batches, m), rngs, shared=shared)
+    compiled_train_step = jax.jit(streamed_step,
+                                  in_shardings=(replicated, batch_sharding, replicated),
                                   out_shardings=(replicated, replicated), donate_argnums=(0,))
-  return compiled_train_step, sharded_eval_step(eval_step, mesh, model, 1, num_bins)
+  return compiled_train_step, training_eval_step(method, mesh, num_bins)
+
+
+def training_eval_step(method: Method, mesh: Mesh, num_bins: int):
+  """The compiled step of the training's periodic evaluation, ``(variables, batch, rng) ->
+  {tag suffix: UncertaintyMetrics}``: :func:`eval_step` of ``method.for_training_eval()`` (the
+  predictive with one draw where it samples; every member of an ensemble)."""
+  return sharded_eval_step(eval_step, mesh, method.for_training_eval(), num_bins)
+

@@ -26,17 +26,14 @@ from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.experiment.checkpoints import load_variables, set_aside_newer_steps
 from smoothing_jax.experiment.run import Run
 from smoothing_jax.experiment.workdir_lock import lock_workdir
-from smoothing_jax.methods import ibnn
-from smoothing_jax.models import is_ibnn
+from smoothing_jax.methods.losses import class_weights
 from smoothing_jax.parallel import DispatchWindow, evaluate_batches, prefetch_to_devices, shardings
-from smoothing_jax.training import ensemble
 from smoothing_jax.training.callbacks import Callback, Preempted, Preemption
-from smoothing_jax.training.losses import class_weights, make_loss
 from smoothing_jax.training.optim import create_learning_rate_schedule
 from smoothing_jax.training.steps import (
   TrainState,
   compile_steps,
-  create_train_state,
+  state_initializer,
   train_batch_sharding,
   variables_of,
 )
@@ -46,20 +43,18 @@ from smoothing_jax.training.writers import MetricWriter, ProgressReporter
 
 def initialize_from(run: Run, state: TrainState) -> TrainState:
   """``state`` (fresh) starting from other variables: ``config.init_from`` (fine-tuning; an
-  output layer of another class count stays fresh), or for iBNN models the deterministic weights
-  of ``config.ibnn.pretrained_workdir`` (``ibnn.load_deterministic``; the posterior stays
-  fresh)."""
+  output layer of another class count stays fresh), or the method's warm start
+  (``Method.warm_start``: an iBNN's deterministic weights of ``config.ibnn.pretrained_workdir``,
+  its posterior fresh)."""
   config = run.config
-  if config.init_from and is_ibnn(run.model) and config.ibnn.pretrained_workdir:
-    raise ValueError("Set config.init_from or config.ibnn.pretrained_workdir, not both.")
   if config.init_from:
     variables = init_from.variables(config, run.model_spec, variables_of(state), run.mesh,
                                     new_classifier=True)
   else:
-    det_step, det = load_variables(config.ibnn.pretrained_workdir, run.mesh)
-    variables = {k: ibnn.load_deterministic(v, det[k]) for k, v in variables_of(state).items()}
-    logging.info("Deterministic weights from step %d of %s", det_step,
-                 config.ibnn.pretrained_workdir)
+    workdir = run.method.warm_start(config)
+    loaded_step, loaded = load_variables(workdir, run.mesh)
+    variables = run.method.load_warm_start(variables_of(state), loaded)
+    logging.info("Weights from step %d of %s", loaded_step, workdir)
   return state.replace(params=variables["params"], batch_stats=variables["batch_stats"])
 
 
@@ -120,43 +115,30 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
   callbacks = [TrajectoryRecorder.for_run(config, run.workdir, num_steps), preemption,
                *callbacks]
 
-  members = ensemble.check_ensemble_config(config, run.model)
-  init_rng, dropout_rng, eval_rng = jax.random.split(jax.random.key(config.seed), 3)
-  if members == 1:
-    state = create_train_state(config, run.model, init_rng, pipeline.image_shape, schedule)
-  else:  # stacked members; member m's keys are those of the single run with seed + m
-    ensemble.check_ensemble_fits(config, run.model, members, pipeline.image_shape, schedule,
-                                 mesh.devices.flat)
-    state = ensemble.create_ensemble_state(config, run.model, members, pipeline.image_shape,
-                                           schedule)
-    dropout_rng = ensemble.member_keys(config, members, 1)
-  state = jax.device_put(state, replicated)
+  method = run.method
+  eval_rng = jax.random.split(jax.random.key(config.seed), 3)[2]
+  init_one = state_initializer(config, method, pipeline.image_shape, schedule)
+  state = jax.device_put(method.init_train_state(config, init_one, mesh.devices.flat), replicated)
+  dropout_rng = method.train_keys(config)
   checkpoint_dir = workdir_lib.checkpoint_dir(run.workdir)
-  loss_fn = make_loss(config, run.model, num_train=pipeline.num_train,
-                      steps_per_epoch=steps_per_epoch,
-                      class_weights=class_weights(config, run.model, pipeline))
+  loss_fn = method.loss(config, num_train=pipeline.num_train, steps_per_epoch=steps_per_epoch,
+                        class_weights=class_weights(config, run.model, pipeline))
   resumed = run.restore(state)  # onto this run's mesh, whatever device count wrote it
   if resumed is not None:
     set_aside_newer_steps(run.manager, run.step)
     state = resumed
     logging.info("Resumed from step %d of %s", int(state.step), checkpoint_dir)
-  elif config.init_from or (is_ibnn(run.model) and config.ibnn.pretrained_workdir):
+  elif config.init_from or method.warm_start(config):
     state = jax.device_put(initialize_from(run, state), replicated)
   start_step = int(state.step)
   if jax.process_index() == 0:
     workdir_lib.write_config(run.workdir, config, run.model_spec)
 
-  if members == 1:
-    member_pipelines = [pipeline]
-    train_step_fn, eval_step_fn = compile_steps(run.model, schedule, mesh, config.ece_bins,
-                                                loss_fn, config.grad_accum_steps, batch_sharding,
-                                                pipeline)
-  else:
-    member_pipelines = ensemble.member_pipelines(config, pipeline, members)
-    train_step_fn, eval_step_fn = ensemble.compile_ensemble_steps(
-        run.model, schedule, mesh, config.ece_bins, loss_fn, config.grad_accum_steps,
-        batch_sharding, pipeline, member_pipelines,
-        config.get("ensemble_vmap_size", 0) or ensemble.DEFAULT_VMAP_SIZE)
+  pipelines = method.train_pipelines(config, pipeline)
+  shared = len(pipelines) == 1  # the step takes one batch (order), or one per pipeline
+  train_step_fn, eval_step_fn = compile_steps(method, schedule, mesh, config.ece_bins, loss_fn,
+                                              config.grad_accum_steps, batch_sharding, pipeline,
+                                              pipelines)
 
   report_progress = ProgressReporter(num_steps, writer)
   eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))
@@ -164,22 +146,19 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
   train_metrics, pending_losses = [], []
   in_flight = DispatchWindow()  # the host runs at most a few steps ahead (see parallel.py)
   last_good, stopped_by = start_step, []
-  logging.info("Training %s%s on %s: %d steps (%d per epoch), global batch %d on %d devices.",
-               config.model, f" (an ensemble of {members})" if members > 1 else "",
-               config.input.dataset, num_steps, steps_per_epoch, config.input.batch_size,
-               mesh.size)
+  logging.info("Training %s (%s) on %s: %d steps (%d per epoch), global batch %d on %d devices.",
+               config.model, method.describe(), config.input.dataset, num_steps, steps_per_epoch,
+               config.input.batch_size, mesh.size)
 
   if pipeline.resident:  # the step takes its batch from the arrays on the devices
     batches = None
-    if members == 1:
-      step_inputs = lambda step: (pipeline.arrays,  # noqa: E731
-                                  pipeline.device_order((step - 1) // steps_per_epoch))
-    else:  # each member's order of the epoch
-      step_inputs = lambda step: (pipeline.arrays, tuple(  # noqa: E731
-          p.device_order((step - 1) // steps_per_epoch) for p in member_pipelines))
+
+    def step_inputs(step):  # each pipeline's order of the epoch
+      orders = tuple(p.device_order((step - 1) // steps_per_epoch) for p in pipelines)
+      return pipeline.arrays, orders[0] if shared else orders
   else:  # the next global batches are assembled on the devices while the current step runs
-    iterators = [p.train_iterator(start_step) for p in member_pipelines]
-    batches = prefetch_to_devices(iterators[0] if members == 1 else zip(*iterators, strict=True),
+    iterators = [p.train_iterator(start_step) for p in pipelines]
+    batches = prefetch_to_devices(iterators[0] if shared else zip(*iterators, strict=True),
                                   batch_sharding, config.prefetch_batches)
     step_inputs = lambda step: (next(batches),)  # noqa: E731
   try:
@@ -201,28 +180,17 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
       if step % config.log_every_steps == 0 or is_last:
         _check_finite(pending_losses, last_good, checkpoint_dir)
         means = jax.tree.map(lambda *xs: np.mean(np.stack(xs), axis=0),
-                             *jax.device_get(train_metrics))  # an ensemble's: [M] each
-        summary = {f"train_{k}": float(np.mean(v)) for k, v in means.items()}
-        if members > 1:
-          means.pop("learning_rate")
-          summary.update(ensemble.member_summaries("train_", means, members))
-        writer.write_scalars(step, summary)
+                             *jax.device_get(train_metrics))  # a deep ensemble's: [M] each
+        writer.write_scalars(step, method.train_scalars("train_", means))
         train_metrics = []
       report_progress(step)  # after the summary, which waits for the step: honest steps/s
       if step % eval_every == 0 or step == num_steps:
         with report_progress.timed("eval"):
           results = evaluate_batches(eval_step_fn, variables_of(state), run.eval_batches(),
                                      data_sharding, eval_rng)
-        reported = ("nll", "acc", "ece")
-        if members == 1:
-          writer.write_scalars(step, {f"eval_{k}": v for k, v in results.compute().items()
-                                      if k in reported})
-        else:  # the ensemble (the mean of the members' probabilities), then each member
-          whole, *each = (r.compute() for r in results)
-          writer.write_scalars(step, {
-              **{f"eval_{k}": whole[k] for k in reported},
-              **ensemble.member_summaries("eval_", {k: [r[k] for r in each] for k in reported},
-                                          members)})
+        # eval_<metric>, and a deep ensemble's eval_<metric>/member_<m> (Method.eval_metrics)
+        writer.write_scalars(step, {f"eval_{k}{suffix}": v[k] for suffix, r in results.items()
+                                    for v in (r.compute(),) for k in ("nll", "acc", "ece")})
       if step % config.checkpoint_every_steps == 0 or is_last:
         _check_finite(pending_losses, last_good, checkpoint_dir)
         if not bool(_all_finite(state)):

@@ -31,6 +31,7 @@ from smoothing_jax.analysis.spectrum import (
   training_loss,
 )
 from smoothing_jax.layers import Blur
+from smoothing_jax.methods.mc_dropout import MCDropout
 from smoothing_jax.models import get_model
 from smoothing_jax.plots import plot_surface
 from tests.helpers import (
@@ -221,9 +222,9 @@ def test_pgd_stays_in_the_ball_and_raises_the_ensemble_loss(tiny_mcdo):
   model, variables = tiny_mcdo
   pixels = jax.random.uniform(jax.random.key(0), (3, 16, 16, 3))
   labels = jnp.array([0, 1, 2])
-  keys = jax.random.split(jax.random.key(1), 2)
+  method = MCDropout(model, num_samples=2)
   def loss(x, y):
-    return ensemble_nll(model, variables, keys, lambda z: (z - 0.5) / 0.25, x, y)
+    return ensemble_nll(method, variables, jax.random.key(1), lambda z: (z - 0.5) / 0.25, x, y)
 
   adversarial = pgd(loss, pixels, labels, eps=8 / 255, steps=3, rng=jax.random.key(2))
   assert float(jnp.max(jnp.abs(adversarial - pixels))) <= 8 / 255 + 1e-6

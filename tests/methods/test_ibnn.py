@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 
+from smoothing_jax import methods
 from smoothing_jax.inference import sample_rngs
 from smoothing_jax.methods import ibnn
 from smoothing_jax.models import get_model
@@ -17,11 +18,14 @@ from tests.helpers import (
   evaluate_workdir,
   init_variables,
   model_options,
+  override,
   tiny_run,
 )
+from tests.methods.paths import assert_paths_agree, three_paths
 
 # VGG-16's layers with one convolution a stage: compiles in half the time of its (2, 2, 3, 3, 3).
 ONE_BLOCK_A_STAGE = (1, 1, 1, 1, 1)
+TWO_STAGES = (1, 1)  # two of VGG-16's five stages: the end-to-end path at half the compile time
 
 
 @pytest.fixture(scope="module")
@@ -200,38 +204,50 @@ def test_ood_curves_rise_with_blending(tiny_vgg):
   assert plot_ood_curves(curves, "salt and pepper").axes[0].get_ylabel() == "entropy (nats)"
 
 
-def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """``(root, config, final state, ensemble_sizes rows, data context)``: a deterministic VGG
+  trained 2 steps, then an iBNN of K = 3 started from it (its weights frozen) trained 4, under
+  TFDS mock data, and its ensemble-size table."""
   tfds = pytest.importorskip("tensorflow_datasets")  # CIFAR-10 under TFDS mock data
 
   from configs import cifar_ibnn, cifar_resnet
+  from smoothing_jax.training import train
+
+  root = tmp_path_factory.mktemp("ibnn")
+  det = tiny_run(cifar_resnet.get_config("vgg_dnn_16,cifar10,runlocal"),
+                 num_train_steps=2,
+                 **model_options(batch_norm=False, classifier="mlp512",
+                                 stage_sizes=TWO_STAGES))
+  config = tiny_run(cifar_ibnn.get_config("vgg_ibnn_16,cifar10,3,runlocal"),
+                    num_train_steps=4,
+                    **{
+                        "ibnn.pretrained_workdir": str(root / "det"),
+                        "ibnn.freeze_deterministic": True,
+                        "model_kwargs.stage_sizes": TWO_STAGES
+                    })
+  data = functools.partial(tfds.testing.mock_data, num_examples=16)
+  with data():
+    train.train_and_evaluate(det, str(root / "det"))
+    state = train.train_and_evaluate(config, str(root / "ibnn"))
+    rows = evaluate_workdir("ensemble_sizes", str(root / "ibnn"), str(root / "results"), config)
+  return root, config, state, rows, data
+
+
+def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(trained):
+  from configs import cifar_ibnn
   from smoothing_jax.experiment.checkpoints import load_variables
   from smoothing_jax.parallel import create_mesh
   from smoothing_jax.training import train
 
-  one_block_a_stage = (1, 1)  # two of VGG-16's five stages: the path at half the compile time
-  det = tiny_run(cifar_resnet.get_config("vgg_dnn_16,cifar10,runlocal"),
-                 num_train_steps=2,
-                 **model_options(batch_norm=False, classifier="mlp512",
-                                 stage_sizes=one_block_a_stage))
-  config = tiny_run(cifar_ibnn.get_config("vgg_ibnn_16,cifar10,3,runlocal"),
-                    num_train_steps=4,
-                    **{
-                        "ibnn.pretrained_workdir": str(tmp_path / "det"),
-                        "ibnn.freeze_deterministic": True,
-                        "model_kwargs.stage_sizes": one_block_a_stage
-                    })
-  with tfds.testing.mock_data(num_examples=16):
-    train.train_and_evaluate(det, str(tmp_path / "det"))
-    state = train.train_and_evaluate(config, str(tmp_path / "ibnn"))
-    rows = evaluate_workdir("ensemble_sizes", str(tmp_path / "ibnn"), str(tmp_path / "results"),
-                            config)
-  _, det_variables = load_variables(str(tmp_path / "det"), create_mesh())
+  root, config, state, rows, data = trained
+  _, det_variables = load_variables(str(root / "det"), create_mesh())
   kernel = state.params["layer0_0"]["conv"]["kernel"]
   np.testing.assert_array_equal(kernel,
                                 det_variables["params"]["layer0_0"]["conv"]["kernel"])  # frozen U
   init_rng = jax.random.split(jax.random.key(config.seed), 3)[0]  # as train_and_evaluate
   model = get_model("vgg_ibnn_16", 10, num_components=3, width=4, noise_init_std=0.75,
-                    stage_sizes=one_block_a_stage)
+                    stage_sizes=TWO_STAGES)
   start = jax.jit(model.init)({
       "params": init_rng,
       **sample_rngs(init_rng)
@@ -240,13 +256,44 @@ def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(tmp_path):
   assert not np.allclose(state.params["layer0_0"]["conv"]["z_mean"],
                          start["layer0_0"]["conv"]["z_mean"])
   assert [r["ensemble_size"] for r in rows] == [1, 2, 5, 6]  # K·S = 3·2 predictions, nested
-  assert all(r["count"] == 16 for r in rows)
+  assert all(r["count"] == 16 and r["method"] == "ibnn" for r in rows)
 
   wrong = tiny_run(cifar_ibnn.get_config("vgg_ibnn_16,cifar10,3,runlocal"), num_train_steps=2,
-                   **{"ibnn.pretrained_workdir": str(tmp_path / "det"), "model_kwargs.width": 8,
-                      "model_kwargs.stage_sizes": one_block_a_stage})
-  with tfds.testing.mock_data(num_examples=16), pytest.raises(ValueError, match="does not match"):
-    train.train_and_evaluate(wrong, str(tmp_path / "wrong"))
+                   **{"ibnn.pretrained_workdir": str(root / "det"), "model_kwargs.width": 8,
+                      "model_kwargs.stage_sizes": TWO_STAGES})
+  with data(), pytest.raises(ValueError, match="does not match"):
+    train.train_and_evaluate(wrong, str(root / "wrong"))
+
+
+def test_predict_the_evaluators_and_the_training_evaluation_agree(trained, tmp_path):
+  """One draw of each component (S = 1) in all three paths, and S = 2 (N = K·S = 6) in
+  ``Run.predict`` and the evaluators: the predictive ``Run.predict`` had no iBNN branch for
+  (it scored row r with component r mod K)."""
+  root, _, _, _, data = trained
+  workdir = str(root / "ibnn")
+  assert_paths_agree(three_paths(workdir, tmp_path, overrides={"ibnn.eval_samples": 1},
+                                 data=data))
+  assert_paths_agree(three_paths(workdir, tmp_path, num_samples=2, data=data))
+
+
+def test_the_method_predicts_k_times_s_draws_and_refuses_what_it_cannot_do(tiny_vgg):
+  from configs import cifar_ibnn
+  model, variables = tiny_vgg
+  method = methods.resolve(None, model)
+  assert isinstance(method, ibnn.IBNN) and method.num_samples == 5 and method.num_draws == 15
+  assert method.nested((1, 2, 20)) == (method, (1, 2, 15))
+  images = jax.random.normal(jax.random.key(3), (2, 32, 32, 3))
+  rng = jax.random.key(4)
+  by_method = method.with_samples(2).predict(variables, images, rng=rng)
+  by_function = ibnn.ibnn_predict(model, variables, images, num_samples=2, rng=rng)
+  np.testing.assert_array_equal(by_method.sample_probs, by_function.sample_probs)
+  def config(**values):
+    return override(cifar_ibnn.get_config("vgg_ibnn_16,cifar10,3"), **values)
+  with pytest.raises(ValueError, match=r"is an iBNN, already a mixture of 3 components .*"
+                     r"deep_ensemble.members=1\.$"):
+    methods.resolve(config(**{"deep_ensemble.members": 2}), model)
+  with pytest.raises(ValueError, match="^label_smoothing / mixup_alpha / cutmix_alpha are not "):
+    methods.resolve(config(label_smoothing=0.1), model)
 
 
 def test_kl_weight_anneals_per_epoch():

@@ -10,9 +10,10 @@ import pytest
 
 from smoothing_jax.data.mixup import Mixing
 from smoothing_jax.experiment.spec import ModelSpec, build_model
+from smoothing_jax.methods import resolve
+from smoothing_jax.methods.losses import supervised_loss
 from smoothing_jax.models import get_model
 from smoothing_jax.parallel import create_mesh, shard_batch
-from smoothing_jax.training.losses import make_loss, supervised_loss
 from smoothing_jax.training.optim import create_learning_rate_schedule
 from smoothing_jax.training.steps import (
   TrainState,
@@ -138,8 +139,8 @@ def test_half_precision_training_tracks_float32_and_keeps_float32_state():
     model = build_model(override(config, half_precision=half), spec)
     assert model.dtype == (jnp.bfloat16 if half else jnp.float32)
     state = create_train_state(config, model, jax.random.key(0), (32, 32, 3), schedule)
-    loss_fn = make_loss(config, model, num_train=pipeline.num_train,
-                        steps_per_epoch=pipeline.steps_per_epoch)
+    loss_fn = resolve(config, model).loss(config, num_train=pipeline.num_train,
+                                          steps_per_epoch=pipeline.steps_per_epoch)
     step = jax.jit(functools.partial(train_step, schedule, loss_fn))
     per_step = []
     for batch in batches:

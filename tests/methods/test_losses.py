@@ -1,9 +1,9 @@
-"""smoothing_jax.training.losses: the void-masked, class-weighted cross-entropy against a
+"""smoothing_jax.methods.losses: the void-masked, class-weighted cross-entropy against a
 hand-worked case."""
 import jax.numpy as jnp
 import numpy as np
 
-from smoothing_jax.training.losses import cross_entropy
+from smoothing_jax.methods.losses import cross_entropy
 
 
 def test_weighted_pixel_cross_entropy_masks_void():

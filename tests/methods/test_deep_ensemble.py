@@ -1,21 +1,25 @@
-"""Deep ensembles trained as one job (``config.ensemble_members``): each member against the single
-run with its seed, device counts, resume, member workdirs and every evaluator against
-``--ensemble_workdirs`` over the members written out."""
+"""The deep-ensemble method, trained as one job (``config.deep_ensemble.members``): the predictive
+against an explicit loop over members, each member against the single run with its seed, device
+counts, resume, member workdirs, every evaluator against ``--ensemble_workdirs`` over the members
+written out, and ``Run.predict``, ``ensemble_sizes`` and the training's evaluation agreeing."""
 import os
 
 import jax
 import numpy as np
 import pytest
 
-from smoothing_jax import main
+from smoothing_jax import main, methods
 from smoothing_jax.analysis.trained import load_trained
 from smoothing_jax.evaluators import calibration, ensemble_sizes, ood, selective, temporal_smoothing
 from smoothing_jax.experiment.run import Run
+from smoothing_jax.inference import member_of, sample_rngs
+from smoothing_jax.methods.deep_ensemble import DeepEnsemble, check_fits, state_bytes
 from smoothing_jax.models import get_model
 from smoothing_jax.parallel import create_mesh
-from smoothing_jax.training import ensemble, train
-from smoothing_jax.training.steps import variables_of
+from smoothing_jax.training import train
+from smoothing_jax.training.steps import state_initializer, variables_of
 from tests.helpers import flat_variables, override, small_npz, small_npz_config
+from tests.methods.paths import assert_paths_agree, three_paths
 
 MEMBERS = 2
 
@@ -23,8 +27,8 @@ MEMBERS = 2
 def _config(data, **overrides):
   """The ensemble of :func:`small_npz_config` on one device, a quarter of the training split held
   out (so the split is the ensemble's)."""
-  return small_npz_config(data, **{"ensemble_members": MEMBERS, "input.holdout_fraction": 0.25,
-                                  "num_devices": 1, **overrides})
+  return small_npz_config(data, **{"deep_ensemble.members": MEMBERS,
+                                  "input.holdout_fraction": 0.25, "num_devices": 1, **overrides})
 
 
 def _assert_close(a, b, **tolerance):
@@ -102,7 +106,7 @@ def test_every_evaluator_on_the_ensemble_equals_ensemble_workdirs_of_its_members
   members = [str(tmp_path / f"member{m}") for m in range(MEMBERS)]
   for m, member_dir in enumerate(members):
     written = run.write_member(m, member_dir)
-    assert (written.config.seed, written.config.ensemble_members) == (m, 1)
+    assert (written.config.seed, written.config.deep_ensemble.members) == (m, 1)
     assert written.config.input.split_seed == 0 and written.step == run.step
     _assert_close(written.variables, run.member(m).variables, rtol=0, atol=0)
   first = Run.from_workdir(members[0])
@@ -146,7 +150,8 @@ def test_one_model_consumers_take_a_member_and_refuse_the_whole_ensemble(ensembl
   assert load_trained(workdir, member=1).config.seed == 1
   with pytest.raises(ValueError, match="The temporal evaluator .* ensemble of 2 members"):
     temporal_smoothing.evaluate(Run.from_workdir(workdir), tmp_path)
-  with pytest.raises(ValueError, match="holds an ensemble of 2 members already"):
+  with pytest.raises(ValueError, match="^This run is a deep ensemble of 2 members already; "
+                     "--ensemble_workdirs joins single runs"):
     ensemble_sizes.evaluate(Run.from_workdir(workdir), tmp_path, members=[workdir])
   # An evaluation config (--mode=<evaluator> --config=...) keeps the recorded member count and
   # split (``RECORDED_KEYS``: the evaluation config holds none held out).
@@ -161,19 +166,48 @@ def test_one_model_consumers_take_a_member_and_refuse_the_whole_ensemble(ensembl
 
 @pytest.mark.parametrize("members", [0, -1])
 def test_bad_ensemble_sizes_are_refused_in_one_line(members):
-  config = override(small_npz_config("/nonexistent"), ensemble_members=members)
-  with pytest.raises(ValueError, match=r"^ensemble_members must be an integer >= 1, got .*\.$"):
-    ensemble.check_ensemble_config(config, get_model("resnet_dnn_18", num_classes=10))
+  config = override(small_npz_config("/nonexistent"), **{"deep_ensemble.members": members})
+  with pytest.raises(ValueError,
+                     match=r"^deep_ensemble.members must be an integer >= 1, got .*\.$"):
+    methods.resolve(config, get_model("resnet_dnn_18", num_classes=10))
 
 
 def test_an_ibnn_and_an_init_from_run_cannot_be_ensembles():
-  config = override(small_npz_config("/nonexistent"), ensemble_members=2)
+  config = lambda **values: small_npz_config(  # noqa: E731
+      "/nonexistent", **{"deep_ensemble.members": 2, **values})
   with pytest.raises(ValueError, match="is an iBNN"):
-    ensemble.check_ensemble_config(override(config, model="vgg_ibnn_16"),
-                                   get_model("vgg_ibnn_16", num_classes=10))
-  with pytest.raises(ValueError, match="init_from is for single runs"):
-    ensemble.check_ensemble_config(override(config, init_from="/elsewhere"),
-                                   get_model("resnet_dnn_18", num_classes=10))
+    methods.resolve(config(model="vgg_ibnn_16"), get_model("vgg_ibnn_16", 10))
+  with pytest.raises(ValueError, match="^init_from is for single runs"):
+    methods.resolve(config(init_from="/elsewhere"), get_model("resnet_dnn_18", 10))
+  method = methods.resolve(config(), get_model("resnet_mcdo_18", 10))
+  assert isinstance(method, DeepEnsemble) and method.base.name == "mc_dropout"
+  assert method.describe() == "deep_ensemble of 2 mc_dropout"
+  with pytest.raises(ValueError, match="^VQ-BNN temporal smoothing takes one model's predictions"):
+    method.frame_probs({}, np.zeros((1, 8, 8, 3), np.float32), jax.random.key(0))
+
+
+def test_the_predictive_is_one_draw_of_each_member(tiny_mcdo):
+  """A deep ensemble of MC-dropout members: member m is one dropout pass of its own variables
+  with key ``split(key, M)[m]``, an explicit loop averaged in numpy."""
+  model, variables = tiny_mcdo
+  members = [jax.tree.map(lambda x, m=m: x * (1.0 + 0.1 * m), variables) for m in range(3)]
+  stacked = jax.tree.map(lambda *xs: jax.numpy.stack(xs), *members)
+  method = DeepEnsemble.wrap(methods.resolve(None, model), size=3)
+  assert method.nested((1, 10)) == (method, (1, 2, 3))
+  images = jax.random.normal(jax.random.key(0), (2, 16, 16, 3))
+  rng = jax.random.key(1)
+  pred = method.predict(stacked, images, rng=rng)
+  loop = [np.asarray(jax.nn.softmax(model.apply(member_of(stacked, m), images, train=False,
+                                                rngs=sample_rngs(key))), np.float64)
+          for m, key in enumerate(jax.random.split(rng, 3))]
+  np.testing.assert_allclose(pred.sample_probs, np.stack(loop), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(pred.mean_probs, np.mean(loop, axis=0), rtol=1e-5, atol=1e-6)
+
+
+def test_predict_the_evaluators_and_the_training_evaluation_agree(ensemble_run, tmp_path):
+  _, workdir = ensemble_run
+  paths = three_paths(workdir, tmp_path)
+  assert_paths_agree(paths)
 
 
 class _Device:
@@ -191,11 +225,12 @@ def test_an_ensemble_too_large_for_the_device_is_refused_with_the_estimate():
   config = small_npz_config("/nonexistent", **{"model_kwargs.width": 4})
   model = get_model("resnet_dnn_18", num_classes=10, width=4, stage_sizes=(1,))
   schedule = create_learning_rate_schedule(config, 10)
-  estimate = ensemble.state_bytes(config, model, (32, 32, 3), schedule)
+  method = DeepEnsemble.wrap(methods.resolve(config, model), config, size=3)
+  init_one = state_initializer(config, method.base, (32, 32, 3), schedule)
+  estimate = state_bytes(init_one)
   # The estimate is what a real initialised state takes: parameters, momentum, statistics, step.
-  state = ensemble.create_ensemble_state(config, model, 3, (32, 32, 3), schedule)
+  state = method.init_train_state(config, init_one, [_Device(10**9)])
   assert 3 * estimate == sum(x.nbytes for x in jax.tree.leaves(state)) + 2 * 4  # one shared step
-  ensemble.check_ensemble_fits(config, model, 3, (32, 32, 3), schedule, [_Device(10**9)])
   with pytest.raises(ValueError, match=r"^An ensemble of 3 resnet_dnn_18 needs .* GiB .* more "
                      r"than 50% of the 0\.0 GiB a device has"):
-    ensemble.check_ensemble_fits(config, model, 3, (32, 32, 3), schedule, [_Device(estimate)])
+    check_fits(config, init_one, 3, [_Device(estimate)])

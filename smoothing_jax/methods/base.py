@@ -1,0 +1,213 @@
+"""What an uncertainty method is: :class:`Method`, the one object that training, every evaluator,
+``Run.predict``, VQ-BNN and the analyses ask for a method's predictive, objective, optimiser
+rules, train state and refusals.  Nothing outside ``smoothing_jax.methods`` (and the layer
+factory in ``smoothing_jax.models``) asks which method a run uses.
+
+A method is a frozen dataclass holding its model and settings, so it is hashable and ``jit``
+takes it as a static argument.  Its defaults here are those of one network trained on the
+cross-entropy and evaluated by one pass; each method overrides what it does differently (the
+architecture page of the docs walks through adding one).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from smoothing_jax.inference import Prediction, check_rng, log_probs, mean_probs
+from smoothing_jax.methods import losses
+from smoothing_jax.metrics import UncertaintyMetrics
+from smoothing_jax.models.cnn import check_images
+
+
+def setting(config, dotted: str, default=None):
+  """``config``'s value at the dotted key, or ``default`` where ``config`` (None: no config) does
+  not hold it."""
+  node = config
+  for name in dotted.split("."):
+    if node is None or not hasattr(node, "get"):
+      return default
+    node = node.get(name)
+  return default if node is None else node
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """One uncertainty method on one model (immutable and hashable: a ``jit`` static argument).
+
+  ``model``: the Flax module; ``num_samples``: the stochastic passes N of the predictive where
+  the method samples (an iBNN's: draws S of each component); ``chunk_size``: passes evaluated
+  together (``inference.map_in_chunks``; None: the backend's default).
+  """
+  name: ClassVar[str] = ""
+  wraps: ClassVar[bool] = False  # True: wraps the method of the model (a deep ensemble)
+  # The defaults of ``config.<name>``, the method's settings block (``config_base`` adds it).
+  settings: ClassVar[dict] = {}
+  model: nn.Module
+  num_samples: int = 1
+  chunk_size: int | None = None
+
+  # --- Which runs hold it (``methods.resolve`` asks the registry in order).
+  @classmethod
+  def matches(cls, config, model) -> bool:
+    """Whether ``model`` (under ``config``) is trained and evaluated by this method."""
+    raise NotImplementedError
+
+  @classmethod
+  def from_config(cls, config, model) -> Method:
+    """This method for ``model`` with its settings from ``config`` (None: the defaults)."""
+    return cls(model, chunk_size=setting(config, "eval_chunk_size"))
+
+  @classmethod
+  def wrap(cls, base: Method, config=None) -> Method:
+    """A method with ``wraps``: itself around ``base``, the method of the model."""
+    raise NotImplementedError
+
+  def describe(self) -> str:
+    """The method's name as logs, tables and the docs write it."""
+    return self.name
+
+  # --- The predictive.
+  @property
+  def stochastic(self) -> bool:
+    """Whether two draws of the predictive differ."""
+    return False
+
+  @property
+  def num_draws(self) -> int:
+    """N: the draws (samples, members or component draws) of :meth:`sample_log_probs`."""
+    return 1
+
+  def with_samples(self, num_samples: int) -> Method:
+    """This method drawing ``num_samples`` stochastic passes (ignored where N is fixed)."""
+    return self
+
+  def nested(self, requested: Sequence[int] = ()) -> tuple:
+    """``(method, sizes)``: the nested ensemble sizes N this method reports for the requested
+    ones (the first N draws of one predictive), and the method drawing enough for all."""
+    return self, (self.num_draws,)
+
+  def sample_log_probs(self, variables, images, rng) -> jax.Array:
+    """``[N, B, ..., C]`` float32 log-probabilities of the N draws on ``images`` (pure: under
+    ``jit``, ``grad`` and ``vmap``)."""
+    return log_probs(self.model, variables, images, rng)[None]
+
+  def predict(self, variables, images, *, rng) -> Prediction:
+    """The predictive in one jitted call: ``Prediction(sample_probs [N, B, C], mean_probs
+    [B, C])``, the mean in probability space, p̄ = (1/N) Σ_n softmax(f_n(x))."""
+    check_images(images)
+    samples = _jit_sample_log_probs(self, variables, images, check_rng(rng))
+    return Prediction(jnp.exp(samples), mean_probs(samples))
+
+  def frame_probs(self, variables, frame, rng) -> jax.Array:
+    """One pass on ``frame``: the probabilities ``[B, ..., C]`` VQ-BNN smooths over time (one
+    stochastic pass per frame)."""
+    return jnp.exp(log_probs(self.model, variables, frame, rng))
+
+  def one_network(self, batch_size: int) -> dict:
+    """``model.apply`` keyword arguments of one network's pass (what the feature analyses tap)."""
+    return {}
+
+  def eval_metrics(self, variables, batch, rng, num_bins: int) -> dict:
+    """``{tag suffix: UncertaintyMetrics}`` of one padded, masked batch: ``""`` the predictive's
+    mean (what the training's periodic evaluation logs as ``eval_<metric>``)."""
+    probs = jnp.exp(self.sample_log_probs(variables, batch["image"], rng))
+    return {"": UncertaintyMetrics.from_model_output(jnp.mean(probs, axis=0), batch["label"],
+                                                     batch["mask"], num_bins=num_bins)}
+
+  def for_training_eval(self) -> Method:
+    """The predictive the training's periodic evaluation scores (one draw where it samples)."""
+    return self.with_samples(1)
+
+  # --- Refusals.
+  def check(self, config) -> Method:
+    """ValueError (one line) for settings this method cannot train with; returns itself."""
+    return self
+
+  def as_member(self, config=None) -> Method:
+    """This method as a deep-ensemble member, or ValueError (one line) where it cannot be one."""
+    return self
+
+  def one_model(self, what: str, workdir: str = "") -> Method:
+    """This method where ``what`` takes one model's predictions, or ValueError (one line)."""
+    return self
+
+  # --- The training objective.
+  def tile(self, *arrays) -> tuple:
+    """The training batch of the batch's ``arrays`` (images, labels, ...: a BatchEnsemble's
+    repeats every row for its members)."""
+    return arrays
+
+  def loss(self, config, *, num_train: int, steps_per_epoch: int, class_weights=None) -> Callable:
+    """``loss_fn(params, batch_stats, batch, rng, step) -> (loss, aux)`` of this method's
+    objective (default: :func:`losses.supervised_loss`, the cross-entropy)."""
+    return losses.supervised_loss(self.model, losses.training_mixing(config, self.model),
+                                  class_weights, self.tile)
+
+  # --- The optimiser rules (``training.optim.create_optimizer`` asks these).
+  def optimizer(self, config, schedule) -> optax.GradientTransformation | None:
+    """An optimiser of the method's own (None: the config's, with :meth:`weight_decay`)."""
+    return None
+
+  def weight_decay(self, config) -> optax.GradientTransformation:
+    """The coupled weight decay of ``config.weight_decay`` on the parameters it applies to."""
+    return optax.add_decayed_weights(config.weight_decay)
+
+  def update_scaling(self, config) -> optax.GradientTransformation | None:
+    """Applied to the optimiser's updates (e.g. a BatchEnsemble's fast-weight rate; None:
+    nothing)."""
+    return None
+
+  def warm_start(self, config) -> str | None:
+    """A workdir whose weights a fresh train state starts from (None: none)."""
+    return None
+
+  def load_warm_start(self, variables, loaded):
+    """``variables`` with what this method takes from the :meth:`warm_start` run's ``loaded``."""
+    raise NotImplementedError
+
+  # --- The train state and step (one network; a deep ensemble stacks them).
+  @property
+  def members(self) -> int:
+    """Train states stacked along a leading axis (1: one network)."""
+    return 1
+
+  def init_train_state(self, config, init_one: Callable, devices=()) -> Any:
+    """The train state from ``init_one(key)`` with the key of ``config.seed``, in one compiled
+    call (outside ``jit`` the optimizer state would be created leaf by leaf)."""
+    return jax.jit(init_one)(jax.random.split(jax.random.key(config.seed), 3)[0])
+
+  def train_keys(self, config) -> jax.Array:
+    """The dropout / noise key(s) of the training steps."""
+    return jax.random.split(jax.random.key(config.seed), 3)[1]
+
+  def train_pipelines(self, config, pipeline) -> list:
+    """The pipelines whose batches the train state learns from."""
+    return [pipeline]
+
+  def train_step(self, step: Callable, state, member_batch: Callable, rngs, *, shared: bool):
+    """One optimiser step ``step(state, batch, rng) -> (state, metrics)`` on ``member_batch(0)``."""
+    return step(state, member_batch(0), rngs)
+
+  def train_scalars(self, prefix: str, means: dict) -> dict:
+    """The scalars written for the training metrics' means ``means``."""
+    return {f"{prefix}{k}": float(np.mean(v)) for k, v in means.items()}
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _jit_sample_log_probs(method: Method, variables, images, rng):
+  return method.sample_log_probs(variables, images, rng)
+
+
+def check_num_samples(num_samples) -> int:
+  """``num_samples`` if it is a positive integer; ValueError (one line) otherwise."""
+  if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
+    raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}.")
+  return num_samples

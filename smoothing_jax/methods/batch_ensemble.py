@@ -1,0 +1,89 @@
+"""BatchEnsemble (Wen et al. 2020): M members sharing slow weights W, each with rank-1 fast
+weights, W_m = W ⊙ r_m s_mᵀ (``resnet_batchensemble_18``, ``wideresnet_batchensemble_28_10``;
+the layers are :mod:`smoothing_jax.layers.batch_ensemble`).
+
+* Predictive: the M members in one pass over the batch repeated M times
+  (``inference.batch_ensemble_log_probs``), averaged in probability space as
+  uncertainty-baselines does; N counts members (the first N of M).
+* Training: the batch repeated M times, row b·M + m example b under member m (uncertainty-
+  baselines tiles it M times: the same rows, and BatchNorm sees the same statistics), so the loss
+  is the mean over members of each member's loss.
+* Optimiser: the fast weights and the members' biases learn at the rate ×
+  ``config.batch_ensemble.fast_weight_lr_multiplier``; weight decay skips the fast weights, which
+  take ``config.batch_ensemble.fast_weight_decay`` instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from smoothing_jax.inference import batch_ensemble_log_probs, repeat_for_members
+from smoothing_jax.layers.batch_ensemble import fast_weight_mask
+from smoothing_jax.methods.base import Method
+from smoothing_jax.models import is_batch_ensemble, is_stochastic
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchEnsemble(Method):
+  """The M = ``model.ensemble_size`` members of one network of fast weights."""
+  name = "batch_ensemble"
+  # uncertainty-baselines' CIFAR settings: the fast weights (and the members' biases) learn at the
+  # multiplied rate; weight decay skips the fast weights unless fast_weight_decay says otherwise.
+  settings = {"fast_weight_lr_multiplier": 0.5, "fast_weight_decay": 0.0}
+
+  @classmethod
+  def matches(cls, config, model) -> bool:
+    return is_batch_ensemble(model)
+
+  @property
+  def stochastic(self) -> bool:
+    return is_stochastic(self.model)  # MC dropout inside the members
+
+  @property
+  def num_draws(self) -> int:
+    return self.model.ensemble_size
+
+  def nested(self, requested: Sequence[int] = ()) -> tuple:
+    return self, tuple(range(1, self.num_draws + 1))
+
+  def sample_log_probs(self, variables, images, rng):
+    return batch_ensemble_log_probs(self.model, variables, images, rng)
+
+  def frame_probs(self, variables, frame, rng):
+    """The members' mean: all M members in one pass over the repeated frame."""
+    return jnp.mean(jnp.exp(self.sample_log_probs(variables, frame, rng)), axis=0)
+
+  def one_network(self, batch_size: int) -> dict:
+    return {"components": jnp.zeros(batch_size, jnp.int32)}  # member 0's network
+
+  def check(self, config) -> BatchEnsemble:
+    if config.optimizer == "adamw":
+      raise ValueError("optimizer 'adamw' decays every parameter; a BatchEnsemble trains with "
+                       "'sgd' or 'adam' (coupled decay that skips its fast weights).")
+    return self
+
+  def as_member(self, config=None) -> Method:
+    model = f" {config.model!r}" if config is not None else ""
+    raise ValueError(f"Model{model} is a BatchEnsemble of {self.num_draws} members already; "
+                     "train it with deep_ensemble.members=1.")
+
+  def tile(self, *arrays) -> tuple:
+    return tuple(repeat_for_members(x, self.num_draws) for x in arrays)
+
+  def weight_decay(self, config) -> optax.GradientTransformation:
+    def slow(params):
+      return jax.tree.map(lambda fast: not fast, fast_weight_mask(params))
+    return optax.chain(
+        optax.add_decayed_weights(config.weight_decay, mask=slow),
+        optax.add_decayed_weights(config.batch_ensemble.fast_weight_decay, mask=fast_weight_mask))
+
+  def update_scaling(self, config) -> optax.GradientTransformation:
+    """The fast weights' and member biases' updates × ``fast_weight_lr_multiplier``: with SGD
+    that equals uncertainty-baselines' scaling of their gradients (decay included) before the
+    optimiser; after the optimiser it holds for Adam too, which would undo a gradient scale."""
+    return optax.masked(optax.scale(config.batch_ensemble.fast_weight_lr_multiplier),
+                        lambda params: fast_weight_mask(params, with_bias=True))

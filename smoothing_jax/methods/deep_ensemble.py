@@ -1,0 +1,254 @@
+"""Deep ensembles (Lakshminarayanan et al. 2017) trained as one compiled job:
+``config.deep_ensemble.members`` = M > 1, each member trained by its base method (an ensemble of
+MC-dropout networks is a deep ensemble of MC dropout).
+
+The train state is stacked along a leading member axis (parameters, BatchNorm statistics and
+optimizer state; one shared step counter), and one jitted step updates every member.  Member m
+is the single run with seed ``config.seed + m``: its initialisation, its dropout / noise keys, its
+data order and its augmentation draws (``Pipeline.seed``; ``config.deep_ensemble.shared_batches``
+feeds every member the batches of ``config.seed`` instead).  The split of the training data
+(``input.train_fraction``, ``input.holdout_fraction``) comes from ``config.seed`` (or
+``input.split_seed``) and is the ensemble's: every member trains on the same examples and none on
+those held out (members differ by initialisation and shuffling).
+
+The predictive is the mean of the members' probabilities, member m one draw of its base method
+with key ``split(key, M)[m]`` (``inference.ensemble_log_probs``), so N counts members: the
+evaluators report the ensembles of the first N = 1..M.
+
+How the step computes M members (``config.deep_ensemble.vmap_size`` = k): the members in groups
+of k, each group ``jax.vmap`` ed over its stacked state, the groups one after another in the same
+program.  k = 1 unrolls the members (M copies of the single step in one program); k = M vmaps
+them all.  0 chooses per backend: unrolled, because a vmapped convolution over stacked kernels
+(a grouped convolution) runs several times slower than M plain ones on XLA:CPU
+(``experiments/bench_ensemble.py``: 4 members of ``resnet_dnn_18``, vmapped 0.3×, unrolled 1.5×
+the speed of four sequential steps); on GPUs the benchmark's section of
+``experiments/device_check.py`` measures both, and unrolling stays the default until it says
+otherwise.  Members stay replicated and the batch sharded on ``data`` (each device computes
+every member on its slice of the batch), so the same mesh serves any M.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from smoothing_jax.data.resident import device_memory_bytes
+from smoothing_jax.inference import ensemble_log_probs, member_of
+from smoothing_jax.methods.base import Method, setting
+from smoothing_jax.metrics import UncertaintyMetrics
+
+MAX_STATE_FRACTION = 0.5  # of one device's memory; activations, gradients and data need the rest
+# Members vmapped together when ``config.deep_ensemble.vmap_size`` is 0: unrolled, on every
+# backend measured so far (the module's docstring).
+DEFAULT_VMAP_SIZE = 1
+
+
+def members_of(config) -> int:
+  """M = ``config.deep_ensemble.members`` (1 where unset), or ValueError (one line) for a value
+  that is not an integer >= 1."""
+  members = setting(config, "deep_ensemble.members", 1)
+  if not isinstance(members, int) or isinstance(members, bool) or members < 1:
+    raise ValueError(f"deep_ensemble.members must be an integer >= 1, got {members!r}.")
+  return members
+
+
+def member_keys(seed: int, members: int, index: int) -> jax.Array:
+  """``[M]`` keys: for member m, ``split(key(seed + m), 3)[index]`` (the single run's
+  0: initialisation, 1: dropout / noise, 2: evaluation)."""
+  return jnp.stack([jax.random.split(jax.random.key(seed + m), 3)[index]
+                    for m in range(members)])
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepEnsemble(Method):
+  """``size`` members of the ``base`` method, their variables stacked along a leading axis."""
+  name = "deep_ensemble"
+  wraps = True  # resolved around the base method of the model (``methods.resolve``)
+  settings = {
+      "members": 1,  # M (1: one model, no ensemble)
+      # Every member trains on the batches of ``seed`` (for speed comparisons; members then
+      # differ by initialisation and dropout only).
+      "shared_batches": False,
+      "vmap_size": 0,  # members vmapped together in the step (1: unrolled, M: all; 0: per backend)
+  }
+  base: Method | None = None
+  size: int = 1
+  shared_batches: bool = False
+  vmap_size: int = 0
+
+  @classmethod
+  def matches(cls, config, model) -> bool:
+    return members_of(config) > 1
+
+  @classmethod
+  def wrap(cls, base: Method, config=None, size: int | None = None) -> DeepEnsemble:
+    """An ensemble of ``size`` (default ``config.deep_ensemble.members``) ``base`` networks."""
+    base = base.as_member(config)
+    return cls(base.model, chunk_size=base.chunk_size, base=base,
+               size=members_of(config) if size is None else size,
+               shared_batches=bool(setting(config, "deep_ensemble.shared_batches", False)),
+               vmap_size=setting(config, "deep_ensemble.vmap_size", 0) or DEFAULT_VMAP_SIZE)
+
+  def describe(self) -> str:
+    return f"{self.name} of {self.size} {self.base.describe()}"
+
+  # The predictive: one draw of each member.
+  @property
+  def stochastic(self) -> bool:
+    return self.base.stochastic
+
+  @property
+  def num_draws(self) -> int:
+    return self.size
+
+  def nested(self, requested: Sequence[int] = ()) -> tuple:
+    return self, tuple(range(1, self.size + 1))
+
+  def sample_log_probs(self, variables, images, rng):
+    return ensemble_log_probs(self.model, variables, images, rng, self.chunk_size)
+
+  def eval_metrics(self, variables, batch, rng, num_bins: int) -> dict:
+    """The ensemble's metrics (the mean of its members' probabilities, ``""``), then each
+    member's (``"/member_<m>"``)."""
+    probs = jnp.exp(self.sample_log_probs(variables, batch["image"], rng))
+    metrics = lambda p: UncertaintyMetrics.from_model_output(  # noqa: E731
+        p, batch["label"], batch["mask"], num_bins=num_bins)
+    return {"": metrics(jnp.mean(probs, axis=0)),
+            **{f"/member_{m}": metrics(p) for m, p in enumerate(probs)}}
+
+  def for_training_eval(self) -> DeepEnsemble:
+    return self
+
+  # What it cannot do.
+  def frame_probs(self, variables, frame, rng):
+    raise self._one_model_error("VQ-BNN temporal smoothing")
+
+  def one_model(self, what: str, workdir: str = "") -> Method:
+    raise self._one_model_error(what, workdir)
+
+  def _one_model_error(self, what: str, workdir: str = "") -> ValueError:
+    where = f"{workdir} holds" if workdir else "this is"
+    return ValueError(f"{what} takes one model's predictions; {where} an ensemble of "
+                      f"{self.size} members: evaluate a member (Run.write_member(m, workdir), "
+                      "then that workdir).")
+
+  def as_member(self, config=None) -> Method:
+    raise ValueError(f"This run is a deep ensemble of {self.size} members already; "
+                     "--ensemble_workdirs joins single runs.")
+
+  def check(self, config) -> DeepEnsemble:
+    for key in ("init_from", "trajectory_every_steps"):
+      if setting(config, key):
+        raise ValueError(f"{key} is for single runs (deep_ensemble.members={self.size}): train "
+                         "the members apart to use it.")
+    self.base.check(config)
+    return self
+
+  # Training: each member by its base method.
+  def tile(self, *arrays) -> tuple:
+    return self.base.tile(*arrays)
+
+  def loss(self, config, *, num_train: int, steps_per_epoch: int, class_weights=None):
+    return self.base.loss(config, num_train=num_train, steps_per_epoch=steps_per_epoch,
+                          class_weights=class_weights)
+
+  def optimizer(self, config, schedule):
+    return self.base.optimizer(config, schedule)
+
+  def weight_decay(self, config):
+    return self.base.weight_decay(config)
+
+  def update_scaling(self, config):
+    return self.base.update_scaling(config)
+
+  @property
+  def members(self) -> int:
+    return self.size
+
+  def init_train_state(self, config, init_one: Callable, devices=()):
+    """The stacked train state of the M members (one compiled call, ``vmap`` over their keys;
+    random draws under ``vmap`` equal those of each key alone), its step counter shared; first
+    :func:`check_fits`."""
+    check_fits(config, init_one, self.size, devices)
+    state = jax.jit(jax.vmap(init_one))(member_keys(config.seed, self.size, 0))
+    return state.replace(step=state.step[0])
+
+  def train_keys(self, config) -> jax.Array:
+    return member_keys(config.seed, self.size, 1)
+
+  def train_pipelines(self, config, pipeline) -> list:
+    """``pipeline`` with ``seed`` + m for member m (its own order and augmentation draws; the
+    arrays and the split are shared), or ``[pipeline]`` alone with ``shared_batches``."""
+    if self.shared_batches:
+      return [pipeline]
+    return [dataclasses.replace(pipeline, seed=config.seed + m) for m in range(self.size)]
+
+  def train_step(self, step: Callable, state, member_batch: Callable, rngs, *, shared: bool):
+    return ensemble_train_step(step, self.vmap_size, state, member_batch, rngs, shared=shared)
+
+  def train_scalars(self, prefix: str, means: dict) -> dict:
+    """The mean over members of each metric, then each member's (``<key>/member_<m>``; the
+    learning rate, which they share, once)."""
+    each = {k: v for k, v in means.items() if k != "learning_rate"}
+    return {**super().train_scalars(prefix, means), **member_summaries(prefix, each, self.size)}
+
+
+def state_bytes(init_one: Callable) -> int:
+  """Bytes of one member's train state (parameters, BatchNorm statistics, optimizer state),
+  from its abstract shapes (nothing computed)."""
+  abstract = jax.eval_shape(init_one, jax.random.key(0))
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+
+
+def check_fits(config, init_one: Callable, members: int, devices) -> None:
+  """ValueError (one line) when M stacked train states would take more than
+  ``MAX_STATE_FRACTION`` of a device's memory (each device holds every member); no-op where the
+  backend does not say how much it has (the CPU)."""
+  limits = [m for m in (device_memory_bytes(d) for d in devices) if m]
+  if not limits or members == 1:
+    return
+  one = state_bytes(init_one)
+  if members * one > MAX_STATE_FRACTION * min(limits):
+    raise ValueError(
+        f"An ensemble of {members} {config.model} needs {members * one / 2**30:.2f} GiB for its "
+        f"stacked train state ({members} × {one / 2**30:.2f} GiB of parameters, BatchNorm "
+        f"statistics and optimizer state) on each device, more than "
+        f"{MAX_STATE_FRACTION:.0%} of the {min(limits) / 2**30:.1f} GiB a device has: use fewer "
+        "members, or train them apart (one run per seed) and join them with "
+        "--ensemble_workdirs.")
+
+
+def ensemble_train_step(member_step, vmap_size: int, state, member_batch, rngs, *,
+                        shared: bool = False):
+  """One step of every member: ``member_step(state, batch, rng) -> (state, metrics)`` on member
+  m's state, ``member_batch(m)`` and ``rngs[m]``; members in groups of ``vmap_size`` vmapped
+  together, the groups unrolled (see the module).  ``shared``: every member takes
+  ``member_batch(0)``, made once.  Returns the stacked state and ``[M]`` metrics."""
+  members, step = rngs.shape[0], state.step
+  rest = state.replace(step=None)
+  shared_batch = member_batch(0) if shared else None
+  outputs = []
+  for start in range(0, members, vmap_size):
+    group = range(start, min(members, start + vmap_size))
+    if len(group) == 1:
+      batch = shared_batch if shared else member_batch(start)
+      out = member_step(member_of(rest, start).replace(step=step), batch, rngs[start])
+      outputs.append(jax.tree.map(lambda x: x[None], out))
+      continue
+    batches = shared_batch if shared else jax.tree.map(
+        lambda *xs: jnp.stack(xs), *[member_batch(m) for m in group])
+    one = lambda s, b, r: member_step(s.replace(step=step), b, r)  # noqa: E731
+    outputs.append(jax.vmap(one, in_axes=(0, None if shared else 0, 0))(
+        jax.tree.map(lambda x, group=group: x[group.start:group.stop], rest), batches,
+        rngs[group.start:group.stop]))
+  new_state, metrics = jax.tree.map(lambda *xs: jnp.concatenate(xs), *outputs)
+  return new_state.replace(step=new_state.step[0]), metrics
+
+
+def member_summaries(prefix: str, values: dict, members: int) -> dict:
+  """``{prefix + key + "/member_m": float}`` of ``[M]`` values, for the metric writer."""
+  return {f"{prefix}{k}/member_{m}": float(np.asarray(v)[m])
+          for k, v in values.items() for m in range(members)}

@@ -1,0 +1,40 @@
+"""MC dropout (Gal & Ghahramani 2016): N stochastic passes, p̄(y|x) = (1/N) Σ_n softmax(f_n(x)),
+pass n with the dropout key ``split(key, N)[n]`` (``<family>_mcdo[_smoothing]_<depth>``, and
+any model with dropout kept on at evaluation).  The evaluators report the nested ensembles of
+the first N passes for each N of ``config.ensemble_sizes``."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from smoothing_jax.inference import mc_log_probs
+from smoothing_jax.methods.base import Method, check_num_samples
+from smoothing_jax.models import is_stochastic
+
+
+@dataclasses.dataclass(frozen=True)
+class MCDropout(Method):
+  """``num_samples`` passes with independent dropout masks, in chunks of ``chunk_size``."""
+  name = "mc_dropout"
+
+  @classmethod
+  def matches(cls, config, model) -> bool:
+    return is_stochastic(model)
+
+  @property
+  def stochastic(self) -> bool:
+    return True
+
+  @property
+  def num_draws(self) -> int:
+    return self.num_samples
+
+  def with_samples(self, num_samples: int) -> MCDropout:
+    return dataclasses.replace(self, num_samples=check_num_samples(num_samples))
+
+  def nested(self, requested: Sequence[int] = ()) -> tuple:
+    sizes = sorted({check_num_samples(n) for n in requested or (1,)})
+    return self.with_samples(sizes[-1]), tuple(sizes)
+
+  def sample_log_probs(self, variables, images, rng):
+    return mc_log_probs(self.model, variables, images, rng, self.num_samples, self.chunk_size)

@@ -1,0 +1,119 @@
+"""The BNN-VI method: the predictive is N weight samples (an explicit loop over keys), the ELBO,
+the optimiser's decay mask, and on one trained tiny workdir: training, resuming, every
+evaluator, and ``Run.predict``, ``ensemble_sizes`` and the training's evaluation agreeing."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from configs import cifar_resnet
+from smoothing_jax import methods
+from smoothing_jax.inference import sample_rngs
+from smoothing_jax.layers.mean_field import kl_divergence
+from smoothing_jax.methods import bnnvi
+from smoothing_jax.models import get_model, is_stochastic
+from smoothing_jax.training import optim
+from tests.helpers import (
+  ALL_CLASSIFIER_EVALS,
+  override,
+  tiny_config,
+  tiny_run,
+  train_resume_and_evaluate,
+)
+from tests.methods.paths import assert_paths_agree, three_paths
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """``(workdir, data context, {evaluator: result})``: a one-stage ResNet with mean-field kernels
+  (the layers and ELBO of vgg_bnnvi_16 at a fraction of its compile time; the configs are checked
+  in test_config_base) trained from the command line under TFDS mock data, resumed, and every
+  evaluator but temporal run on it (a mean-field model streams as MC dropout does,
+  test_temporal, and its scan over frames of weight samples is the longest compile)."""
+  tfds = pytest.importorskip("tensorflow_datasets")
+  root = tmp_path_factory.mktemp("bnnvi")
+  config = tiny_run(cifar_resnet.get_config("resnet_dnn_18,cifar10,runlocal"), num_train_steps=4,
+                    ensemble_sizes=(1, 2),
+                    **{"input.holdout_fraction": 0.25, "model_kwargs.stage_sizes": (1,),
+                       "model_kwargs.mean_field": True})
+  results = train_resume_and_evaluate(config, root, ALL_CLASSIFIER_EVALS[:-1])
+  return str(root / "run"), functools.partial(tfds.testing.mock_data, num_examples=16), results
+
+
+def test_the_predictive_is_the_mean_of_n_weight_samples():
+  model = get_model("resnet_dnn_18", 4, width=4, stage_sizes=(1,), mean_field=True)
+  variables = jax.jit(model.init)({"params": jax.random.key(0), "noise": jax.random.key(1)},
+                                  jnp.zeros((1, 16, 16, 3)))
+  method = methods.resolve(None, model)
+  assert isinstance(method, bnnvi.BNNVI) and method.name == "bnnvi"
+  images = jax.random.normal(jax.random.key(2), (3, 16, 16, 3))
+  rng = jax.random.key(3)
+  pred = method.with_samples(3).predict(variables, images, rng=rng)
+  loop = [np.asarray(jax.nn.softmax(model.apply(variables, images, train=False,
+                                                rngs=sample_rngs(key))), np.float64)
+          for key in jax.random.split(rng, 3)]
+  np.testing.assert_allclose(pred.sample_probs, np.stack(loop), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(pred.mean_probs, np.mean(loop, axis=0), rtol=1e-5, atol=1e-6)
+  assert not np.allclose(loop[0], loop[1])  # weight samples differ
+
+
+def test_the_elbo_is_mean_nll_plus_annealed_kl_over_n_and_decay_skips_the_posterior():
+  # A one-stage ResNet with mean-field kernels (BatchNorm deterministic), 16×16 inputs.
+  config = override(tiny_config(), **{"bnnvi.kl_anneal_epochs": 2})
+  model = get_model("resnet_dnn_18", 4, width=4, stage_sizes=(1,), mean_field=True)
+  assert is_stochastic(model) and model.weights == "mean_field"
+  variables = jax.jit(model.init)({"params": jax.random.key(0), "noise": jax.random.key(1)},
+                                  jnp.zeros((1, 16, 16, 3)))
+  batch = {"image": jax.random.normal(jax.random.key(2), (4, 16, 16, 3)),
+           "label": jnp.array([0, 1, 2, 3])}
+  loss_fn = methods.resolve(config, model).loss(config, num_train=100, steps_per_epoch=10)
+
+  @jax.jit
+  def elbo_and_nll(step):
+    """The loss, its metrics, and the NLL of one training pass drawn from the loss's key."""
+    key = jax.random.key(3)
+    loss, aux = loss_fn(variables["params"], variables["batch_stats"], batch, key, step)
+    logits, _ = model.apply(variables, batch["image"], train=True, mutable=["batch_stats"],
+                            rngs=sample_rngs(key))
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    return loss, aux["metrics"], nll
+
+  kl = kl_divergence(variables["params"], 0.1)
+  for step, beta in ((0, 0.0), (15, 0.5), (40, 1.0)):
+    loss, metrics, nll = elbo_and_nll(step)
+    assert float(metrics["kl_weight"]) == beta
+    np.testing.assert_allclose(metrics["kl"], kl, rtol=1e-5)
+    np.testing.assert_allclose(metrics["nll"], nll, rtol=1e-5)
+    np.testing.assert_allclose(loss, nll + beta * kl / 100, rtol=1e-5)
+  # Zero gradients at rate 1: the update is −0.5·w where weight decay 0.5 applies, else 0.
+  tx = optim.create_optimizer(override(config, weight_decay=0.5, momentum=0.0), lambda s: 1.0,
+                              model)
+  params = jax.tree.map(lambda p: p + 1.0, variables["params"])  # biases 0 → 1
+  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  head, conv, bn = (updates["classifier_0"], updates["layer1_0"]["conv1"],
+                    updates["layer1_0"]["bn1"])
+  np.testing.assert_allclose(head["bias"], -0.5 * np.asarray(params["classifier_0"]["bias"]))
+  np.testing.assert_allclose(bn["scale"], -0.5 * np.asarray(params["layer1_0"]["bn1"]["scale"]))
+  for layer in (head, conv):  # the posterior's μ and ρ: regularised by the KL alone
+    assert not np.any(np.asarray(layer["kernel"])) and not np.any(np.asarray(layer["kernel_rho"]))
+  assert bnnvi.decay_mask(variables["params"])["classifier_0"] == {
+      "bias": True, "kernel": False, "kernel_rho": False}
+
+
+def test_trains_resumes_and_runs_every_evaluator_from_the_command_line(trained):
+  _, _, results = trained
+  rows = results["ensemble_sizes"]
+  assert [r["ensemble_size"] for r in rows] == [1, 2] and rows[0]["nll"] != rows[1]["nll"]
+  for name in ("calibration", "selective", "ood"):
+    assert {r["ensemble_size"] for r in results[name]} == {1, 2}, name
+  assert np.isfinite(results["corruptions"]["mean_err"])
+  assert {r["method"] for r in results["ensemble_sizes"]} == {"bnnvi"}
+
+
+def test_predict_the_evaluators_and_the_training_evaluation_agree(trained, tmp_path):
+  workdir, data, _ = trained
+  assert_paths_agree(three_paths(workdir, tmp_path, data=data))
+  assert_paths_agree(three_paths(workdir, tmp_path, num_samples=2, data=data))
