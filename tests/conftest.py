@@ -279,6 +279,34 @@ def msa_workdirs(tmp_path_factory):
   return _once_per_run(tmp_path_factory, "msa", make)
 
 
+# The analysis sizes of the MSA figures test; the MSA notebook test (test_colabs.MSA_TINY) runs
+# the same analyses of the same AlterNet at the same sizes.
+MSA_FIGURE_SIZES = ("hessian_batches=2", "hessian_batch_size=16", "hessian_iters=3",
+                    "fourier_images=8", "variance_images=8", "lesion_images=16",
+                    "similarity_images=16", "similarity_batch_size=8")
+
+
+@pytest.fixture(scope="session")
+def msa_figures_run(msa_workdirs, tmp_path_factory):
+  """``(out folder, printed report)`` of ``experiments/msa_figures.py`` on :func:`msa_workdirs`
+  at :data:`MSA_FIGURE_SIZES`, made once per run.  The MSA notebook test asks for it too: its
+  kernel then reads the AlterNet's compiled programs (the same model at the same sizes) from the
+  persistent compilation cache instead of compiling them a second time."""
+  import contextlib
+  import io
+
+  from experiments import msa_figures as script
+
+  def make(root):
+    args = [a for label, path in msa_workdirs.items() for a in ("--workdir", f"{label}={path}")]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+      script.main(args + ["--out", str(root)] +
+                  [a for size in MSA_FIGURE_SIZES for a in ("--size", size)])
+    return [str(root), printed.getvalue()]
+  return _once_per_run(tmp_path_factory, "msa_figures", make)
+
+
 # The test files that take longest (measured on 2 cores), in that order.  They start first, and
 # the many short files fill the end of the run, so that both workers finish together.
 LONGEST_FILES = ("test_colabs.py", "test_experiments.py", "test_train.py", "test_analysis.py",

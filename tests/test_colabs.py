@@ -59,6 +59,7 @@ def images_in(book) -> int:
              for out in c.outputs)
 
 
+# conftest.MSA_FIGURE_SIZES, the figures test's, in the notebook's names (its CKA: one batch of 8).
 MSA_TINY = "NUM_BATCHES = 2\nBATCH_SIZE = 16\nMAX_ITERS = 3\nNUM_IMAGES = 8\nLESION_IMAGES = 16"
 
 
@@ -175,8 +176,11 @@ def test_uncertainty_notebook_trains_and_runs_the_three_evaluators(analysis_work
 
 
 @pytest.mark.slow
-def test_msa_notebook_runs_on_alternet_workdirs(msa_workdirs):
-  # Last in this file: the other worker trains msa_workdirs meanwhile, so nothing waits on it.
+def test_msa_notebook_runs_on_alternet_workdirs(msa_workdirs, msa_figures_run):
+  # After the MSA figures (msa_figures_run), which ran the same analyses of the same AlterNet at
+  # the same sizes: the kernel reads their compiled programs from the compilation cache.  Last in
+  # this file: the other worker trains msa_workdirs and makes the figures meanwhile (first in
+  # test_experiments.py), so little waits on them.
   # The AlterNet alone (its ResNet backbone is drawn alike, and test_experiments compares the two).
   alternet = {"AlterNet": msa_workdirs["AlterNet"]}
   book = execute("msa_analysis", load_parameters(alternet) + MSA_TINY)

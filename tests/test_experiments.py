@@ -1,6 +1,7 @@
 """The figure-regenerating experiment script and the analysis studies on trained workdirs."""
 import json
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -12,6 +13,37 @@ TINY_SIZES = [
     "num_batches=2", "batch_size=16", "max_iters=3", "num_images=8", "num_samples=2", "grid=3",
     "frequencies=3", "sequences=3", "pgd_steps=1"
 ]
+
+
+# First in this file: the MSA workdirs are trained, and the figures made, while the other worker
+# runs the notebooks, and the MSA notebook test (after them) then reads the AlterNet's compiled
+# programs from the compilation cache (the fixture's docstring).
+def test_msa_figures_on_an_alternet_trained_with_the_vit_recipe(msa_figures_run):
+  folder, printed = msa_figures_run
+  out = pathlib.Path(folder)
+  report = json.loads(printed)
+  assert report == json.load(open(out / "summary.json"))
+  for name in msa_figures.FIGURES:
+    assert os.path.getsize(out / f"{name}.png") > 1000
+  assert os.path.getsize(out / "fourier_by_depth.png") > 1000
+  assert os.path.getsize(out / "similarity_cross.png") > 1000
+  assert "| layer3_1 | msa |" in open(out / "lesion.md").read()
+  checks = report["orderings"]["AlterNet"]
+  assert {"msa_lowers_high_frequencies", "msa_reduces_variance", "conv_raises_high_frequencies",
+          "smaller_positive_max_eigenvalue_than_backbone",
+          "blocks_of_a_stage_are_more_alike", "straighter_trajectory_than_backbone"} <= set(checks)
+  trajectory = json.load(open(out / "trajectory.json"))["AlterNet"]
+  assert list(trajectory["steps"]) == [0, 2, 4] and abs(trajectory["angle"][0]) < 1e-3
+  similarity = json.load(open(out / "similarity.json"))["AlterNet"]
+  assert similarity["rows"]["kinds"] == ["stem", "conv", "conv", "conv", "msa", "conv", "msa"]
+  assert similarity["rows"]["resolution_changes"] == [2, 3, 5]  # the strided stage starts
+  assert similarity["num_examples"] == 16
+  cross = json.load(open(out / "similarity_cross.json"))["backbone vs AlterNet"]
+  assert np.shape(cross["cka"]) == (7, 7) and cross["cols"] == similarity["rows"]
+  assert "msa_lowers_high_frequencies" not in report["orderings"]["backbone"]
+  spectra = json.load(open(out / "spectra.json"))["AlterNet"]
+  assert len(spectra["min_eigenvalues"]) == 2
+  assert report["checkpoints"]["AlterNet"]["step"] == 4
 
 
 def test_every_figure_is_written_with_its_ordering(analysis_workdirs, tmp_path, capsys):
@@ -87,37 +119,6 @@ def test_stage_end_summaries_and_orderings_by_hand():
           }
       }
   }
-
-
-def test_msa_figures_on_an_alternet_trained_with_the_vit_recipe(msa_workdirs, tmp_path, capsys):
-  args = [a for label, path in msa_workdirs.items() for a in ("--workdir", f"{label}={path}")]
-  sizes = ["hessian_batches=2", "hessian_batch_size=16", "hessian_iters=3", "fourier_images=8",
-           "variance_images=8", "lesion_images=16", "similarity_images=16",
-           "similarity_batch_size=8"]
-  msa_figures.main(args + ["--out", str(tmp_path)] +
-                   [a for size in sizes for a in ("--size", size)])
-  report = json.loads(capsys.readouterr().out)
-  for name in msa_figures.FIGURES:
-    assert os.path.getsize(tmp_path / f"{name}.png") > 1000
-  assert os.path.getsize(tmp_path / "fourier_by_depth.png") > 1000
-  assert os.path.getsize(tmp_path / "similarity_cross.png") > 1000
-  assert "| layer3_1 | msa |" in open(tmp_path / "lesion.md").read()
-  checks = report["orderings"]["AlterNet"]
-  assert {"msa_lowers_high_frequencies", "msa_reduces_variance", "conv_raises_high_frequencies",
-          "smaller_positive_max_eigenvalue_than_backbone",
-          "blocks_of_a_stage_are_more_alike", "straighter_trajectory_than_backbone"} <= set(checks)
-  trajectory = json.load(open(tmp_path / "trajectory.json"))["AlterNet"]
-  assert list(trajectory["steps"]) == [0, 2, 4] and abs(trajectory["angle"][0]) < 1e-3
-  similarity = json.load(open(tmp_path / "similarity.json"))["AlterNet"]
-  assert similarity["rows"]["kinds"] == ["stem", "conv", "conv", "conv", "msa", "conv", "msa"]
-  assert similarity["rows"]["resolution_changes"] == [2, 3, 5]  # the strided stage starts
-  assert similarity["num_examples"] == 16
-  cross = json.load(open(tmp_path / "similarity_cross.json"))["backbone vs AlterNet"]
-  assert np.shape(cross["cka"]) == (7, 7) and cross["cols"] == similarity["rows"]
-  assert "msa_lowers_high_frequencies" not in report["orderings"]["backbone"]
-  spectra = json.load(open(tmp_path / "spectra.json"))["AlterNet"]
-  assert len(spectra["min_eigenvalues"]) == 2
-  assert report["checkpoints"]["AlterNet"]["step"] == 4
 
 
 def test_changes_by_kind_by_hand():

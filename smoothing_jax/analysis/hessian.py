@@ -285,6 +285,17 @@ def _lanczos_step(linear, params, basis, j, coupling, scale, key):
   return jax.lax.dynamic_update_slice_in_dim(basis, q, (j + 1) * b, 0), a, r, scale
 
 
+def _placed_like(params, *arrays):
+  """``arrays`` replicated on the mesh of ``params`` when they lie on one (a loaded Run's
+  variables): the step's outputs take that mesh, so its first inputs need it too, or step 1
+  compiles :func:`_lanczos_step` a second time (the input types differ)."""
+  sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return arrays
+  replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  return tuple(jax.device_put(a, replicated) for a in arrays)
+
+
 @jax.jit
 def _ritz_vectors(basis, coefficients):
   """``coefficients [r, capacity] @ basis [capacity, n]``: Ritz vectors as rows."""
@@ -316,8 +327,10 @@ def _lanczos(linear, params, start, num_iters, rng, converged=None):
   b, n = start.shape
   steps = max(1, min(num_iters, n) // b)
   capacity = -(-(steps + 1) * b // _BLOCK) * _BLOCK
-  basis = _start_block(jnp.zeros((capacity, n), start.dtype), start)
-  coupling, scale = jnp.zeros((b, b), start.dtype), jnp.zeros((), start.dtype)
+  zeros, start, coupling, scale = _placed_like(
+      params, jnp.zeros((capacity, n), start.dtype), start, jnp.zeros((b, b), start.dtype),
+      jnp.zeros((), start.dtype))
+  basis = _start_block(zeros, start)
   diagonal, couplings = [], []
   for j in range(steps):
     basis, a, coupling, scale = _lanczos_step(linear, params, basis, j, coupling, scale, rng)

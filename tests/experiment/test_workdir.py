@@ -81,7 +81,8 @@ def test_missing_run_and_missing_model_spec_are_clear_errors(tmp_path):
 
 
 def test_config_json_of_0_1_0_reads_in_todays_layout(tmp_path):
-  """The data keys move under ``input`` (``MOVED_KEYS``) with their values; the upgraded config has
+  """The data keys move under ``input`` and the deep ensemble's under ``deep_ensemble``
+  (``MOVED_KEYS``) with their values; the upgraded config has
   exactly the keys of today's quickstart config, each of a type it takes; its data loads."""
   from configs import quickstart
   from smoothing_jax.data import create_pipeline
@@ -92,7 +93,8 @@ def test_config_json_of_0_1_0_reads_in_todays_layout(tmp_path):
   assert set(workdir_lib.MOVED_KEYS) == {"dataset", "data_dir", "download", "data_pipeline",
                                          "batch_size", "crop_size", "randaugment",
                                          "train_fraction", "holdout_fraction", "data_split_seed",
-                                         "eval_cache"}
+                                         "eval_cache", "ensemble_members",
+                                         "ensemble_shared_batches", "ensemble_vmap_size"}
   for old_key, new_key in workdir_lib.MOVED_KEYS.items():
     assert old_key not in config, old_key
     value = config[new_key]
