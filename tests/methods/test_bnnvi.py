@@ -43,30 +43,35 @@ def trained(tmp_path_factory):
   return str(root / "run"), functools.partial(tfds.testing.mock_data, num_examples=16), results
 
 
-def test_the_predictive_is_the_mean_of_n_weight_samples():
+@pytest.fixture(scope="module")
+def mean_field_resnet():
+  """A one-stage ResNet with mean-field kernels (BatchNorm deterministic) and its variables."""
   model = get_model("resnet_dnn_18", 4, width=4, stage_sizes=(1,), mean_field=True)
   variables = jax.jit(model.init)({"params": jax.random.key(0), "noise": jax.random.key(1)},
                                   jnp.zeros((1, 16, 16, 3)))
+  return model, variables
+
+
+def test_the_predictive_is_the_mean_of_n_weight_samples(mean_field_resnet):
+  model, variables = mean_field_resnet
   method = methods.resolve(None, model)
   assert isinstance(method, bnnvi.BNNVI) and method.name == "bnnvi"
   images = jax.random.normal(jax.random.key(2), (3, 16, 16, 3))
   rng = jax.random.key(3)
   pred = method.with_samples(3).predict(variables, images, rng=rng)
-  loop = [np.asarray(jax.nn.softmax(model.apply(variables, images, train=False,
-                                                rngs=sample_rngs(key))), np.float64)
-          for key in jax.random.split(rng, 3)]
+  one_pass = jax.jit(lambda key: jax.nn.softmax(model.apply(variables, images, train=False,
+                                                            rngs=sample_rngs(key))))
+  loop = [np.asarray(one_pass(key), np.float64) for key in jax.random.split(rng, 3)]
   np.testing.assert_allclose(pred.sample_probs, np.stack(loop), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(pred.mean_probs, np.mean(loop, axis=0), rtol=1e-5, atol=1e-6)
   assert not np.allclose(loop[0], loop[1])  # weight samples differ
 
 
-def test_the_elbo_is_mean_nll_plus_annealed_kl_over_n_and_decay_skips_the_posterior():
-  # A one-stage ResNet with mean-field kernels (BatchNorm deterministic), 16×16 inputs.
+def test_the_elbo_is_mean_nll_plus_annealed_kl_over_n_and_decay_skips_the_posterior(
+    mean_field_resnet):
   config = override(tiny_config(), **{"bnnvi.kl_anneal_epochs": 2})
-  model = get_model("resnet_dnn_18", 4, width=4, stage_sizes=(1,), mean_field=True)
+  model, variables = mean_field_resnet
   assert is_stochastic(model) and model.weights == "mean_field"
-  variables = jax.jit(model.init)({"params": jax.random.key(0), "noise": jax.random.key(1)},
-                                  jnp.zeros((1, 16, 16, 3)))
   batch = {"image": jax.random.normal(jax.random.key(2), (4, 16, 16, 3)),
            "label": jnp.array([0, 1, 2, 3])}
   loss_fn = methods.resolve(config, model).loss(config, num_train=100, steps_per_epoch=10)

@@ -197,8 +197,9 @@ def test_the_predictive_is_one_draw_of_each_member(tiny_mcdo):
   images = jax.random.normal(jax.random.key(0), (2, 16, 16, 3))
   rng = jax.random.key(1)
   pred = method.predict(stacked, images, rng=rng)
-  loop = [np.asarray(jax.nn.softmax(model.apply(member_of(stacked, m), images, train=False,
-                                                rngs=sample_rngs(key))), np.float64)
+  one_pass = jax.jit(lambda v, key: jax.nn.softmax(model.apply(v, images, train=False,
+                                                               rngs=sample_rngs(key))))
+  loop = [np.asarray(one_pass(member_of(stacked, m), key), np.float64)
           for m, key in enumerate(jax.random.split(rng, 3))]
   np.testing.assert_allclose(pred.sample_probs, np.stack(loop), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(pred.mean_probs, np.mean(loop, axis=0), rtol=1e-5, atol=1e-6)

@@ -68,21 +68,23 @@ def test_component_assignment_is_repeat_interleave_then_round_robin():
   assert components.tolist() == [0, 1, 2, 3, 0, 1]
 
 
-def test_ibnn_predict_equals_the_loop_over_components_and_keys(tiny_vgg):
+def test_the_predictive_equals_the_loop_over_components_and_keys(tiny_vgg):
+  """The method's predictive (S = 2 draws of each of K = 3 components) against single passes,
+  component k's draw s with key ``split(key, K·S)[k·S + s]``, sample-major, averaged in numpy."""
   model, variables = tiny_vgg
   images = jax.random.normal(jax.random.key(3), (2, 32, 32, 3))
   rng = jax.random.key(4)
-  pred = ibnn.ibnn_predict(model, variables, images, num_samples=2, rng=rng)
+  pred = methods.resolve(None, model).with_samples(2).predict(variables, images, rng=rng)
   assert pred.sample_probs.shape == (6, 2, 5)
   keys = jax.random.split(rng, 6).reshape(3, 2)
+  one_pass = jax.jit(lambda k, key: jax.nn.softmax(model.apply(
+      variables, images, components=jnp.full((2,), k), rngs=sample_rngs(key))))
+  loop = np.zeros((6, 2, 5))
   for k in range(3):
     for s in range(2):
-      logits = model.apply(variables,
-                           images,
-                           components=jnp.full((2,), k),
-                           rngs=sample_rngs(keys[k, s]))
-      np.testing.assert_allclose(pred.sample_probs[s * 3 + k], jax.nn.softmax(logits), atol=1e-5)
-  np.testing.assert_allclose(pred.mean_probs, pred.sample_probs.mean(0), atol=1e-6)
+      loop[s * 3 + k] = one_pass(k, keys[k, s])
+  np.testing.assert_allclose(pred.sample_probs, loop, atol=1e-5)
+  np.testing.assert_allclose(pred.mean_probs, loop.mean(0), atol=1e-6)
   with pytest.raises(ValueError, match="num_samples"):
     ibnn.ibnn_predict(model, variables, images, num_samples=0, rng=rng)
 

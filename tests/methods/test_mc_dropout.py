@@ -24,8 +24,9 @@ def test_the_predictive_is_the_mean_of_n_dropout_passes(tiny_mcdo):
   images = jax.random.normal(jax.random.key(0), (3, 16, 16, 3))
   rng = jax.random.key(1)
   pred = method.with_samples(4).predict(variables, images, rng=rng)
-  loop = [_softmax(model.apply(variables, images, train=False, rngs=sample_rngs(key)))
-          for key in jax.random.split(rng, 4)]
+  one_pass = jax.jit(lambda key: model.apply(variables, images, train=False,
+                                             rngs=sample_rngs(key)))
+  loop = [_softmax(one_pass(key)) for key in jax.random.split(rng, 4)]
   np.testing.assert_allclose(pred.sample_probs, np.stack(loop), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(pred.mean_probs, np.mean(loop, axis=0), rtol=1e-5, atol=1e-6)
   assert not np.allclose(loop[0], loop[1])  # the passes differ
