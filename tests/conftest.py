@@ -50,7 +50,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # eviction on, it also takes a file lock around each read and write of an entry).
     if importlib.util.find_spec("filelock"):
       os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import jax.numpy as jnp  # noqa: E402
@@ -309,11 +309,12 @@ def msa_figures_run(msa_workdirs, tmp_path_factory):
 
 # The test files that take longest (measured on 2 cores), in that order.  They start first, and
 # the many short files fill the end of the run, so that both workers finish together.
-LONGEST_FILES = ("test_colabs.py", "test_experiments.py", "test_train.py", "test_analysis.py",
-                 "test_ibnn.py", "test_batch_ensemble.py", "test_mean_field.py", "test_main.py",
-                 "test_steps.py", "test_models.py",
-                 "test_checkpoints.py", "test_landscape.py", "test_hessian.py", "test_features.py",
-                 "test_camvid.py", "test_workdir_lock.py")
+LONGEST_FILES = ("test_experiments.py", "test_analysis.py", "test_colabs.py", "test_models.py",
+                 "test_ibnn.py", "test_train.py", "test_hessian.py", "test_steps.py",
+                 "test_convert_reference.py", "test_landscape.py", "test_features.py",
+                 "test_deep_ensemble.py", "test_transformers.py", "test_bnnvi.py",
+                 "test_camvid.py", "test_swin.py", "test_batch_ensemble.py", "test_main.py",
+                 "test_checkpoints.py", "test_pit.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -45,7 +45,7 @@ def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[st
 
 
 def summary(rows: list, output_dir) -> str:
-  lines = ["ensemble size | NLL    | Acc (%) | ECE (%)"]
+  lines = [f"method: {rows[0]['method']}", "ensemble size | NLL    | Acc (%) | ECE (%)"]
   lines += [f"{r['ensemble_size']:13d} | {r['nll']:.4f} | {100 * r['acc']:7.2f} | "
             f"{100 * r['ece']:7.2f}" for r in rows]
   lines.append(f"Results: {output_dir}/ensemble_sizes.{{json,csv,png}}, "

@@ -1,2 +1,3 @@
-"""Training: the loop (``train``), its compiled steps, losses, optimisers, callbacks, the
-trajectory recorder, metric writers, and deep ensembles trained as one job."""
+"""Training: the loop (``train``), its compiled steps, optimisers, callbacks, the trajectory
+recorder and metric writers; what differs between methods (objective, optimiser rules, train
+state and step, a deep ensemble's stacked members) each method says (``smoothing_jax.methods``)."""

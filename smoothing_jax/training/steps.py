@@ -72,7 +72,7 @@ def split_micro_batches(batch, num_micro_batches: int):
 
 
 def train_step(schedule, loss_fn, state: TrainState, batch, dropout_rng, grad_accum_steps: int = 1):
-  """One optimiser step on a (global) batch of ``loss_fn`` (``losses.make_loss``); the dropout /
+  """One optimiser step on a (global) batch of ``loss_fn`` (``Method.loss``); the dropout /
   noise key is ``fold_in(dropout_rng, step)``.  Metrics: loss, accuracy (void masked),
   learning rate and the loss's own (e.g. the ELBO's NLL and KL).
 
