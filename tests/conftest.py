@@ -50,7 +50,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # eviction on, it also takes a file lock around each read and write of an entry).
     if importlib.util.find_spec("filelock"):
       os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import jax.numpy as jnp  # noqa: E402
