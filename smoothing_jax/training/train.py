@@ -1,12 +1,12 @@
 """The training loop (in the style of the Flax ImageNet example).
 
 ``train(run)`` reads top to bottom: the schedule, the train state of the run's method
-(``run.method``: one network, or a deep ensemble's stacked members), restore the latest
-checkpoint (or start from ``init_from`` or the method's warm start), then loop the compiled ``train_step`` with periodic
-logging, evaluation (``eval_step``), checkpoints and the callbacks (``callbacks.Preemption``,
-``trajectory.TrajectoryRecorder``, your own).  Data parallelism is ``jax.jit`` over the run's 1-D
-``Mesh`` with axis ``data`` (``steps.compile_steps``).  ``train_and_evaluate(config, workdir)``
-is ``train(Run.from_config(config, workdir))``.
+(``run.method``: one network, or a deep ensemble's stacked members), restore the latest checkpoint
+(or start from ``init_from`` or the method's warm start), then loop the compiled ``train_step``
+with periodic logging, evaluation (``eval_step``), checkpoints and the callbacks
+(``callbacks.Preemption``, ``trajectory.TrajectoryRecorder``, your own). Data parallelism is
+``jax.jit`` over the run's 1-D ``Mesh`` with axis ``data`` (``steps.compile_steps``).
+``train_and_evaluate(config, workdir)`` is ``train(Run.from_config(config, workdir))``.
 
 The pieces live one idea a module: ``optim`` (schedules, optimisers), ``steps`` (the state and
 the compiled steps), ``callbacks``; what differs between methods (the objective, the optimiser's
