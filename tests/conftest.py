@@ -76,22 +76,15 @@ pytest_plugins = ("tests.worker_stderr",)
 # A worker at this share of vm.max_map_count after releasing a file's executables fails that file
 # with a message, before XLA aborts the worker at the limit.
 MAX_MAPS_SHARE = 0.5
-# A file that ends above this share of vm.max_map_count releases the compiled executables (one
-# file adds at most a few thousand mappings: far below the rest of the limit).
-RELEASE_AT_SHARE = 0.2
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _release_executables_after_each_file():
-  """The compiled executables are released when a test file ends holding over
-  :data:`RELEASE_AT_SHARE` of vm.max_map_count: a worker runs one file after another in one
-  process, and executables kept from every file before reached vm.max_map_count and aborted a
-  worker (see ``helpers.release_compiled_executables``).  Below that share they stay, so the next
-  files reuse them (the session fixtures' programs, and the small programs the persistent cache
-  does not keep) instead of paying a release (a second or two) and compiling them again."""
+  """Each test file's compiled executables are released when it ends: a worker runs one file
+  after another in one process, and executables kept from every file before reached
+  vm.max_map_count and aborted a worker (see ``helpers.release_compiled_executables``)."""
   yield
-  if memory_maps() > RELEASE_AT_SHARE * max_memory_maps():
-    release_compiled_executables()
+  release_compiled_executables()
   held, limit = memory_maps(), max_memory_maps()
   if held > MAX_MAPS_SHARE * limit:
     pytest.fail(f"This test process still holds {held} memory mappings after releasing the "
