@@ -89,7 +89,7 @@ def predictive(run, members: Sequence[str] = (), sizes: Sequence[int] | None = N
   what cannot be a member)."""
   method, variables = run.method, run.variables
   if members:
-    method = DeepEnsemble.wrap(method.as_member(), size=len(members) + 1)
+    method = DeepEnsemble.wrap(method, size=len(members) + 1)
     variables = stack_variables([variables] + [load_variables(w, run.mesh)[1] for w in members])
   method, nested = method.nested(tuple(sizes or run.config.ensemble_sizes))
   return Predictive(method, variables, nested)

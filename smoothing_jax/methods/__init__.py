@@ -24,7 +24,7 @@ from smoothing_jax.methods.deterministic import Deterministic
 from smoothing_jax.methods.ibnn import IBNN
 from smoothing_jax.methods.mc_dropout import MCDropout
 
-__all__ = ["REGISTRY", "Method", "as_method", "get", "resolve"]
+__all__ = ["REGISTRY", "Method", "as_method", "resolve"]
 
 # name → method, asked in this order: the first whose ``matches`` holds is the model's method
 # (``deterministic`` claims any model); then each matching method with ``wraps`` wraps it.
@@ -36,13 +36,6 @@ REGISTRY: dict[str, type[Method]] = {
     "deterministic": Deterministic,
     "deep_ensemble": DeepEnsemble,
 }
-
-
-def get(name: str) -> type[Method]:
-  """The method registered as ``name``; ValueError listing the names."""
-  if name not in REGISTRY:
-    raise ValueError(f"Unknown method {name!r}; registered: {', '.join(REGISTRY)}.")
-  return REGISTRY[name]
 
 
 def resolve(config, model) -> Method:

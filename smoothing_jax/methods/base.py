@@ -118,9 +118,9 @@ class Method:
   def eval_metrics(self, variables, batch, rng, num_bins: int) -> dict:
     """``{tag suffix: UncertaintyMetrics}`` of one padded, masked batch: ``""`` the predictive's
     mean (what the training's periodic evaluation logs as ``eval_<metric>``)."""
-    probs = jnp.exp(self.sample_log_probs(variables, batch["image"], rng))
-    return {"": UncertaintyMetrics.from_model_output(jnp.mean(probs, axis=0), batch["label"],
-                                                     batch["mask"], num_bins=num_bins)}
+    probs = mean_probs(self.sample_log_probs(variables, batch["image"], rng))
+    return {"": UncertaintyMetrics.from_model_output(probs, batch["label"], batch["mask"],
+                                                     num_bins=num_bins)}
 
   def for_training_eval(self) -> Method:
     """The predictive the training's periodic evaluation scores (one draw where it samples)."""

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from smoothing_jax.inference import batch_ensemble_log_probs, repeat_for_members
+from smoothing_jax.inference import batch_ensemble_log_probs, mean_probs, repeat_for_members
 from smoothing_jax.layers.batch_ensemble import fast_weight_mask
 from smoothing_jax.methods.base import Method
 from smoothing_jax.models import is_batch_ensemble, is_stochastic
@@ -55,7 +55,7 @@ class BatchEnsemble(Method):
 
   def frame_probs(self, variables, frame, rng):
     """The members' mean: all M members in one pass over the repeated frame."""
-    return jnp.mean(jnp.exp(self.sample_log_probs(variables, frame, rng)), axis=0)
+    return mean_probs(self.sample_log_probs(variables, frame, rng))
 
   def one_network(self, batch_size: int) -> dict:
     return {"components": jnp.zeros(batch_size, jnp.int32)}  # member 0's network
