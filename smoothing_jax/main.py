@@ -20,7 +20,9 @@ Settings have one door: the config.  ``--config.<key>=…`` sets a key; an evalu
 ``config.json`` as its config: ``--config`` is optional there, and overrides apply on top of the
 recorded run (one line lists the keys that differ from it).  ``--num_samples``,
 ``--baseline_csv`` and ``--ensemble_workdirs`` are shorthands for the mode's
-``config.evals.<name>`` options.  ``main`` only dispatches: each evaluator writes its tables and
+``config.evals.<name>`` options.  Results go to ``<workdir>/results``, or to ``--results_dir``
+(e.g. for a read-only workdir); a folder that cannot be written is refused before anything is
+computed.  ``main`` only dispatches: each evaluator writes its tables and
 figures and says what to print.
 """
 import ast
@@ -48,6 +50,8 @@ flags.DEFINE_string("config", None, "Experiment config, <file>.py[:<args>] (ml_c
                     "get_config()); in an evaluation mode the recorded config.json by default. "
                     "--config.<key>=<value> sets one key.")
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and results.")
+flags.DEFINE_string("results_dir", None, "Where the evaluators write their tables and figures "
+                    "(default: <workdir>/results), e.g. for a workdir that is read-only.")
 flags.DEFINE_enum("mode", "train", ["train", *evaluators.REGISTRY, *evaluators.ALIASES],
                   "train, or the evaluator to run on --workdir.")
 # Shorthands for options of the --mode evaluator (config.evals.<mode>.<option>).
@@ -212,8 +216,9 @@ def main(argv):
     _fail(e, 2)
   try:
     run(config, FLAGS.workdir, FLAGS.mode, evaluated_workdir=evaluated,
-        multihost=FLAGS.multihost, coordinator_address=FLAGS.coordinator_address,
-        num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
+        results_dir=FLAGS.results_dir, multihost=FLAGS.multihost,
+        coordinator_address=FLAGS.coordinator_address, num_processes=FLAGS.num_processes,
+        process_id=FLAGS.process_id)
   except USER_ERRORS as e:
     _fail(e, 1)
 
@@ -234,31 +239,57 @@ def initialize_multihost(coordinator_address=None, num_processes=None, process_i
   jax.distributed.initialize(coordinator_address, num_processes, process_id)
 
 
-def run(config, workdir: str, mode: str = "train", *, evaluated_workdir=None,
+def check_writable(directory) -> None:
+  """PermissionError (one line) unless files can be written into ``directory``, or where it does
+  not exist yet, into the nearest existing folder above it (where it would be made): tried by
+  writing and removing a probe file, so that nothing is left behind and a read-only filesystem,
+  missing permissions (also of a ``gs://`` bucket) or a file in the way are all caught."""
+  path = existing = workdir_lib.workdir_path(directory)
+  while not existing.exists() and existing.parent != existing:
+    existing = existing.parent
+  if not existing.is_dir():
+    reason = f"{existing} is a file"
+  else:
+    probe = existing / f".smoothing_jax_write_probe.{os.getpid()}"
+    try:
+      probe.write_text("")
+      probe.unlink()
+      return
+    except OSError as error:
+      reason = error.strerror or str(error)
+  raise PermissionError(f"Cannot write the results into {path} ({reason}); give "
+                        "--results_dir=<a writable folder>.")
+
+
+def run(config, workdir: str, mode: str = "train", *, evaluated_workdir=None, results_dir=None,
         multihost: bool = False, coordinator_address=None, num_processes=None,
         process_id=None) -> dict:
   """The job ``mode`` names on ``config`` and ``workdir``: ``train`` (then ``config.evals``) or
-  one evaluator (of ``evaluated_workdir``, default ``workdir``; results in ``workdir``), each with
-  its ``config.evals`` options; prints each evaluator's summary and returns ``{name: result}``."""
+  one evaluator (of ``evaluated_workdir``, default ``workdir``), each with its ``config.evals``
+  options, writing into ``results_dir`` (default ``<workdir>/results``; checked writable before
+  anything is computed); prints each evaluator's summary and returns ``{name: result}``."""
   names = evaluators.names_after_training(config) if mode == "train" else (mode,)
   for name in (n for alias in names for n in evaluators.expand(alias)):
     evaluators.options_of(config, name)  # a bad option fails before anything runs
   if multihost:
     initialize_multihost(coordinator_address, num_processes, process_id)
+  results_dir = workdir_lib.workdir_path(results_dir or workdir_lib.workdir_path(workdir) /
+                                         "results")
+  if names and jax.process_index() == 0:  # process 0 writes the results
+    check_writable(results_dir)
   if mode == "train":  # one writer per workdir, refused before it reads or writes anything
     with lock_workdir(workdir):
-      return _run(config, workdir, mode, names, workdir)
-  return _run(config, workdir, mode, names, evaluated_workdir or workdir)
+      return _run(config, workdir, mode, names, workdir, results_dir)
+  return _run(config, workdir, mode, names, evaluated_workdir or workdir, results_dir)
 
 
-def _run(config, workdir, mode, names, evaluated_workdir) -> dict:
+def _run(config, workdir, mode, names, evaluated_workdir, results_dir) -> dict:
   logging.info("JAX devices: %d (%s), processes: %d", jax.device_count(), jax.devices()[0].platform,
                jax.process_count())
   if mode == "train":
     opened = Run.from_config(config, workdir)
   else:
     opened = Run.for_evaluation(evaluated_workdir, config)
-  results_dir = workdir_lib.workdir_path(workdir) / "results"
   results = {}
   with opened as the_run:
     if mode == "train":

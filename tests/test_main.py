@@ -41,6 +41,11 @@ def cli_results(tmp_path_factory, analysis_workdirs):
   root = tmp_path_factory.mktemp("cli")
   trained = str(root / "trained")  # a recorded run (step 0) that evaluations may write into
   shutil.copytree(analysis_workdirs["MC dropout"], trained)
+  # A recorded run whose results/ cannot be written (a file in the way: as root, permissions
+  # would not stop a write), evaluated into --results_dir instead.
+  unwritable, elsewhere = str(root / "unwritable"), str(root / "elsewhere")
+  shutil.copytree(analysis_workdirs["MC dropout"], unwritable)
+  open(os.path.join(unwritable, "results"), "w").close()
   rng = np.random.default_rng(0)
   good, floats = root / "good", root / "floats"
   for directory, dtype in ((good, np.uint8), (floats, np.float32)):
@@ -75,6 +80,11 @@ def cli_results(tmp_path_factory, analysis_workdirs):
           "--mode=evaluate", f"--workdir={trained}", "--config.evals.ensemble_sizes.sizes=(1,2)",
           "--config.eval_batch_size=16"
       ], {}),
+      "results not writable": (["--mode=evaluate", f"--workdir={unwritable}"], {}),
+      "results elsewhere": ([
+          "--mode=evaluate", f"--workdir={unwritable}", f"--results_dir={elsewhere}",
+          "--config.evals.ensemble_sizes.sizes=(1,2)", "--config.eval_batch_size=16"
+      ], {}),
       "traceback on request":
           ([f"--config=configs/cifar_resnet.py:vgg_dnn_16x,npz:{good},runlocal"], {
               "SMOOTHING_JAX_TRACEBACK": "1"
@@ -93,7 +103,7 @@ def cli_results(tmp_path_factory, analysis_workdirs):
   line = [x for x in out.stdout.splitlines() if x.startswith("RESULTS")]
   assert line, out.stdout[-2000:] + out.stderr[-2000:]
   results = dict(zip(cases, json.loads(line[0][len("RESULTS"):]), strict=True))
-  results["trained"] = trained
+  results["trained"], results["elsewhere"] = trained, elsewhere
   return results
 
 
@@ -112,6 +122,7 @@ def cli_results(tmp_path_factory, analysis_workdirs):
     ("an unknown evaluator option", 2, "unknown config key 'evals.ensemble_sizes.num_samples'; "
      "keys there: members, seed, sizes"),
     ("a config of another model", 2, "names model 'resnet_mcdo_smoothing_18', but"),
+    ("results not writable", 1, "PermissionError: Cannot write the results into "),
 ])
 def test_user_errors_print_one_line(cli_results, case, code, expected):
   result = cli_results[case]
@@ -126,6 +137,14 @@ def test_evaluation_reads_the_recorded_config_and_applies_overrides_on_top(cli_r
   assert result["code"] is None, result["stderr"][-3000:]  # app.run's exit of a clean return
   with open(os.path.join(cli_results["trained"], "results", "ensemble_sizes.json")) as f:
     assert [row["ensemble_size"] for row in json.load(f)] == [1, 2]
+
+
+def test_results_dir_takes_the_results_of_a_workdir_that_cannot_hold_them(cli_results):
+  result = cli_results["results elsewhere"]
+  assert result["code"] is None, result["stderr"][-3000:]
+  with open(os.path.join(cli_results["elsewhere"], "ensemble_sizes.json")) as f:
+    rows = json.load(f)
+  assert [(row["ensemble_size"], row["step"]) for row in rows] == [(1, 0), (2, 0)]
 
 
 def test_an_evaluation_lists_what_differs_from_the_recorded_run(analysis_workdirs):
@@ -149,6 +168,25 @@ def test_an_evaluation_lists_what_differs_from_the_recorded_run(analysis_workdir
   with pytest.raises(ValueError, match=r"--config.input.holdout_fraction is the recorded run's "
                      r"\(input.holdout_fraction=0.0\)"):
     main.resolve_config("evaluate", workdir, None, [("input.holdout_fraction", "0.5")])
+
+
+def test_unwritable_results_are_refused_before_anything_is_computed(analysis_workdirs,
+                                                                    tmp_path, monkeypatch):
+  """A workdir whose results/ cannot be made (a file in the way; as root, permissions would not
+  stop a write) is refused in one line before the run is opened; ``results_dir`` (the
+  ``--results_dir`` flag, tested on the command line above) writes the tables elsewhere."""
+  from smoothing_jax import main
+  workdir = shutil.copytree(analysis_workdirs["MC dropout"], tmp_path / "run")
+  (workdir / "results").write_text("")
+  config = main.resolve_config("evaluate", str(workdir), None,
+                               [("evals.ensemble_sizes.sizes", "(1,)")])
+  opened = []
+  monkeypatch.setattr(main.Run, "for_evaluation", lambda *args: opened.append(args))
+  with pytest.raises(PermissionError) as error:
+    main.run(config, str(workdir), "evaluate")
+  assert str(error.value) == (f"Cannot write the results into {workdir}/results ({workdir}/results "
+                              "is a file); give --results_dir=<a writable folder>.")
+  assert not opened and sorted(os.listdir(workdir)) == ["checkpoints", "config.json", "results"]
 
 
 def test_the_traceback_is_kept_on_request(cli_results):

@@ -87,7 +87,7 @@ def test_the_evaluator_fits_on_the_held_out_training_examples_only(tmp_path):
   rows = evaluator.evaluate(run, tmp_path / "results")
 
   def log_probs(images):
-    logits = run.model.apply(run.variables, pipeline.normalize(images), train=False)
+    logits = run.model.apply(run.variables, run.normalize(images), train=False)
     return np.asarray(jax.nn.log_softmax(logits), np.float64)[None]
 
   # A deterministic model: N = 1, where the two placements agree.

@@ -61,11 +61,6 @@ class Pipeline:
     counts = class_pixel_counts(self.train_labels, num_classes)  # the whole split
     return median_frequency_weights(None, num_classes, counts)
 
-  def normalize(self, images: np.ndarray) -> np.ndarray:
-    """uint8 images ``[..., 3]`` → the float32 inputs the model was trained on."""
-    mean, std = np.asarray(self.mean, np.float32), np.asarray(self.std, np.float32)
-    return (np.asarray(images, np.float32) / 255.0 - mean) / std
-
   def holdout_batches(self, batch_size: int | None = None):
     """Evaluation batches of the held-out training examples (``holdout_fraction``)."""
     raise ValueError("Held-out training examples are evaluated on the device-resident pipeline "

@@ -9,7 +9,12 @@ that evaluator, with those options, on a trained workdir.  Each evaluator is one
   (``smoothing_jax.experiment.run.Run``) through the shared sharded step
   (``parallel.sharded_eval_step``) and writes its table (JSON + CSV) and figure into
   ``output_dir``; its keyword-only parameters are its options, their defaults the defaults;
-* ``summary(result, output_dir) -> str``: the lines the command line prints.
+* ``summary(result, output_dir) -> str``: the lines the command line prints, after a first line
+  naming the step and checkpoint scored (``run_evaluator``).
+
+Every row of a table (and every JSON) records the ``step`` and ``checkpoint`` it scored
+(``common.scored``): an evaluation that fell back from a damaged newest checkpoint to an older
+step says so in its results, not only in the log.
 
 A new evaluator is one file plus one line in ``REGISTRY``.  An option an evaluator does not take
 is an error (``check_options``) before anything runs.
@@ -100,15 +105,25 @@ def declare_options(config: ml_collections.ConfigDict, names: Sequence[str] = ()
   return config
 
 
+def _scored_line(name: str, result, run) -> str:
+  """``<name> of step <step> (<checkpoint>):``, from the step and checkpoint ``result`` records
+  (its first row's, or its own keys), else the run's (an evaluator that records neither)."""
+  record = result[0] if isinstance(result, list) and result else result
+  if not (isinstance(record, Mapping) and "checkpoint" in record):
+    record = {"step": run.step, "checkpoint": run.checkpoint}
+  return f"{name} of step {record['step']} ({record['checkpoint']}):"
+
+
 def run_evaluator(name: str, run, output_dir, options: Mapping[str, Any] = None):
   """``evaluate(run, output_dir, **options)`` of evaluator ``name`` (``options``: default
-  ``run.config.evals.<name>``); returns ``(result, summary lines)``."""
+  ``run.config.evals.<name>``); returns ``(result, summary lines)``, the first line naming the
+  step and checkpoint scored."""
   module = get(name)
   options = options_of(run.config, name) if options is None else dict(options)
   check_options(name, options)
   logging.info("Evaluator %s on %s", name, run.workdir)
   result = module.evaluate(run, output_dir, **options)
-  return result, module.summary(result, output_dir)
+  return result, f"{_scored_line(name, result, run)}\n{module.summary(result, output_dir)}"
 
 
 def run_evaluators(names: Sequence[str], run, output_dir) -> dict:

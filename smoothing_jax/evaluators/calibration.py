@@ -57,7 +57,8 @@ def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[st
                    "nll_before": b["nll"], "nll_after": a["nll"], "ece_before": b["ece"],
                    "ece_after": a["ece"], "brier_before": b["brier"], "brier_after": a["brier"],
                    "accuracy": b["acc"], "holdout_examples": len(held["label"]),
-                   "holdout_fraction": config.input.holdout_fraction, "seed": config.seed})
+                   "holdout_fraction": config.input.holdout_fraction, "seed": config.seed,
+                   **pred.scored})
       diagrams[f"after_{placement}"] = (after, a["ece"], temperature)
   write_results(output_dir, "calibration", rows, {
       f"reliability_{when}.png": functools.partial(

@@ -65,14 +65,24 @@ def nested_metrics(sample_probs, labels, mask, sizes, num_bins: int) -> tuple:
       for n in sizes)
 
 
+def scored(run, members: Sequence[str] = ()) -> dict:
+  """``{"step", "checkpoint"}`` of what an evaluation of ``run`` scores, recorded in every row
+  (and JSON) it writes and named in the printed table's first line: the run's step, and its
+  checkpoint (``Run.checkpoint``) followed by ``members`` (the checkpoints of a deep ensemble's
+  other workdirs), joined by `` + ``."""
+  return {"step": run.step, "checkpoint": " + ".join((run.checkpoint, *members))}
+
+
 @dataclasses.dataclass(frozen=True)
 class Predictive:
   """What an evaluator scores: the ``method`` (drawing enough for every size), its
-  ``variables`` (a deep ensemble's stacked), and the nested ensemble sizes N reported
-  (``sizes``: the first N draws; ``Method.nested``)."""
+  ``variables`` (a deep ensemble's stacked), the nested ensemble sizes N reported
+  (``sizes``: the first N draws; ``Method.nested``), and the step and checkpoints they come
+  from (``scored``: :func:`scored`)."""
   method: Method
   variables: Any
   sizes: tuple
+  scored: dict
 
 
 def check_single_model(run, evaluator: str) -> None:
@@ -87,12 +97,15 @@ def predictive(run, members: Sequence[str] = (), sizes: Sequence[int] | None = N
   iBNN's K·S draws, every member of an ensemble), or the deep ensemble of the run and the
   workdirs ``members`` (sizes 1..M: the first N members; ``DeepEnsemble.wrap``, which refuses
   what cannot be a member)."""
-  method, variables = run.method, run.variables
+  method, variables, checkpoints = run.method, run.variables, []
   if members:
     method = DeepEnsemble.wrap(method, size=len(members) + 1)
-    variables = stack_variables([variables] + [load_variables(w, run.mesh)[1] for w in members])
+    loaded = [load_variables(w, run.mesh) for w in members]  # each its newest intact step
+    variables = stack_variables([variables] + [v for _, v in loaded])
+    checkpoints = [str(workdir_lib.checkpoint_dir(w) / str(step))
+                   for w, (step, _) in zip(members, loaded, strict=True)]
   method, nested = method.nested(tuple(sizes or run.config.ensemble_sizes))
-  return Predictive(method, variables, nested)
+  return Predictive(method, variables, nested, scored(run, checkpoints))
 
 
 def sample_probs(method: Method, variables, images, key):
@@ -151,10 +164,12 @@ def stream_metrics_step(method, num_samples, num_frames, decay_rate, num_bins, v
           {k: p[-1, 0] for k, p in predictions.items()})
 
 
-def stream_rows(totals: dict, num_samples: int) -> list:
-  """The rows of :func:`stream_metrics_step`'s merged statistics (paper Table E.4 layout)."""
+def stream_rows(totals: dict, num_samples: int, run) -> list:
+  """The rows of :func:`stream_metrics_step`'s merged statistics (paper Table E.4 layout), with
+  what ``run`` scored (:func:`scored`)."""
   columns = ("method", "passes_per_frame", "count") + STREAM_COLUMNS
-  return [{k: row[k] for k in columns} for row in temporal.statistics_rows(totals, num_samples)]
+  return [{**{k: row[k] for k in columns}, **scored(run)}
+          for row in temporal.statistics_rows(totals, num_samples)]
 
 
 def stream_table(rows: list) -> str:

@@ -121,15 +121,16 @@ def evaluate(run, output_dir, *, baseline_csv: str = "", num_samples: int = 1,
       table[(corruption, severity)] = {"nll": m["nll"], "err": 1.0 - m["acc"], "ece": m["ece"]}
       rows.append({"method": sampled.method.name, "type": corruption, "severity": severity,
                    "NLL": m["nll"], "Acc": m["acc"],
-                   "ECE": m["ece"], "count": m["count"]})
+                   "ECE": m["ece"], "count": m["count"], **sampled.scored})
       if jax.process_index() == 0:
         write_table(rows, output_dir, "corruptions")
-  aggregates = corruption_aggregates(table, baseline, corruptions)
+  aggregates = {**corruption_aggregates(table, baseline, corruptions), **sampled.scored}
   if jax.process_index() == 0:
     workdir_lib.write_json(output_dir / "corruption_aggregates.json", aggregates)
   return aggregates
 
 
 def summary(aggregates: dict, output_dir) -> str:
-  return (f"Corruption robustness: {aggregates}\nTables in {output_dir}/corruptions.{{json,csv}}, "
+  scores = {k: v for k, v in aggregates.items() if k not in ("step", "checkpoint")}
+  return (f"Corruption robustness: {scores}\nTables in {output_dir}/corruptions.{{json,csv}}, "
           f"{output_dir}/corruption_aggregates.json")

@@ -34,7 +34,7 @@ def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[st
   totals = evaluate_batches(step, pred.variables, run.eval_batches(), shardings(run.mesh)[1],
                             jax.random.key(seed))
   rows = [{"method": pred.method.name, "ensemble_size": n,
-           **{k: m[k] for k in ("count",) + METRIC_COLUMNS}}
+           **{k: m[k] for k in ("count",) + METRIC_COLUMNS}, **pred.scored}
           for n, m in zip(sizes, (t.compute() for t in totals), strict=True)]
   name = f"{config.model} ({pred.method.describe()})"
   write_results(output_dir, "ensemble_sizes", rows, {

@@ -68,7 +68,7 @@ def evaluate(run, output_dir, *, datasets: Sequence[str] = (), sizes: Sequence[i
         detection = ranking.detection_metrics(positive, negative)
         rows.append({"method": pred.method.name, "ood_dataset": name, "ensemble_size": n,
                      "score": score, **detection,
-                     "count_in": len(positive), "count_out": len(negative)})
+                     "count_in": len(positive), "count_out": len(negative), **pred.scored})
         fpr, tpr = ranking.roc_curve(positive, negative)
         recall, precision = ranking.precision_recall_curve(positive, negative)
         curves[f"{score}, N={n}"] = {

@@ -27,7 +27,8 @@ def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[st
     for score in ranking.SCORES:
       confidence, correct = test[score][:, j], test["correct"][:, j]
       rows.append({"method": pred.method.name, "ensemble_size": n, "score": score,
-                   **ranking.selective_metrics(confidence, correct), "count": len(correct)})
+                   **ranking.selective_metrics(confidence, correct), "count": len(correct),
+                   **pred.scored})
       curves[f"{score}, N={n}"] = ranking.selective_curve(confidence, correct)
   write_results(output_dir, "selective", rows, {"selective.png": lambda: plot_accuracy_rejection(
       curves, f"{config.model} on {config.input.dataset}")})

@@ -11,6 +11,7 @@ from smoothing_jax import temporal
 from smoothing_jax.evaluators.common import (
   check_single_model,
   save_figure,
+  scored,
   stream_metrics_step,
   stream_rows,
   stream_table,
@@ -41,7 +42,7 @@ def evaluate(run, output_dir, *, num_samples: int = 0,
   import_tfds("camvid/clips")  # one line naming what to install where TensorFlow is missing
   from smoothing_jax.data import camvid
   output_dir = workdir_lib.workdir_path(output_dir)
-  config, pipeline = run.config, run.pipeline
+  config = run.config
   num_samples = num_samples or max(config.ensemble_sizes)
   data_sharding = shardings(run.mesh)[1]
   frames_uint8, labels, _ = camvid.load_clips(split, config.input.data_dir)
@@ -63,21 +64,22 @@ def evaluate(run, output_dir, *, num_samples: int = 0,
       batch = {"frames": np.zeros((batch_size,) + frames_uint8.shape[1:], np.float32),
                "label": np.full((batch_size,) + labels.shape[1:], camvid.VOID, np.int32),
                "mask": np.zeros((batch_size,), np.float32)}
-      batch["frames"][:n] = pipeline.normalize(frames_uint8[start:start + n])
+      batch["frames"][:n] = run.normalize(frames_uint8[start:start + n])
       batch["label"][:n], batch["mask"][:n] = labels[start:start + n], 1.0
       yield batch
 
   totals, examples = evaluate_batches(step, run.variables, clip_batches(), data_sharding,
                                       jax.random.key(seed))
   examples = jax.device_get(examples)  # the first batch's predictions
-  rows = stream_rows(totals, num_samples)
+  rows = stream_rows(totals, num_samples, run)
   if jax.process_index() == 0:  # results are replicated; one process writes them
     write_table(rows, output_dir, "streams")
     workdir_lib.write_json(output_dir / "streams_class_iou.json", {
-        r["method"]: dict(zip(camvid.CLASSES, class_iou(totals[r["method"]][0].confusion).tolist(),
-                              strict=False))
-        for r in rows
-    })
+        **{r["method"]: dict(zip(camvid.CLASSES,
+                                 class_iou(totals[r["method"]][0].confusion).tolist(),
+                                 strict=False))
+           for r in rows},
+        **scored(run)})
     save_figure(plot_stream_table(rows, f"{config.model} on CamVid {split} clips"),
                             output_dir / "streams.png")
     save_figure(

@@ -45,7 +45,7 @@ def evaluate(run, output_dir, *, num_images: int = 1000, length: int = 6, max_sh
       n = min(size, len(videos) - start)
       batch = {"frames": np.zeros((size,) + videos.shape[1:], np.float32),
                "label": np.zeros((size,), np.int32), "mask": np.zeros((size,), np.float32)}
-      batch["frames"][:n] = pipeline.normalize(videos[start:start + n])
+      batch["frames"][:n] = run.normalize(videos[start:start + n])
       batch["label"][:n], batch["mask"][:n] = labels[start:start + n], 1.0
       yield batch
 
@@ -53,7 +53,7 @@ def evaluate(run, output_dir, *, num_images: int = 1000, length: int = 6, max_sh
                            decay_rate, run.config.ece_bins)
   totals, _ = evaluate_batches(step, run.variables, batches(), shardings(run.mesh)[1],
                                jax.random.key(seed))
-  rows = stream_rows(totals, num_samples)
+  rows = stream_rows(totals, num_samples, run)
   if output_dir is not None:  # None: the rows only (the analyses)
     write_results(output_dir, "temporal", rows, {"temporal.png": lambda: plot_stream_table(
         rows, f"{run.config.model}: shifted test-image streams")})

@@ -2,7 +2,9 @@
 devices, and the state of a workdir (a run recorded, checkpoints written).
 
 Checkpoints restore onto the current devices, whatever device count wrote them; a step that
-cannot be read is skipped with a warning and nothing is deleted (``restore_latest``).
+cannot be read is skipped with a warning naming it and the step used instead, and a reader moves
+or deletes nothing (``restore_latest``); a resuming training run renames it
+``<step>.corrupt`` (``set_aside_newer_steps``).
 """
 from __future__ import annotations
 
@@ -103,9 +105,11 @@ def restore_latest(manager: ocp.CheckpointManager, target):
 
   ``target`` is the abstract tree to restore onto (``abstract_tree``: shapes, dtypes and
   the current devices' shardings), or a function of the step returning it.  Steps are
-  tried newest first; one that fails (e.g. corrupted files) is skipped with a warning
-  naming it and why.  Nothing is deleted.  Raises ``NoIntactCheckpointError`` (a
-  ``FileNotFoundError``) naming the directory when every step fails.
+  tried newest first; those that fail (e.g. corrupted or missing files) are skipped, and one
+  warning line names them, why, and the older step restored.  Nothing is moved or deleted (a
+  resuming training run sets them aside: :func:`set_aside_newer_steps`).  Raises
+  ``NoIntactCheckpointError`` (a ``FileNotFoundError``) naming the directory when every step
+  fails.
   """
   _mute_late_read_errors()
   failures = []
@@ -117,10 +121,15 @@ def restore_latest(manager: ocp.CheckpointManager, target):
       restored = manager.restore(step, args=ocp.args.StandardRestore(tree))
     except Exception as error:  # noqa: BLE001  (whatever the reason, an older step may restore)
       failures.append((step, _short_reason(error)))
-      logging.warning("Checkpoint step %d in %s cannot be restored (%s); trying an older step.",
-                      step, manager.directory, failures[-1][1])
       continue
     _RESTORED_STEP_DIRS.discard(step_dir)
+    if failures:  # one line: what was skipped, why, and what is used instead
+      skipped = ", ".join(str(s) for s, _ in failures)
+      reasons = (failures[0][1] if len(failures) == 1 else
+                 "; ".join(f"step {s}: {reason}" for s, reason in failures))
+      logging.warning("Checkpoint step%s %s in %s cannot be restored (%s); using the older step "
+                      "%d instead.", "s" if len(failures) > 1 else "", skipped, manager.directory,
+                      reasons, step)
     return step, restored
   if failures:
     steps = ", ".join(str(s) for s, _ in failures)

@@ -72,6 +72,37 @@ def _has_key(config, key: str) -> bool:
   return True
 
 
+# What ``Run.normalize`` and ``Run.predict`` take: the convention of the stored images (uint8)
+# and of the analyses' pixel space (float in [0, 1]).
+PIXELS = "uint8 images in 0–255 or float images in [0, 1]"
+# Float pixels may leave [0, 1] a little (noise, interpolation); images in 0–255 or already
+# normalised (about -2 to 2.6 for CIFAR and ImageNet) land outside these bounds.
+FLOAT_PIXEL_RANGE = (-0.5, 1.5)
+
+
+def _unit_pixels(images):
+  """``images`` as float32 pixels in [0, 1]: integer images (uint8) divided by 255, float images
+  as they are.  Concrete values are checked (inside ``jit`` only the dtype is known): integers
+  must lie in 0–255 and floats in ``FLOAT_PIXEL_RANGE``, so that 0–255 floats or images already
+  normalised are refused in one line instead of scoring at chance."""
+  if not hasattr(images, "dtype"):
+    images = np.asarray(images)
+  dtype = np.dtype(images.dtype)
+  if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
+    raise ValueError(f"Images must be {PIXELS}; got dtype {dtype}.")
+  integer = jnp.issubdtype(dtype, jnp.integer)
+  xp = jnp if isinstance(images, jax.Array) else np  # device arrays are checked on the device
+  if not isinstance(images, jax.core.Tracer) and np.size(images):
+    low, high = float(xp.min(images)), float(xp.max(images))
+    bounds = (0, 255) if integer else FLOAT_PIXEL_RANGE
+    if low < bounds[0] or high > bounds[1]:
+      hint = ("" if integer else "; for 0–255 values pass uint8 (or divide by 255), for images "
+              "already normalised pass their pixels")
+      raise ValueError(f"Images must be {PIXELS}; got {dtype} values in [{low:.4g}, {high:.4g}]"
+                       f"{hint}.")
+  return xp.asarray(images, xp.float32) / 255.0 if integer else xp.asarray(images, xp.float32)
+
+
 def _mean_probs(method: Method, variables, batch, rng):
   """``[B, C]`` mean predictive of ``method`` on one batch of normalised images
   (``Run.predict``)."""
@@ -183,6 +214,15 @@ class Run:
                       {"params": tree.params, "batch_stats": tree.batch_stats})
     return tree
 
+  @property
+  def checkpoint(self) -> str:
+    """Where :attr:`variables` come from: ``<workdir>/checkpoints/<step>``, or the
+    ``init_from`` this workdir stands for (:meth:`record_init_from`); what an evaluation records
+    it scored."""
+    if self.model_spec.evaluates_init_from and not checkpoints.has_checkpoint(self.workdir):
+      return str(self.config.init_from)
+    return str(workdir_lib.checkpoint_dir(self.workdir) / str(self.step))
+
   def record(self) -> None:
     """Write ``config.json`` (config and model spec; process 0), holding the workdir's lock."""
     with lock_workdir(self.workdir):
@@ -262,20 +302,24 @@ class Run:
     """Whether two draws of the run's predictive differ (``Method.stochastic``)."""
     return self.method.stochastic
 
-  def normalize(self, pixels):
-    """Pixels in [0, 1], NHWC → the model's normalised input."""
-    return (pixels - jnp.asarray(self.pipeline.mean)) / jnp.asarray(self.pipeline.std)
+  def normalize(self, images) -> jax.Array:
+    """Images ``[..., H, W, 3]`` as pixels (:data:`PIXELS`: uint8 in 0–255 or float in [0, 1])
+    → the model's input, ``(pixels - mean) / std`` with the training data's per-channel
+    statistics, as the input pipeline normalises.  ValueError (one line) for values outside
+    those ranges (:func:`_unit_pixels`)."""
+    return (_unit_pixels(images) - jnp.asarray(self.pipeline.mean)) / jnp.asarray(self.pipeline.std)
 
   def predict(self, images, num_samples: int = 1, rng: jax.Array | None = None,
               batch_size: int = 500) -> np.ndarray:
-    """Mean predictive ``[B, C]`` (numpy) of normalised ``images`` by the run's method
-    (``Method.predict``) with ``num_samples`` draws where it samples (MC dropout and BNN-VI: N
-    passes; iBNN: S draws of each of its K components; ensembles: one draw per member), in
-    batches of ``batch_size`` (at most the number of images, rounded up to the mesh) through the
-    sharded evaluation loop: what the evaluators score at the same N, on the same batches, with
-    the same key."""
+    """Mean predictive ``[B, C]`` (numpy) of ``images`` ``[B, H, W, 3]``, pixels as
+    :meth:`normalize` takes them (uint8 in 0–255 or float in [0, 1]; anything else is refused in
+    one line), by the run's method (``Method.predict``) with ``num_samples`` draws where it
+    samples (MC dropout and BNN-VI: N passes; iBNN: S draws of each of its K components;
+    ensembles: one draw per member), in batches of ``batch_size`` (at most the number of images,
+    rounded up to the mesh) through the sharded evaluation loop: what the evaluators score at
+    the same N, on the same batches, with the same key."""
     rng = jax.random.key(0) if rng is None else rng
-    images = np.asarray(images, np.float32)
+    images = np.asarray(self.normalize(np.asarray(images)), np.float32)
     size = -(-min(batch_size, len(images)) // self.mesh.size) * self.mesh.size
     pad = -len(images) % size
     padded = np.concatenate([images, np.zeros((pad,) + images.shape[1:], np.float32)])

@@ -18,7 +18,7 @@ def run(tmp_path_factory):
 
 
 def _msp(run, images):
-  logits = run.model.apply(run.variables, run.pipeline.normalize(images), train=False)
+  logits = run.model.apply(run.variables, run.normalize(images), train=False)
   return np.asarray(jax.nn.softmax(logits).max(-1))
 
 

@@ -11,7 +11,7 @@ from tests.helpers import initialised_run
 def test_selective_metrics_of_a_run_equal_a_direct_computation(tmp_path):
   run = initialised_run(tmp_path, eval_batch_size=8)
   rows = selective.evaluate(run, tmp_path / "results")
-  logits = run.model.apply(run.variables, run.pipeline.normalize(run.pipeline.eval_images),
+  logits = run.model.apply(run.variables, run.normalize(run.pipeline.eval_images),
                            train=False)
   probs = np.asarray(jax.nn.softmax(logits), np.float64)
   correct = probs.argmax(-1) == run.pipeline.eval_labels

@@ -174,6 +174,36 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_newest_intact_one(small_n
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # no loop noise
+def test_an_evaluation_names_the_older_step_it_fell_back_to_and_moves_nothing(small_npz_run,
+                                                                              tmp_path, caplog,
+                                                                              capsys):
+  """One data file of the newest step (4) deleted: ``--mode=evaluate`` scores step 2 and says so
+  in one warning line naming both steps and why, in the printed table's first line and in every
+  row it writes; a reader leaves the damaged step where it is (a resuming training run sets it
+  aside, above)."""
+  from smoothing_jax import main
+  _, full, _ = small_npz_run
+  workdir = shutil.copytree(full, tmp_path / "run")
+  checkpoints = workdir / "checkpoints"
+  data_files = sorted(os.path.join(d, name) for d, _, names in os.walk(checkpoints / "4")
+                      for name in names if os.path.basename(d) == "d")
+  os.remove(data_files[0])
+  before = _files(checkpoints)
+  with caplog.at_level(logging.WARNING):
+    main.run(main.resolve_config("evaluate", str(workdir)), str(workdir), "evaluate")
+  (line,) = [r.getMessage() for r in caplog.records if "cannot be restored" in r.getMessage()]
+  assert line.startswith(f"Checkpoint step 4 in {checkpoints} cannot be restored (")
+  assert line.endswith("; using the older step 2 instead.") and "\n" not in line
+  assert f"ensemble_sizes of step 2 ({checkpoints}/2):" in capsys.readouterr().out
+  with open(workdir / "results" / "ensemble_sizes.json") as f:
+    rows = json.load(f)
+  assert rows and all((r["step"], r["checkpoint"]) == (2, f"{checkpoints}/2") for r in rows)
+  with open(workdir / "results" / "ensemble_sizes.csv") as f:
+    assert {"step", "checkpoint"} <= set(f.readline().strip().split(","))
+  assert sorted(os.listdir(checkpoints)) == ["2", "4"] and _files(checkpoints) == before
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # no loop noise
 def test_no_intact_checkpoint_is_a_one_line_error_and_deletes_nothing(small_npz_run, tmp_path,
                                                                       caplog):
   data, full, _ = small_npz_run

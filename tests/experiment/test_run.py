@@ -89,3 +89,22 @@ def test_a_restored_run_rebuilds_the_model_without_the_dataset(tmp_path, small_n
 def test_a_missing_run_is_a_clear_error(tmp_path):
   with pytest.raises(FileNotFoundError, match="No run in .*never_trained: .* does not exist"):
     Run.from_workdir(str(tmp_path / "never_trained"))
+
+
+def test_predict_takes_uint8_and_float_pixels_alike_and_refuses_other_ranges(analysis_workdirs):
+  """``Run.predict`` and ``Run.normalize`` take uint8 pixels in 0–255 and the same images as
+  float in [0, 1] alike; 0–255 floats and images normalised already (which scored at chance
+  before, silently) are refused in one line that says what is taken."""
+  run = Run.from_workdir(analysis_workdirs["MC dropout"])
+  pixels = run.pipeline.eval_images[:8]
+  assert pixels.dtype == np.uint8 and pixels.max() > 1
+  unit = pixels.astype(np.float32) / 255.0
+  np.testing.assert_array_equal(run.predict(pixels), run.predict(unit))
+  np.testing.assert_array_equal(run.normalize(pixels), run.normalize(jnp.asarray(unit)))
+  for wrong in (pixels.astype(np.float32), np.asarray(run.normalize(pixels))):
+    with pytest.raises(ValueError) as error:
+      run.predict(wrong)
+    message = str(error.value)
+    assert message.startswith("Images must be uint8 images in 0–255 or float images in [0, 1]; "
+                              "got float32 values in ["), message
+    assert "\n" not in message

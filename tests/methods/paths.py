@@ -31,10 +31,14 @@ def three_paths(workdir, output_dir, num_samples: int = 1, overrides=None,
   with data():
     run = Run.from_workdir(workdir, overrides)
     batches = list(run.eval_batches())
-    images, labels, mask = (np.concatenate([b[k] for b in batches])
-                            for k in ("image", "label", "mask"))
+    labels, mask = (np.concatenate([b[k] for b in batches]) for k in ("label", "mask"))
     keep = mask > 0
-    # The padded batches as they are: the same shapes draw the same dropout masks.
+    # The evaluation split's pixels (Run.predict normalises them) in the batches' order, padded
+    # as the batches are: the same shapes draw the same dropout masks.
+    pixels = run.pipeline.eval_images
+    assert keep[:len(pixels)].all() and not keep[len(pixels):].any()
+    images = np.concatenate([pixels, np.zeros((len(mask) - len(pixels),) + pixels.shape[1:],
+                                              pixels.dtype)])
     probs = run.predict(images, num_samples=num_samples, rng=key,
                         batch_size=len(batches[0]["image"]))
     out = {"predict": nll_and_accuracy(probs[keep], labels[keep])}

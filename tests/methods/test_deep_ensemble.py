@@ -123,7 +123,10 @@ def test_every_evaluator_on_the_ensemble_equals_ensemble_workdirs_of_its_members
     assert len(together) == len(apart) > 0, name
     for a, b in zip(together, apart, strict=True):
       assert a.keys() == b.keys(), name
-      for key in a:
+      # Each names what it scored: the ensemble's checkpoint, or those of the member workdirs.
+      assert a["checkpoint"] == f"{workdir}/checkpoints/{run.step}", name
+      assert b["checkpoint"] == " + ".join(f"{m}/checkpoints/{run.step}" for m in members), name
+      for key in a.keys() - {"checkpoint"}:
         if isinstance(a[key], float):
           np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=f"{name} {key}")
         else:
@@ -159,8 +162,8 @@ def test_one_model_consumers_take_a_member_and_refuse_the_whole_ensemble(ensembl
   assert (evaluated.ensemble_members, evaluated.config.input.holdout_fraction) == (MEMBERS, 0.25)
   run = Run.from_workdir(workdir)
   images = np.asarray(run.pipeline.eval_arrays["images"][:3], np.float32) / 255.0
-  probs = run.predict(run.normalize(images))
-  each = [run.member(m).predict(run.normalize(images)) for m in range(MEMBERS)]
+  probs = run.predict(images)
+  each = [run.member(m).predict(images) for m in range(MEMBERS)]
   np.testing.assert_allclose(probs, np.mean(each, axis=0), rtol=1e-5, atol=1e-7)
 
 
