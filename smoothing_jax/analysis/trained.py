@@ -236,13 +236,13 @@ def frequency_noise_study(trained: Run,
   predict = functools.partial(trained.predict,
                               num_samples=num_samples,
                               rng=jax.random.key(seed + 1))
-  noisy = accuracy_vs_frequency(lambda x: predict(trained.normalize(jnp.clip(x, 0.0, 1.0))),
+  noisy = accuracy_vs_frequency(lambda x: predict(jnp.clip(x, 0.0, 1.0)),
                                 jnp.asarray(pixels),
                                 labels,
                                 frequencies,
                                 std=std,
                                 rng=jax.random.key(seed))
-  clean = float(np.mean(predict(trained.normalize(pixels)).argmax(-1) == labels))
+  clean = float(np.mean(predict(pixels).argmax(-1) == labels))
   return {"frequencies": np.asarray(frequencies), "accuracy": noisy, "clean_accuracy": clean}
 
 
@@ -260,7 +260,7 @@ def consistency_study(trained: Run,
   pixels, labels = eval_pixels(trained, num_images)
   videos = translate_sequences(pixels, length, max_shift, seed)
   predict = functools.partial(trained.predict, num_samples=num_samples, rng=jax.random.key(seed))
-  probs = sequence_predictions(lambda x: predict(trained.normalize(x)), videos)
+  probs = sequence_predictions(predict, videos)
   first = probs[0, :, labels[0]] / probs[0].max(-1)
   return {**perturbation_metrics(probs, labels), "relative_confidence_curve": first}
 
@@ -312,7 +312,7 @@ def adversarial_study(trained: Run,
   pixels, labels = eval_pixels(trained, num_images)
   key = jax.random.key(seed)
   predict = functools.partial(trained.predict, num_samples=num_samples, rng=jax.random.key(seed))
-  clean_correct = predict(trained.normalize(pixels)).argmax(-1) == labels
+  clean_correct = predict(pixels).argmax(-1) == labels
   x, y = jnp.asarray(pixels), jnp.asarray(labels)
   attacks = {
       "fgsm": _attack(trained, num_samples, "fgsm", pgd_steps, seed),
@@ -321,8 +321,7 @@ def adversarial_study(trained: Run,
   rows = []
   for eps in epsilons:
     for name, attack in attacks.items():
-      correct = predict(trained.normalize(attack(trained.variables, key, x, y,
-                                                 eps))).argmax(-1) == labels
+      correct = predict(attack(trained.variables, key, x, y, eps)).argmax(-1) == labels
       success = float(np.sum(clean_correct & ~correct) / max(np.sum(clean_correct), 1))
       rows.append({
           "attack": name,
