@@ -69,7 +69,7 @@ def scored(run, members: Sequence[str] = ()) -> dict:
   """``{"step", "checkpoint"}`` of what an evaluation of ``run`` scores, recorded in every row
   (and JSON) it writes and named in the printed table's first line: the run's step, and its
   checkpoint (``Run.checkpoint``) followed by ``members`` (the checkpoints of a deep ensemble's
-  other workdirs), joined by `` + ``."""
+  other workdirs), joined by " + "."""
   return {"step": run.step, "checkpoint": " + ".join((run.checkpoint, *members))}
 
 
