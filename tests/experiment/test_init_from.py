@@ -87,6 +87,7 @@ def test_evaluation_and_analyses_of_a_timm_checkpoint_file(small_npz_run, tmp_pa
                     ensemble_sizes=(1,))
   workdir = str(tmp_path / "evaluation")
   (row,) = evaluate_workdir("ensemble_sizes", workdir, f"{workdir}/results", config)
+  assert (row["step"], row["checkpoint"]) == (0, config.init_from)  # what it scored
   assert workdir_lib.read_config(workdir)[1].model_options == TIMM_LAYOUTS["vit_ti"]
   trained = load_trained(workdir)
   assert trained.step == 0 and not has_checkpoint(workdir)
