@@ -41,6 +41,40 @@ def test_missing_tfds_dataset_is_one_clear_error(tmp_path):
   assert "'cifar100'" in message and str(tmp_path) in message and "npz:" in message
 
 
+@pytest.mark.parametrize("network", ["refuses", "hangs"])
+def test_offline_a_missing_tfds_set_fails_at_once_and_writes_nothing(network, tmp_path,
+                                                                     monkeypatch):
+  """Offline, TFDS would retry the download for minutes (issue 43): its hosts are probed first,
+  and one that refuses or does not answer within ``PROBE_TIMEOUT_S`` ends it in one line."""
+  import socket
+  import threading
+  import time
+
+  from smoothing_jax.data import datasets
+  released = threading.Event()
+
+  def blocked(address, timeout=None):
+    if network == "hangs":  # a resolver that never answers, released when the test ends
+      released.wait(30)
+    raise OSError(f"network blocked ({address[0]})")
+
+  monkeypatch.setattr(socket, "create_connection", blocked)
+  monkeypatch.setattr(datasets, "PROBE_TIMEOUT_S", 0.5)
+  start = time.monotonic()
+  try:
+    with pytest.raises(DatasetUnavailableError) as err:
+      datasets.load_arrays(parse_dataset("svhn_cropped"), "test", str(tmp_path), download=True)
+  finally:
+    released.set()
+  assert time.monotonic() - start < 10
+  message = str(err.value)
+  why = "no answer within 0.5 s" if network == "hangs" else "network blocked"
+  assert "\n" not in message and "'svhn_cropped'" in message and why in message
+  assert all(part in message for part in ("ufldl.stanford.edu:80", "input.download",
+                                          "--config.input.data_dir=<dir>", "npz:<dir>"))
+  assert not list(tmp_path.iterdir())  # no incomplete.* nor downloads/ in the data_dir
+
+
 def test_missing_npz_file_is_named(tmp_path):
   with pytest.raises(DatasetUnavailableError, match="train.npz does not exist"):
     input_pipeline(f"npz:{tmp_path}", 8, seed=0)
