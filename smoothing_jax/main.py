@@ -129,7 +129,10 @@ def parse_value(config, key: str, text: str):
   node = config
   for name in parents:
     node = node[name]
-  kind = node.get_ref(leaf).get_type()  # a placeholder's declared type, where it is None
+  try:
+    kind = node.get_ref(leaf).get_type()  # a placeholder's declared type, where it is None
+  except ValueError:  # a None of a recorded config.json declares no type: read the text as is
+    kind = None
   if kind is str:
     return text
   if kind is bool and text.lower() in ("true", "false"):

@@ -148,6 +148,9 @@ def test_an_evaluation_lists_what_differs_from_the_recorded_run(analysis_workdir
   with absl_info_lines() as lines:
     config = main.resolve_config("evaluate", workdir, None, [("eval_batch_size", "16")])
   assert config.eval_batch_size == 16 and config.model_kwargs == recorded.model_kwargs
+  # A key the record holds as None (no declared type), as the data_dir of a missing set asks.
+  config = main.resolve_config("evaluate", workdir, None, [("input.data_dir", "/data/tfds")])
+  assert recorded.input.data_dir is None and config.input.data_dir == "/data/tfds"
   assert any(line.endswith("; differing from it: eval_batch_size") for line in lines), lines
   # A config file of the recorded model: its keys that differ (here num_devices, the run's
   # length) apply on top; the model options and the recorded data split stay the recorded ones.

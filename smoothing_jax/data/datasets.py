@@ -280,13 +280,19 @@ def _synthetic_arrays(spec: DatasetSpec, split: str):
           rng.integers(0, spec.num_classes, n, dtype=np.int32))
 
 
-def _npz_arrays(spec: DatasetSpec, split: str):
-  directory = spec.name[4:]
-  path = os.path.join(directory, f"{split}.npz")
+def _npz_path(spec: DatasetSpec, split: str) -> str:
+  """``<dir>/<split>.npz`` of an ``npz:<dir>`` spec; DatasetUnavailableError where it is
+  missing."""
+  path = os.path.join(spec.name[4:], f"{split}.npz")
   if not os.path.exists(path):
     raise DatasetUnavailableError(
         f"Dataset {spec.name!r}: {path} does not exist (need train.npz and test.npz "
         "with uint8 'images' [N,H,W,3] and integer 'labels' [N]).")
+  return path
+
+
+def _npz_arrays(spec: DatasetSpec, split: str):
+  path = _npz_path(spec, split)
   with np.load(path) as data:
     if "images" not in data or "labels" not in data:
       raise ValueError(
@@ -300,6 +306,18 @@ def _npz_arrays(spec: DatasetSpec, split: str):
         f"{path}: 'labels' shape {labels.shape} must be [N] (classes) or [N,H,W] "
         f"(label maps) for images {images.shape}.")
   return images, labels.astype(np.int32)
+
+
+def check_available(spec: DatasetSpec, split: str, data_dir: str | None = None,
+                    download: bool = False) -> None:
+  """:class:`DatasetUnavailableError` (one line) unless ``split`` of ``spec`` can be read: its
+  ``npz:`` file exists, or its TFDS set is prepared (downloaded first where ``download``).  For
+  callers that read a set after long work (an evaluator's in-distribution pass), so that a
+  missing set fails before that work rather than after it."""
+  if spec.source == "npz":
+    _npz_path(spec, split)
+  elif spec.source == "tfds":
+    prepared_tfds_builder(spec, data_dir, download)
 
 
 def load_arrays(spec: DatasetSpec, split: str, data_dir: str | None = None,

@@ -9,6 +9,7 @@ from smoothing_jax.data import (
   corruption_dataset,
   parse_dataset,
 )
+from smoothing_jax.data.datasets import unreachable_download_host  # the real probe (conftest)
 from tests.helpers import input_pipeline
 
 tfds = pytest.importorskip("tensorflow_datasets")  # TFDS sources under mock data
@@ -58,6 +59,7 @@ def test_offline_a_missing_tfds_set_fails_at_once_and_writes_nothing(network, tm
       released.wait(30)
     raise OSError(f"network blocked ({address[0]})")
 
+  monkeypatch.setattr(datasets, "unreachable_download_host", unreachable_download_host)
   monkeypatch.setattr(socket, "create_connection", blocked)
   monkeypatch.setattr(datasets, "PROBE_TIMEOUT_S", 0.5)
   start = time.monotonic()
