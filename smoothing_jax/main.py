@@ -20,10 +20,9 @@ so that ``model_kwargs`` are the new model's options); an evaluator's options ar
 ``--config.evals.<name>.<option>=…``, which adds a registered evaluator the config does not
 list.  An evaluation mode reads the workdir's recorded ``config.json`` as its config:
 ``--config`` is optional there, and overrides apply on top of the recorded run (one line lists
-the keys that differ from it).  ``--num_samples``,
-``--baseline_csv`` and ``--ensemble_workdirs`` are shorthands for the mode's
-``config.evals.<name>`` options.  ``main`` only dispatches: each evaluator writes its tables and
-figures and says what to print.
+the keys that differ from it).  ``--num_samples``, ``--baseline_csv`` and ``--ensemble_workdirs``
+are shorthands for the mode's ``config.evals.<name>`` options.  ``main`` only dispatches: each
+evaluator writes its tables and figures and says what to print.
 """
 import ast
 import os
