@@ -177,7 +177,11 @@ def resolve_config(mode: str, workdir: str, config_arg=None, overrides=()):
                      f"{config_lib.flat(recorded)[fixed[0]]!r}): the data split and the ensemble "
                      "members decide what the run trained on, and an evaluation keeps them.")
   model = dict(overrides).get("model")
-  if recorded is None and model is not None and model != config.model:
+  if model is not None and model != config.model:
+    if recorded is not None:  # its checkpoints hold that model's variables
+      raise ValueError(f"--config.model={model}: {workdir} recorded model {recorded.model!r}, "
+                       "and an evaluation rebuilds the recorded model; evaluate a workdir "
+                       f"of {model} instead.")
     # First the model, so that the other overrides set its options, not the config file's model's.
     config = with_model(config, model)
   # An option of any registered evaluator adds that evaluator (with its options declared), so

@@ -151,6 +151,10 @@ def test_an_evaluation_lists_what_differs_from_the_recorded_run(analysis_workdir
   # A key the record holds as None (no declared type), as the data_dir of a missing set asks.
   config = main.resolve_config("evaluate", workdir, None, [("input.data_dir", "/data/tfds")])
   assert recorded.input.data_dir is None and config.input.data_dir == "/data/tfds"
+  with pytest.raises(ValueError, match=re.escape(
+      f"--config.model=vgg_dnn_16: {workdir} recorded model 'resnet_mcdo_18', and an evaluation "
+      "rebuilds the recorded model")):
+    main.resolve_config("evaluate", workdir, None, [("model", "vgg_dnn_16")])
   assert any(line.endswith("; differing from it: eval_batch_size") for line in lines), lines
   # A config file of the recorded model: its keys that differ (here num_devices, the run's
   # length) apply on top; the model options and the recorded data split stay the recorded ones.
