@@ -311,13 +311,13 @@ def _npz_arrays(spec: DatasetSpec, split: str):
 def check_available(spec: DatasetSpec, split: str, data_dir: str | None = None,
                     download: bool = False) -> None:
   """:class:`DatasetUnavailableError` (one line) unless ``split`` of ``spec`` can be read: its
-  ``npz:`` file exists, or its TFDS set is prepared (downloaded first where ``download``).  For
-  callers that read a set after long work (an evaluator's in-distribution pass), so that a
-  missing set fails before that work rather than after it."""
+  ``npz:`` file exists, or its TFDS split opens as reading it would (downloaded first where
+  ``download``), without reading its examples.  For callers that read a set after long work (an
+  evaluator's in-distribution pass), so that a missing set fails before that work, not after."""
   if spec.source == "npz":
     _npz_path(spec, split)
   elif spec.source == "tfds":
-    prepared_tfds_builder(spec, data_dir, download)
+    tfds_split(spec, split, data_dir, download, shard=False)
 
 
 def load_arrays(spec: DatasetSpec, split: str, data_dir: str | None = None,

@@ -35,6 +35,16 @@ def test_tfds_cifar10_under_mock_data():
   assert batch["label"].min() >= 0 and batch["label"].max() < 10
 
 
+def test_check_available_opens_a_split_as_reading_it_would(tmp_path):
+  from smoothing_jax.data.datasets import check_available
+  with tfds.testing.mock_data(num_examples=8):  # readable (mocked), though never prepared
+    check_available(parse_dataset("cifar100"), "test", download=True)
+  with pytest.raises(DatasetUnavailableError, match="'cifar100' is not prepared in data_dir"):
+    check_available(parse_dataset("cifar100"), "test", str(tmp_path), download=False)
+  with pytest.raises(DatasetUnavailableError, match="missing/test.npz does not exist"):
+    check_available(parse_dataset(f"npz:{tmp_path / 'missing'}"), "test")
+
+
 def test_missing_tfds_dataset_is_one_clear_error(tmp_path):
   with pytest.raises(DatasetUnavailableError) as err:
     input_pipeline("cifar100", 8, seed=0, data_dir=str(tmp_path), download=False)
