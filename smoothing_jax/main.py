@@ -15,15 +15,16 @@ Modes::
     temporal       the same on shifted streams of test images (classifiers)
     ood, calibration, selective (alias ``uncertainty``)
 
-Settings have one door: the config.  ``--config.<key>=…`` sets a key; an evaluator's options are
-``--config.evals.<name>.<option>=…``.  An evaluation mode reads the workdir's recorded
-``config.json`` as its config: ``--config`` is optional there, and overrides apply on top of the
-recorded run (one line lists the keys that differ from it).  ``--num_samples``,
-``--baseline_csv`` and ``--ensemble_workdirs`` are shorthands for the mode's
-``config.evals.<name>`` options.  Results go to ``<workdir>/results``, or to ``--results_dir``
-(e.g. for a read-only workdir); a folder that cannot be written is refused before anything is
-computed.  ``main`` only dispatches: each evaluator writes its tables and
-figures and says what to print.
+Settings have one door: the config.  ``--config.<key>=…`` sets a key (``--config.model`` first,
+so that ``model_kwargs`` are the new model's options); an evaluator's options are
+``--config.evals.<name>.<option>=…``, which adds a registered evaluator the config does not
+list.  An evaluation mode reads the workdir's recorded ``config.json`` as its config:
+``--config`` is optional there, and overrides apply on top of the recorded run (one line lists
+the keys that differ from it).  ``--num_samples``, ``--baseline_csv`` and ``--ensemble_workdirs``
+are shorthands for the mode's ``config.evals.<name>`` options.  Results go to
+``<workdir>/results``, or to ``--results_dir`` (e.g. for a read-only workdir); a folder that
+cannot be written is refused before anything is computed.  ``main`` only dispatches: each
+evaluator writes its tables and figures and says what to print.
 """
 import ast
 import os
@@ -40,6 +41,7 @@ from smoothing_jax.data import DatasetUnavailableError  # noqa: E402
 from smoothing_jax.experiment import checkpoints  # noqa: E402
 from smoothing_jax.experiment import config as config_lib  # noqa: E402
 from smoothing_jax.experiment import workdir as workdir_lib  # noqa: E402
+from smoothing_jax.experiment.config_base import with_model  # noqa: E402
 from smoothing_jax.experiment.run import RECORDED_KEYS, Run  # noqa: E402
 from smoothing_jax.experiment.workdir_lock import lock_workdir  # noqa: E402
 from smoothing_jax.training.train import train  # noqa: E402
@@ -130,7 +132,10 @@ def parse_value(config, key: str, text: str):
   node = config
   for name in parents:
     node = node[name]
-  kind = node.get_ref(leaf).get_type()  # a placeholder's declared type, where it is None
+  try:
+    kind = node.get_ref(leaf).get_type()  # a placeholder's declared type, where it is None
+  except ValueError:  # a None of a recorded config.json declares no type: read the text as is
+    kind = None
   if kind is str:
     return text
   if kind is bool and text.lower() in ("true", "false"):
@@ -145,7 +150,8 @@ def resolve_config(mode: str, workdir: str, config_arg=None, overrides=()):
   """The config of the job: the ``config_arg`` file (``train``) or the workdir's recorded run
   (an evaluation mode; a ``config_arg`` file there must name the recorded model, and its keys that
   differ apply as overrides), then ``overrides`` (``(key, text)`` pairs) on top, with every
-  evaluator option of ``config.evals`` and the mode's declared."""
+  evaluator option of ``config.evals``, the mode's and those of the evaluators ``overrides`` set
+  options of declared; a ``model`` override applies first (``config_base.with_model``)."""
   recorded = None
   if mode != "train" and checkpoints.has_run(workdir):
     recorded = workdir_lib.read_config(workdir)[0]
@@ -174,7 +180,19 @@ def resolve_config(mode: str, workdir: str, config_arg=None, overrides=()):
     raise ValueError(f"--config.{fixed[0]} is the recorded run's ({fixed[0]}="
                      f"{config_lib.flat(recorded)[fixed[0]]!r}): the data split and the ensemble "
                      "members decide what the run trained on, and an evaluation keeps them.")
-  config = evaluators.declare_options(config, () if mode == "train" else (mode,))
+  model = dict(overrides).get("model")
+  if model is not None and model != config.model:
+    if recorded is not None:  # its checkpoints hold that model's variables
+      raise ValueError(f"--config.model={model}: {workdir} recorded model {recorded.model!r}, "
+                       "and an evaluation rebuilds the recorded model; evaluate a workdir "
+                       f"of {model} instead.")
+    # First the model, so that the other overrides set its options, not the config file's model's.
+    config = with_model(config, model)
+  # An option of any registered evaluator adds that evaluator (with its options declared), so
+  # that a config without it can run it after training; an unregistered name fails, listing them.
+  enabled = tuple(key.split(".")[1] for key, _ in overrides
+                  if key.startswith("evals.") and key.count(".") >= 2)
+  config = evaluators.declare_options(config, enabled + (() if mode == "train" else (mode,)))
   config = config_lib.with_overrides(
       config, {key: parse_value(config, key, text) for key, text in overrides})
   if recorded is not None:
@@ -209,6 +227,7 @@ def main(argv):
     show_only_our_info_lines()
   evaluated = FLAGS.ensemble_workdirs[0] if FLAGS.ensemble_workdirs else FLAGS.workdir
   try:  # a config the command line cannot make: a usage error (status 2), before anything runs
+    workdir_lib.check_directories(FLAGS.workdir, *FLAGS.ensemble_workdirs)
     config = resolve_config(FLAGS.mode, evaluated, FLAGS.config, CONFIG_OVERRIDES)
     config = config_lib.with_overrides(config, shorthand_options(
         FLAGS.mode, FLAGS.ensemble_workdirs, FLAGS.baseline_csv, FLAGS.num_samples))

@@ -78,6 +78,15 @@ pytest_plugins = ("tests.worker_stderr",)
 MAX_MAPS_SHARE = 0.5
 
 
+@pytest.fixture(autouse=True)
+def _download_hosts_answer(monkeypatch):
+  """No test reaches the network: TFDS download hosts count as answering, so that a download
+  under ``tfds.testing.mock_data`` (a no-op there) proceeds offline as online.  The offline test
+  of ``tests/data/test_datasets.py`` probes a blocked network with the real probe."""
+  from smoothing_jax.data import datasets
+  monkeypatch.setattr(datasets, "unreachable_download_host", lambda urls: None)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _release_executables_after_each_file():
   """Each test file's compiled executables are released when it ends: a worker runs one file

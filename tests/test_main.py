@@ -1,6 +1,7 @@
 """The command line with bad input: one line naming the problem, a non-zero exit, no traceback."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,6 +55,9 @@ def cli_results(tmp_path_factory, analysis_workdirs):
       np.savez(directory / f"{split}.npz", images=rng.integers(0, 255, (8, 8, 8, 3)).astype(dtype),
                labels=rng.integers(0, 2, 8))
   workdir = str(root / "workdir")
+  damaged = root / "damaged"  # a recorded run whose config.json was cut short
+  shutil.copytree(analysis_workdirs["MC dropout"], damaged)
+  (damaged / "config.json").write_text((damaged / "config.json").read_text()[:60])
   cases = {
       "config argument typo":
           (["--config=configs/cifar_resnet.py:resnet_dnn_18,cifar10,runlokal"], {}),
@@ -85,6 +89,10 @@ def cli_results(tmp_path_factory, analysis_workdirs):
           "--mode=evaluate", f"--workdir={unwritable}", f"--results_dir={elsewhere}",
           "--config.evals.ensemble_sizes.sizes=(1,2)", "--config.eval_batch_size=16"
       ], {}),
+      "a workdir that is a file":
+          (["--config=configs/quickstart.py", f"--workdir={good / 'train.npz'}"], {}),
+      "a moved key": (["--config=configs/quickstart.py", "--config.dataset=cifar10"], {}),
+      "a damaged config.json": (["--mode=evaluate", f"--workdir={damaged}"], {}),
       "traceback on request":
           ([f"--config=configs/cifar_resnet.py:vgg_dnn_16x,npz:{good},runlocal"], {
               "SMOOTHING_JAX_TRACEBACK": "1"
@@ -123,6 +131,9 @@ def cli_results(tmp_path_factory, analysis_workdirs):
      "keys there: members, seed, sizes"),
     ("a config of another model", 2, "names model 'resnet_mcdo_smoothing_18', but"),
     ("results not writable", 1, "PermissionError: Cannot write the results into "),
+    ("a workdir that is a file", 2, "train.npz is a file, not a directory"),
+    ("a moved key", 2, "unknown config key 'dataset' (moved to 'input.dataset')"),
+    ("a damaged config.json", 2, "damaged/config.json is damaged (not valid JSON: "),
 ])
 def test_user_errors_print_one_line(cli_results, case, code, expected):
   result = cli_results[case]
@@ -156,6 +167,13 @@ def test_an_evaluation_lists_what_differs_from_the_recorded_run(analysis_workdir
   with absl_info_lines() as lines:
     config = main.resolve_config("evaluate", workdir, None, [("eval_batch_size", "16")])
   assert config.eval_batch_size == 16 and config.model_kwargs == recorded.model_kwargs
+  # A key the record holds as None (no declared type), as the data_dir of a missing set asks.
+  config = main.resolve_config("evaluate", workdir, None, [("input.data_dir", "/data/tfds")])
+  assert recorded.input.data_dir is None and config.input.data_dir == "/data/tfds"
+  with pytest.raises(ValueError, match=re.escape(
+      f"--config.model=vgg_dnn_16: {workdir} recorded model 'resnet_mcdo_18', and an evaluation "
+      "rebuilds the recorded model")):
+    main.resolve_config("evaluate", workdir, None, [("model", "vgg_dnn_16")])
   assert any(line.endswith("; differing from it: eval_batch_size") for line in lines), lines
   # A config file of the recorded model: its keys that differ (here num_devices, the run's
   # length) apply on top; the model options and the recorded data split stay the recorded ones.
@@ -187,6 +205,26 @@ def test_unwritable_results_are_refused_before_anything_is_computed(analysis_wor
   assert str(error.value) == (f"Cannot write the results into {workdir}/results ({workdir}/results "
                               "is a file); give --results_dir=<a writable folder>.")
   assert not opened and sorted(os.listdir(workdir)) == ["checkpoints", "config.json", "results"]
+
+
+def test_the_command_line_adds_any_evaluator_and_switches_the_model_first(monkeypatch):
+  """``--config.evals.<name>.<option>`` adds a registered evaluator the config does not list;
+  ``--config.model`` applies before the other overrides, which set the new model's options."""
+  from smoothing_jax import evaluators, main
+  monkeypatch.chdir(ROOT)
+  config = main.resolve_config("train", "unused", "configs/quickstart.py", [
+      ("evals.ood.datasets", '("svhn_cropped",)'), ("model_kwargs.depth", "10"),
+      ("model", "wideresnet_ibnn_28_10")])
+  assert evaluators.names_after_training(config) == ("ensemble_sizes", "ood")
+  assert config.evals.ood.datasets == ("svhn_cropped",) and config.evals.ood.seed == 0
+  assert (config.model, config.model_kwargs.depth) == ("wideresnet_ibnn_28_10", 10)
+  for overrides, message in (
+      ([("evals.odd.datasets", "()")], "Unknown evaluator 'odd'; registered: ensemble_sizes, "),
+      ([("dataset", "cifar10")],
+       "--config.dataset: unknown config key 'dataset' (moved to 'input.dataset')."),
+      ([("model", "resnet_dnn_18x")], "Unknown model name 'resnet_dnn_18x'")):
+    with pytest.raises(ValueError, match=re.escape(message)):
+      main.resolve_config("train", "unused", "configs/quickstart.py", overrides)
 
 
 def test_the_traceback_is_kept_on_request(cli_results):

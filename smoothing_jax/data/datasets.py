@@ -16,6 +16,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
+import threading
+import time
+import urllib.parse
+import urllib.request
 
 import jax
 import numpy as np
@@ -37,6 +42,11 @@ BASES = tuple(NORMALIZATION)
 SEGMENTATION_DATASETS = ("camvid",)  # TFDS builder in smoothing_jax.data.camvid
 # Other TFDS image sets read as they are (out-of-distribution sets of the uncertainty literature).
 OTHER_TFDS = ("svhn_cropped",)
+# A TFDS download starts only once its hosts answer: offline, TFDS retries each file for minutes
+# and a run killed meanwhile leaves ``incomplete.*`` folders in the data_dir.  Each host (or the
+# proxy that reaches it) gets this many seconds to accept a connection, all probed at once.
+PROBE_TIMEOUT_S = 3.0
+DEFAULT_PORTS = {"http": 80, "https": 443, "ftp": 21}
 
 
 class DatasetUnavailableError(RuntimeError):
@@ -149,14 +159,51 @@ def import_tfds(dataset: str):
   return tfds
 
 
+def unreachable_download_host(urls) -> str | None:
+  """``"<host>:<port> (<why>)"`` for a host of ``urls`` (or the proxy that reaches it) that
+  accepts no TCP connection within :data:`PROBE_TIMEOUT_S`; None when every one does.  Each probe
+  runs in a daemon thread, so a name lookup that hangs costs the timeout, not the resolver's."""
+  proxies = urllib.request.getproxies()
+  endpoints = set()
+  for url in urls:
+    parts = urllib.parse.urlsplit(url)
+    if proxies.get(parts.scheme) and not urllib.request.proxy_bypass(parts.hostname):
+      parts = urllib.parse.urlsplit(proxies[parts.scheme])
+    if parts.hostname:
+      endpoints.add((parts.hostname, parts.port or DEFAULT_PORTS.get(parts.scheme, 443)))
+  timeout = PROBE_TIMEOUT_S
+  failures = {endpoint: f"no answer within {timeout:g} s" for endpoint in endpoints}
+
+  def probe(endpoint):
+    try:
+      socket.create_connection(endpoint, timeout=timeout).close()
+      failures[endpoint] = None
+    except OSError as e:
+      failures[endpoint] = str(e) or type(e).__name__
+
+  threads = [threading.Thread(target=probe, args=(e,), daemon=True) for e in sorted(endpoints)]
+  for thread in threads:
+    thread.start()
+  deadline = time.monotonic() + timeout
+  for thread in threads:  # one deadline: a probe still waiting then counts as no answer
+    thread.join(max(0.0, deadline - time.monotonic()))
+  return next((f"{host}:{port} ({why})" for (host, port), why in sorted(failures.items())
+               if why is not None), None)
+
+
 def tfds_builder(spec: DatasetSpec, data_dir: str | None, download: bool):
-  """The TFDS builder of ``spec``, downloaded and prepared first if ``download`` and needed."""
+  """The TFDS builder of ``spec``, downloaded and prepared first if ``download`` and needed;
+  :class:`DatasetUnavailableError` at once where a download host does not answer."""
   tfds = import_tfds(spec.name)
   builder = tfds.builder(spec.tfds_name, data_dir=data_dir)
   if not builder.is_prepared() and download:
+    unreachable = unreachable_download_host(builder.url_infos or ())
+    if unreachable:
+      raise DatasetUnavailableError(_missing_message(
+          spec, builder, f"Downloading it (input.download) needs {unreachable}."))
     try:
       builder.download_and_prepare()
-    except Exception as e:  # network down, manual download required, ...
+    except Exception as e:  # manual download required, a host that fails mid-way, ...
       raise DatasetUnavailableError(
           _missing_message(spec, builder, f"Download failed: {e}")) from e
   return builder
@@ -166,24 +213,31 @@ def prepared_tfds_builder(spec: DatasetSpec, data_dir: str | None, download: boo
   """:func:`tfds_builder`, or :class:`DatasetUnavailableError` if it is not prepared."""
   builder = tfds_builder(spec, data_dir, download)
   if not builder.is_prepared():
-    raise DatasetUnavailableError(_missing_message(spec, builder))
+    raise DatasetUnavailableError(_missing_message(spec, builder, _download_hint(download)))
   return builder
 
 
-def _missing_message(spec, builder, reason=""):
+def _download_hint(download: bool) -> str:
+  return "" if download else "--config.input.download=True downloads it (TFDS)."
+
+
+def _missing_message(spec, builder, reason):
+  """One line: ``spec`` is not in the data_dir, ``reason``, and the ways to provide it."""
+  reason = f"{reason} " if reason else ""
   if spec.base in SEGMENTATION_DATASETS:
-    return (f"Dataset {spec.name!r} is not prepared in data_dir {builder.data_dir_root!r}. "
-            f"{reason} Prepare it from the downloaded release with "
+    return (f"Dataset {spec.name!r} is not prepared in data_dir {str(builder.data_dir_root)!r}. "
+            f"{reason}Prepare it from the downloaded release with "
             f"`python -m smoothing_jax.data.{spec.base} --manual_dir=<release> "
             f"--data_dir=<dir>` and pass --config.input.data_dir=<dir>, or train from local arrays "
             f"with --config.input.dataset=npz:<dir> (uint8 images [N,H,W,3] and label maps [N,H,W] "
             f"in train.npz/test.npz).")
-  return (f"Dataset {spec.name!r} is not prepared in data_dir {builder.data_dir_root!r} "
-          f"(searched {builder.data_dir!r}). {reason} Prepare it on a machine with network "
+  return (f"Dataset {spec.name!r} is not prepared in data_dir {str(builder.data_dir_root)!r} "
+          f"(searched {builder.data_dir!r}). {reason}Prepare it on a machine with network "
           f"access with `tfds build {spec.name.split('/')[0]} --data_dir=<dir>` (ImageNet and "
-          f"CIFAR-100-C need --manual_dir) and pass --config.input.data_dir=<dir>, or train from "
-          f"local arrays with --config.input.dataset=npz:<dir> (uint8 images [N,H,W,3] and labels "
-          f"[N] in train.npz/test.npz).")
+          f"CIFAR-100-C need --manual_dir) and pass --config.input.data_dir=<dir>, or name local "
+          f"arrays npz:<dir> in its place (in --config.input.dataset or "
+          f"--config.evals.ood.datasets; uint8 images [N,H,W,3] and labels [N] in "
+          f"train.npz/test.npz).")
 
 
 def tfds_split(spec: DatasetSpec, split: str, data_dir: str | None, download: bool,
@@ -197,7 +251,7 @@ def tfds_split(spec: DatasetSpec, split: str, data_dir: str | None, download: bo
     return builder.as_dataset(split=tfds.split_for_jax_process(split) if shard else split,
                               shuffle_files=False, decoders=decoders)
   except AssertionError as e:  # TFDS: "could not find data in ..."
-    raise DatasetUnavailableError(_missing_message(spec, builder)) from e
+    raise DatasetUnavailableError(_missing_message(spec, builder, _download_hint(download))) from e
 
 
 # ----------------------------------------------------------------------------- arrays
@@ -226,13 +280,19 @@ def _synthetic_arrays(spec: DatasetSpec, split: str):
           rng.integers(0, spec.num_classes, n, dtype=np.int32))
 
 
-def _npz_arrays(spec: DatasetSpec, split: str):
-  directory = spec.name[4:]
-  path = os.path.join(directory, f"{split}.npz")
+def _npz_path(spec: DatasetSpec, split: str) -> str:
+  """``<dir>/<split>.npz`` of an ``npz:<dir>`` spec; DatasetUnavailableError where it is
+  missing."""
+  path = os.path.join(spec.name[4:], f"{split}.npz")
   if not os.path.exists(path):
     raise DatasetUnavailableError(
         f"Dataset {spec.name!r}: {path} does not exist (need train.npz and test.npz "
         "with uint8 'images' [N,H,W,3] and integer 'labels' [N]).")
+  return path
+
+
+def _npz_arrays(spec: DatasetSpec, split: str):
+  path = _npz_path(spec, split)
   with np.load(path) as data:
     if "images" not in data or "labels" not in data:
       raise ValueError(
@@ -246,6 +306,18 @@ def _npz_arrays(spec: DatasetSpec, split: str):
         f"{path}: 'labels' shape {labels.shape} must be [N] (classes) or [N,H,W] "
         f"(label maps) for images {images.shape}.")
   return images, labels.astype(np.int32)
+
+
+def check_available(spec: DatasetSpec, split: str, data_dir: str | None = None,
+                    download: bool = False) -> None:
+  """:class:`DatasetUnavailableError` (one line) unless ``split`` of ``spec`` can be read: its
+  ``npz:`` file exists, or its TFDS split opens as reading it would (downloaded first where
+  ``download``), without reading its examples.  For callers that read a set after long work (an
+  evaluator's in-distribution pass), so that a missing set fails before that work, not after."""
+  if spec.source == "npz":
+    _npz_path(spec, split)
+  elif spec.source == "tfds":
+    tfds_split(spec, split, data_dir, download, shard=False)
 
 
 def load_arrays(spec: DatasetSpec, split: str, data_dir: str | None = None,

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from smoothing_jax import ranking
 from smoothing_jax.data import CORRUPTIONS, corruption_dataset
-from smoothing_jax.data.datasets import BASES
+from smoothing_jax.data.datasets import BASES, check_available, parse_dataset
 from smoothing_jax.evaluators.common import gather, predictive, ranking_step, write_results
 from smoothing_jax.parallel import sharded_eval_step
 from smoothing_jax.plots import plot_detection_curves
@@ -55,6 +55,9 @@ def evaluate(run, output_dir, *, datasets: Sequence[str] = (), sizes: Sequence[i
   (the FPR@95 conventions: ``ranking``'s docstring)."""
   config = run.config
   names = resolve_ood_datasets(run.pipeline.dataset_spec.base, datasets)
+  for name in names:  # a missing set fails now, not after the in-distribution pass
+    spec = parse_dataset(name)
+    check_available(spec, spec.eval_split, run.pipeline.data_dir, run.pipeline.download)
   pred = predictive(run, members, sizes)
   step = sharded_eval_step(ranking_step, run.mesh, pred.method, pred.sizes)
   inside = gather(step, pred.variables, run.mesh, run.eval_batches(), seed)

@@ -15,6 +15,27 @@ from typing import Any
 
 import ml_collections
 
+# Keys of the configs that 0.1.0 (and main before the methods) had, and where today's config
+# holds them (dotted): recorded config.json files are upgraded (``workdir.upgrade_record``), and
+# an override of an old key names the new one (``check_key``).
+MOVED_KEYS = {
+    "dataset": "input.dataset",
+    "data_dir": "input.data_dir",
+    "download": "input.download",
+    "data_pipeline": "input.data_pipeline",
+    "batch_size": "input.batch_size",
+    "crop_size": "input.crop_size",
+    "randaugment": "input.randaugment",
+    "train_fraction": "input.train_fraction",
+    "holdout_fraction": "input.holdout_fraction",
+    "data_split_seed": "input.split_seed",
+    "eval_cache": "input.eval_cache",
+    # (written at the top level until each method's settings had their block)
+    "ensemble_members": "deep_ensemble.members",
+    "ensemble_shared_batches": "deep_ensemble.shared_batches",
+    "ensemble_vmap_size": "deep_ensemble.vmap_size",
+}
+
 
 def from_file(path: str, arg: str = "") -> ml_collections.ConfigDict:
   """``get_config(arg)`` of the config file at ``path`` (``get_config()`` when ``arg`` is
@@ -30,11 +51,14 @@ def from_file(path: str, arg: str = "") -> ml_collections.ConfigDict:
 
 def check_key(config: ml_collections.ConfigDict, key: str) -> None:
   """Raise ``KeyError`` naming the first unknown part of the dotted ``key`` and the keys that
-  exist there."""
+  exist there, or the new name of a key that moved (:data:`MOVED_KEYS`)."""
   node = config
   path = key.split(".")
   for i, name in enumerate(path):
     if not hasattr(node, "keys") or name not in node.keys():
+      if i == 0 and name in MOVED_KEYS:  # a key of older configs: its new name, not the list
+        raise KeyError(f"unknown config key {key!r} (moved to "
+                       f"{'.'.join([MOVED_KEYS[name], *path[1:]])!r})")
       known = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "(none)"
       raise KeyError(f"unknown config key {'.'.join(path[:i + 1])!r}; keys there: {known}")
     node = node[name]

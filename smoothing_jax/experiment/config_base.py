@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 import ml_collections
+from absl import logging
 from ml_collections.config_dict import placeholder
 
 from smoothing_jax import methods
@@ -169,6 +170,26 @@ def declare_model_options(config: ml_collections.ConfigDict) -> ml_collections.C
   for key, kind in options.items():
     if key not in config.model_kwargs:
       config.model_kwargs[key] = placeholder(kind)
+  return config
+
+
+def with_model(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
+  """A copy of ``config`` for model ``name`` (``--config.model=<name>``): its ``model_kwargs``
+  are that model's options (:func:`declare_model_options`), keeping the values ``config`` set for
+  options ``name`` also takes (a recipe's narrow ``width`` stays narrow) and dropping the others,
+  which an info line names; ValueError for an unknown name (with the closest ones)."""
+  options = model_options(name)
+  set_values = {k: v for k, v in config.model_kwargs.items() if v is not None}
+  dropped = {k: v for k, v in set_values.items() if k not in options}
+  if dropped:
+    logging.info("Model %s takes no option %s of %s: dropped from model_kwargs.", name,
+                 ", ".join(f"{k}={v!r}" for k, v in dropped.items()), config.model)
+  config = copy.deepcopy(config)
+  with config.unlocked():
+    config.model = name
+    config.model_kwargs = ml_collections.ConfigDict(
+        {k: v for k, v in set_values.items() if k in options})
+    declare_model_options(config)
   return config
 
 

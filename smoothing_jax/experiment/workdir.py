@@ -21,30 +21,11 @@ import jax
 import ml_collections
 from etils import epath
 
+from smoothing_jax.experiment.config import MOVED_KEYS
 from smoothing_jax.experiment.spec import ModelSpec
 
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
-
-# Keys of the config.json files that 0.1.0 (and main before the methods) wrote, and where
-# today's config holds them (dotted).
-MOVED_KEYS = {
-    "dataset": "input.dataset",
-    "data_dir": "input.data_dir",
-    "download": "input.download",
-    "data_pipeline": "input.data_pipeline",
-    "batch_size": "input.batch_size",
-    "crop_size": "input.crop_size",
-    "randaugment": "input.randaugment",
-    "train_fraction": "input.train_fraction",
-    "holdout_fraction": "input.holdout_fraction",
-    "data_split_seed": "input.split_seed",
-    "eval_cache": "input.eval_cache",
-    # (written at the top level until each method's settings had their block)
-    "ensemble_members": "deep_ensemble.members",
-    "ensemble_shared_batches": "deep_ensemble.shared_batches",
-    "ensemble_vmap_size": "deep_ensemble.vmap_size",
-}
 
 
 def is_uri(workdir) -> bool:
@@ -57,6 +38,16 @@ def workdir_path(workdir) -> epath.Path:
   absolute (orbax needs absolute paths)."""
   path = epath.Path(workdir)
   return path if is_uri(workdir) else path.absolute()
+
+
+def check_directories(*workdirs) -> None:
+  """NotADirectoryError (one line) naming the first of ``workdirs`` that is a file: a workdir is
+  a directory, new or holding a run (checked before anything creates the lock beneath it)."""
+  for workdir in workdirs:
+    path = workdir_path(workdir)
+    if path.exists() and not path.is_dir():
+      raise NotADirectoryError(f"Workdir {workdir} is a file, not a directory: give a new "
+                               "directory or one that holds a run.")
 
 
 def write_atomically(path, data) -> None:
@@ -108,17 +99,23 @@ def record_run(workdir, config: ml_collections.ConfigDict, model_spec: ModelSpec
 
 
 def read_record(workdir) -> dict:
-  """The JSON of ``<workdir>/config.json``; FileNotFoundError naming the workdir without one."""
+  """The JSON of ``<workdir>/config.json``; FileNotFoundError naming the workdir without one,
+  ValueError naming a damaged one."""
   path = workdir_path(workdir) / CONFIG_FILE
   if not path.exists():
     raise FileNotFoundError(f"No run in {workdir}: {path} does not exist (train into it first).")
-  return json.loads(path.read_text())
+  try:
+    return json.loads(path.read_text())
+  except json.JSONDecodeError as e:  # a truncated or overwritten file: name it, not the parser
+    raise ValueError(f"{path} is damaged (not valid JSON: {e}): restore it from a copy, or "
+                     "remove it and rerun the training command, which resumes from the "
+                     "checkpoints and records it again.") from None
 
 
 def upgrade_record(record: dict) -> dict:
   """A ``config.json`` record of 0.1.0 in today's layout: ``evals`` as a list of names becomes
   ``{name: {}}`` (every option at its default), ``ood_datasets`` the ``ood`` evaluator's
-  ``datasets``, and each of :data:`MOVED_KEYS` moves to its new place.  Today's records come
+  ``datasets``, and each of ``config.MOVED_KEYS`` moves to its new place.  Today's records come
   back equal."""
   record = json.loads(json.dumps(record))
   if isinstance(record.get("evals"), list):

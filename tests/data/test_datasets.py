@@ -9,6 +9,7 @@ from smoothing_jax.data import (
   corruption_dataset,
   parse_dataset,
 )
+from smoothing_jax.data.datasets import unreachable_download_host  # the real probe (conftest)
 from tests.helpers import input_pipeline
 
 tfds = pytest.importorskip("tensorflow_datasets")  # TFDS sources under mock data
@@ -34,11 +35,57 @@ def test_tfds_cifar10_under_mock_data():
   assert batch["label"].min() >= 0 and batch["label"].max() < 10
 
 
+def test_check_available_opens_a_split_as_reading_it_would(tmp_path):
+  from smoothing_jax.data.datasets import check_available
+  with tfds.testing.mock_data(num_examples=8):  # readable (mocked), though never prepared
+    check_available(parse_dataset("cifar100"), "test", download=True)
+  with pytest.raises(DatasetUnavailableError, match="'cifar100' is not prepared in data_dir"):
+    check_available(parse_dataset("cifar100"), "test", str(tmp_path), download=False)
+  with pytest.raises(DatasetUnavailableError, match="missing/test.npz does not exist"):
+    check_available(parse_dataset(f"npz:{tmp_path / 'missing'}"), "test")
+
+
 def test_missing_tfds_dataset_is_one_clear_error(tmp_path):
   with pytest.raises(DatasetUnavailableError) as err:
     input_pipeline("cifar100", 8, seed=0, data_dir=str(tmp_path), download=False)
   message = str(err.value)
   assert "'cifar100'" in message and str(tmp_path) in message and "npz:" in message
+
+
+@pytest.mark.parametrize("network", ["refuses", "hangs"])
+def test_offline_a_missing_tfds_set_fails_at_once_and_writes_nothing(network, tmp_path,
+                                                                     monkeypatch):
+  """Offline, TFDS would retry the download for minutes (issue 43): its hosts are probed first,
+  and one that refuses or does not answer within ``PROBE_TIMEOUT_S`` ends it in one line."""
+  import socket
+  import threading
+  import time
+
+  from smoothing_jax.data import datasets
+  released = threading.Event()
+
+  def blocked(address, timeout=None):
+    if network == "hangs":  # a resolver that never answers, released when the test ends
+      released.wait(30)
+    raise OSError(f"network blocked ({address[0]})")
+
+  monkeypatch.setattr(datasets, "unreachable_download_host", unreachable_download_host)
+  monkeypatch.setattr(socket, "create_connection", blocked)
+  monkeypatch.setattr(datasets, "PROBE_TIMEOUT_S", 0.5)
+  datasets.import_tfds("svhn_cropped")  # TensorFlow's import is not the download's time
+  start = time.monotonic()
+  try:
+    with pytest.raises(DatasetUnavailableError) as err:
+      datasets.load_arrays(parse_dataset("svhn_cropped"), "test", str(tmp_path), download=True)
+  finally:
+    released.set()
+  assert time.monotonic() - start < 10
+  message = str(err.value)
+  why = "no answer within 0.5 s" if network == "hangs" else "network blocked"
+  assert "\n" not in message and "'svhn_cropped'" in message and why in message
+  assert all(part in message for part in ("ufldl.stanford.edu:80", "input.download",
+                                          "--config.input.data_dir=<dir>", "npz:<dir>"))
+  assert not list(tmp_path.iterdir())  # no incomplete.* nor downloads/ in the data_dir
 
 
 def test_missing_npz_file_is_named(tmp_path):

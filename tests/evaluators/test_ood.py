@@ -54,3 +54,14 @@ def test_ood_sets_of_another_shape_or_unknown_are_clear_errors(run, tmp_path):
   assert ood.resolve_ood_datasets("cifar100", ("corruptions",))[0] == (
       "cifar100_corrupted/gaussian_noise_5")
   assert len(ood.resolve_ood_datasets("cifar10", ("corruptions", "npz:/x"))) == 16
+
+
+def test_a_missing_ood_set_fails_before_the_in_distribution_pass(run, tmp_path, monkeypatch):
+  from smoothing_jax.data import DatasetUnavailableError
+
+  def computed(*args, **kwargs):
+    raise AssertionError("the in-distribution pass ran before the OOD sets were checked")
+
+  monkeypatch.setattr(ood, "predictive", computed)
+  with pytest.raises(DatasetUnavailableError, match="missing/test.npz does not exist"):
+    ood.evaluate(run, tmp_path, datasets=(f"npz:{tmp_path / 'missing'}",))

@@ -1,10 +1,14 @@
 """smoothing_jax.experiment.config: one load for every caller — a config file by path with its
 arguments, then overrides of existing keys only, with values of their type."""
 import pathlib
+import re
 
 import pytest
 
 from smoothing_jax.experiment.config import check_key, load, with_overrides
+from smoothing_jax.experiment.config_base import with_model
+from smoothing_jax.models import model_options
+from tests.helpers import absl_info_lines
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -36,3 +40,30 @@ def test_overrides_set_existing_keys_and_name_unknown_ones(monkeypatch):
   check_key(config, "input.randaugment.num_layers")
   with pytest.raises(ValueError, match="'configs/nope.py' is not a config file"):
     load("configs/nope.py:runlocal")
+
+
+def test_a_moved_key_names_its_new_place(monkeypatch):
+  monkeypatch.chdir(ROOT)
+  config = load("configs/quickstart.py")
+  for old, new in (("dataset", "input.dataset"), ("ensemble_members", "deep_ensemble.members"),
+                   ("randaugment.num_layers", "input.randaugment.num_layers")):
+    with pytest.raises(ValueError, match=re.escape(
+        f"Override {old!r}: unknown config key {old!r} (moved to {new!r}).")):
+      with_overrides(config, {old: 1})
+
+
+def test_another_model_brings_its_options_and_keeps_the_set_ones_it_takes(monkeypatch):
+  monkeypatch.chdir(ROOT)
+  config = load("configs/quickstart.py", {"model_kwargs.groups": 2})  # a ResNet-only option
+  with absl_info_lines() as lines:
+    switched = with_model(config, "wideresnet_ibnn_28_10")
+  assert set(switched.model_kwargs) == set(model_options("wideresnet_ibnn_28_10"))
+  assert (switched.model_kwargs.width, switched.model_kwargs.depth) == (16, None)  # width kept
+  assert lines == ["Model wideresnet_ibnn_28_10 takes no option groups=2 of "
+                   "resnet_mcdo_smoothing_18: dropped from model_kwargs."]
+  assert with_overrides(switched, {"model_kwargs.depth": 10}).model_kwargs.depth == 10
+  assert config.model == "resnet_mcdo_smoothing_18" and "depth" not in config.model_kwargs
+  with pytest.raises(AttributeError):  # locked as the config was
+    switched.not_a_key = 1
+  with pytest.raises(ValueError, match="Unknown model name 'wideresnet_ibnn_28_1'"):
+    with_model(config, "wideresnet_ibnn_28_1")

@@ -9,6 +9,7 @@ import pytest
 from smoothing_jax.evaluators.common import write_table
 from smoothing_jax.evaluators.corruptions import read_corruption_table
 from smoothing_jax.experiment import workdir as workdir_lib
+from smoothing_jax.experiment.config import MOVED_KEYS
 from smoothing_jax.experiment.spec import ModelSpec
 from tests.helpers import small_npz_config
 
@@ -90,12 +91,11 @@ def test_config_json_of_0_1_0_reads_in_todays_layout(tmp_path):
   old = json.load(open(FIXTURE_0_1_0))
   (tmp_path / workdir_lib.CONFIG_FILE).write_text(json.dumps(old))
   config, spec = workdir_lib.read_config(str(tmp_path))
-  assert set(workdir_lib.MOVED_KEYS) == {"dataset", "data_dir", "download", "data_pipeline",
-                                         "batch_size", "crop_size", "randaugment",
-                                         "train_fraction", "holdout_fraction", "data_split_seed",
-                                         "eval_cache", "ensemble_members",
-                                         "ensemble_shared_batches", "ensemble_vmap_size"}
-  for old_key, new_key in workdir_lib.MOVED_KEYS.items():
+  assert set(MOVED_KEYS) == {"dataset", "data_dir", "download", "data_pipeline", "batch_size",
+                             "crop_size", "randaugment", "train_fraction", "holdout_fraction",
+                             "data_split_seed", "eval_cache", "ensemble_members",
+                             "ensemble_shared_batches", "ensemble_vmap_size"}
+  for old_key, new_key in MOVED_KEYS.items():
     assert old_key not in config, old_key
     value = config[new_key]
     assert (value.to_dict() if hasattr(value, "to_dict") else value) == old[old_key], new_key
@@ -116,3 +116,18 @@ def test_upgrade_record_leaves_a_record_of_today_unchanged():
   record = json.loads(quickstart.get_config().to_json_best_effort())
   record["model_spec"] = SPEC.to_record()
   assert workdir_lib.upgrade_record(record) == record
+
+
+def test_a_damaged_config_json_and_a_workdir_that_is_a_file_are_named(tmp_path):
+  workdir = tmp_path / "run"
+  workdir_lib.write_config(str(workdir), small_npz_config(str(tmp_path / "data")), SPEC)
+  path = workdir / workdir_lib.CONFIG_FILE
+  path.write_text(path.read_text()[:40])  # truncated, as by a full disk or a killed copy
+  with pytest.raises(ValueError) as err:
+    workdir_lib.read_config(str(workdir))
+  assert str(err.value).startswith(f"{path} is damaged (not valid JSON: ")
+  assert "\n" not in str(err.value)
+  workdir_lib.check_directories(str(workdir), str(tmp_path / "new"))  # directories, new or not
+  with pytest.raises(NotADirectoryError, match=re.escape(
+      f"Workdir {path} is a file, not a directory: give a new directory or one that holds a run.")):
+    workdir_lib.check_directories(str(workdir), str(path))

@@ -67,5 +67,7 @@ def test_the_console_keeps_our_info_lines_and_the_warnings_that_say_something():
     assert not shown(std_logging.INFO, orbax, "Saving checkpoint")
     assert shown(std_logging.WARNING, orbax, "Checkpoint step 3 is corrupted")
     assert not shown(std_logging.WARNING, orbax, "Given directory is read only=%s")
+    tfds = os.path.join(os.sep, "site", "tensorflow_datasets", "core", "utils", "file_utils.py")
+    assert not shown(std_logging.WARNING, tfds, "Variant folder %s has no %s")
   finally:
     handler.filters[:] = before
