@@ -226,9 +226,10 @@ def _report_text_docstrings(app, exception):
 # Settings keys (``input.dataset``) and file lists (``ensemble_sizes.{json,csv,png}``) in narrow
 # table cells must wrap, but CSS alone can only break anywhere (``overflow-wrap: anywhere`` gave
 # ``input.d ataset``) or nowhere.  This transform puts a ``<wbr>`` (a break opportunity that is not
-# copied with the text) after every ``.``, ``/`` and ``,`` inside a literal that sits in a table;
+# copied with the text) after every ``.``, ``/`` and ``,`` followed by a letter, ``_``, ``<``,
+# ``{`` or ``*`` (not inside a number: ``0.0``) in a literal that sits in a table;
 # ``_static/custom.css`` keeps every other position unbreakable.
-_BREAK_AFTER = re.compile(r"(?<=[./,])(?=[^./,\s])")
+_BREAK_AFTER = re.compile(r"(?<=[./,])(?=[A-Za-z_<{*])")
 
 
 class _TableLiteralBreaks(SphinxPostTransform):
