@@ -39,12 +39,18 @@ def markdown_code_lines(text: str):
 
 
 def notebook_code_lines(path: pathlib.Path):
-  """(cell index:line number, line) of every line of a notebook's code cells."""
+  """(cell index:line number, line) of every line of a notebook's code cells and of the fenced
+  code blocks of its Markdown cells (its stored sources; outputs are not read)."""
   for index, cell in enumerate(json.loads(path.read_text())["cells"]):
+    source = "".join(cell["source"])
     if cell["cell_type"] == "code":
-      source = "".join(cell["source"])
-      for number, line in enumerate(source.splitlines(), start=1):
-        yield f"cell {index}:{number}", line
+      lines = enumerate(source.splitlines(), start=1)
+    elif cell["cell_type"] == "markdown":
+      lines = markdown_code_lines(source)
+    else:
+      continue
+    for number, line in lines:
+      yield f"cell {index}:{number}", line
 
 
 def _documents():
