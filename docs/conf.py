@@ -226,10 +226,11 @@ def _report_text_docstrings(app, exception):
 # Settings keys (``input.dataset``) and file lists (``ensemble_sizes.{json,csv,png}``) in narrow
 # table cells must wrap, but CSS alone can only break anywhere (``overflow-wrap: anywhere`` gave
 # ``input.d ataset``) or nowhere.  This transform puts a ``<wbr>`` (a break opportunity that is not
-# copied with the text) after every ``.``, ``/`` and ``,`` followed by a letter, ``_``, ``<``,
-# ``{`` or ``*`` (not inside a number: ``0.0``) in a literal that sits in a table;
-# ``_static/custom.css`` keeps every other position unbreakable.
-_BREAK_AFTER = re.compile(r"(?<=[./,])(?=[A-Za-z_<{*])")
+# copied with the text) after every ``.``, ``/`` and ``,`` that follows a letter or digit and
+# precedes a letter, ``_``, ``<``, ``{`` or ``*`` (so not inside a number, ``0.0``, nor after the
+# leading dot of ``.vmap_size``) in a literal that sits in a table; ``_static/custom.css`` keeps
+# every other position unbreakable.
+_BREAK_AFTER = re.compile(r"(?<=\w[./,])(?=[A-Za-z_<{*])")
 
 
 class _TableLiteralBreaks(SphinxPostTransform):
