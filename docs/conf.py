@@ -24,6 +24,7 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 from docutils import nodes as _nodes
 from docutils.core import publish_doctree as _publish_doctree
+from sphinx.transforms.post_transforms import SphinxPostTransform
 
 DOCS = pathlib.Path(__file__).resolve().parent
 REPO = DOCS.parent
@@ -220,10 +221,42 @@ def _report_text_docstrings(app, exception):
     print(f"Docstrings shown as literal text (not valid reStructuredText): {', '.join(names)}")
 
 
+# -- Inline code in tables breaks at dots, never inside a word ------------------------------------
+#
+# Settings keys (``input.dataset``) and file lists (``ensemble_sizes.{json,csv,png}``) in narrow
+# table cells must wrap, but CSS alone can only break anywhere (``overflow-wrap: anywhere`` gave
+# ``input.d ataset``) or nowhere.  This transform puts a ``<wbr>`` (a break opportunity that is not
+# copied with the text) after every ``.``, ``/`` and ``,`` that follows a letter or digit and
+# precedes a letter, ``_``, ``<``, ``{`` or ``*`` (so not inside a number, ``0.0``, nor after the
+# leading dot of ``.vmap_size``) in a literal that sits in a table; ``_static/custom.css`` keeps
+# every other position unbreakable.
+_BREAK_AFTER = re.compile(r"(?<=\w[./,])(?=[A-Za-z_<{*])")
+
+
+class _TableLiteralBreaks(SphinxPostTransform):
+  default_priority = 900
+  formats = ("html",)
+
+  def run(self, **kwargs):
+    for table in self.document.findall(_nodes.table):
+      for literal in list(table.findall(_nodes.literal)):
+        for text in list(literal.findall(_nodes.Text)):
+          pieces = _BREAK_AFTER.split(str(text))
+          if len(pieces) == 1:
+            continue
+          new = []
+          for i, piece in enumerate(pieces):
+            if i:
+              new.append(_nodes.raw("", "<wbr>", format="html"))
+            new.append(_nodes.Text(piece))
+          text.parent.replace(text, new)
+
+
 def setup(app):
   # After napoleon (priority 500), which turns "Args:" sections into field lists first.
   app.connect("autodoc-process-docstring", _process_docstring, priority=600)
   app.connect("build-finished", _report_text_docstrings)
+  app.add_post_transform(_TableLiteralBreaks)
 
 
 # -- HTML --------------------------------------------------------------------------------------
