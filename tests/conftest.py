@@ -78,13 +78,16 @@ pytest_plugins = ("tests.worker_stderr",)
 MAX_MAPS_SHARE = 0.5
 
 
-@pytest.fixture(autouse=True)
-def _download_hosts_answer(monkeypatch):
+@pytest.fixture(scope="session", autouse=True)
+def _download_hosts_answer():
   """No test reaches the network: TFDS download hosts count as answering, so that a download
-  under ``tfds.testing.mock_data`` (a no-op there) proceeds offline as online.  The offline test
-  of ``tests/data/test_datasets.py`` probes a blocked network with the real probe."""
+  under ``tfds.testing.mock_data`` (a no-op there) proceeds offline as online.  For the whole
+  session, so that module and session fixtures that train under mock data see it too.  The
+  offline test of ``tests/data/test_datasets.py`` probes a blocked network with the real probe."""
   from smoothing_jax.data import datasets
-  monkeypatch.setattr(datasets, "unreachable_download_host", lambda urls: None)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(datasets, "unreachable_download_host", lambda urls: None)
+    yield
 
 
 @pytest.fixture(scope="module", autouse=True)

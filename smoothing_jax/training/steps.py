@@ -53,8 +53,11 @@ def init_train_state(model, tx, image_shape, rng) -> TrainState:
   """The train state of ``model`` initialised from ``rng`` (pure: under ``jit``, or ``vmap`` over
   keys for the members of an ensemble)."""
   variables = model.init({"params": rng, **sample_rngs(rng)}, jnp.zeros((1,) + tuple(image_shape)))
-  return TrainState.create(apply_fn=model.apply, params=variables["params"],
-                           batch_stats=variables.get("batch_stats", {}), tx=tx)
+  state = TrainState.create(apply_fn=model.apply, params=variables["params"],
+                            batch_stats=variables.get("batch_stats", {}), tx=tx)
+  # A strong int32 step, as a restored checkpoint's: TrainState.create's Python 0 is weakly typed,
+  # and a resumed run would compile its train step again for the other type.
+  return state.replace(step=jnp.asarray(0, jnp.int32))
 
 
 def split_micro_batches(batch, num_micro_batches: int):

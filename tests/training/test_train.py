@@ -11,7 +11,7 @@ import pytest
 from smoothing_jax.experiment.checkpoints import load_variables
 from smoothing_jax.parallel import create_mesh
 from smoothing_jax.training import train
-from tests.helpers import model_options, override, tiny_config
+from tests.helpers import tiny_config
 
 tfds = pytest.importorskip("tensorflow_datasets")  # CIFAR-10 under TFDS mock data
 
@@ -138,24 +138,33 @@ def test_sigterm_and_sigkill_then_rerun_is_bit_identical(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, stopped, full)
 
 
-def test_vit_recipe_resume_is_bit_identical(tmp_path):
-  """RandAugment (tf.data), Mixup/CutMix (in the step), stochastic depth and AdamW all resume
-  exactly."""
-  from configs import cifar_vit
-  config = override(cifar_vit.get_config("vit_ti,cifar10,runlocal"),
-                    **model_options(hidden_dim=8, depth=1, num_heads=1, head_dim=8, mlp_dim=8,
-                                    patch_size=8),
-                    **{"input.batch_size": 8},
-                    num_train_steps=4,
-                    checkpoint_every_steps=2,
-                    ensemble_sizes=(1,),
-                    num_devices=1)
-  with tfds.testing.mock_data(num_examples=16):
-    full = train.train_and_evaluate(config, str(tmp_path / "full"))
-    train.train_and_evaluate(config, str(tmp_path / "cut"), stop_after_steps=2)
-    resumed = train.train_and_evaluate(config, str(tmp_path / "cut"))
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params),
-               jax.device_get(full.params))
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.opt_state),
-               jax.device_get(full.opt_state))
+def _whole_checkpoint(workdir):
+  """``(step, tree)`` of the newest checkpoint of ``workdir``, all of it (parameters, statistics,
+  optimiser state, step), as orbax restores it with no target."""
+  from smoothing_jax.experiment.checkpoints import abstract_tree, checkpoint_manager, restore_latest
+  from smoothing_jax.parallel import shardings
+  replicated, _ = shardings(create_mesh())
+  with checkpoint_manager(workdir, read_only=True) as manager:
+    return restore_latest(
+        manager, lambda step: abstract_tree(manager.item_metadata(step).tree, replicated))
+
+
+def test_vit_recipe_resume_is_bit_identical(msa_workdirs, tmp_path):
+  """RandAugment (on the devices), Mixup/CutMix (in the step), stochastic depth, label smoothing,
+  clipping and AdamW all resume exactly: the AlterNet of ``msa_workdirs`` (the full ViT recipe,
+  4 steps) trained again from its recorded config, stopped after step 2 and resumed, ends with
+  the same checkpoint.  (Its programs are the fixture's, read from the compilation cache.)"""
+  from smoothing_jax.experiment.workdir import read_config
+  full = msa_workdirs["AlterNet"]
+  config, _ = read_config(full)
+  assert config.mixup_alpha > 0 and config.input.randaugment.num_layers > 0
+  assert config.model_kwargs.stochastic_depth > 0
+  cut = str(tmp_path / "cut")
+  train.train_and_evaluate(config, cut, stop_after_steps=2)
+  assert sorted(os.listdir(os.path.join(cut, "checkpoints"))) == ["2"]
+  resumed = train.train_and_evaluate(config, cut)
   assert int(resumed.step) == 4
+  (step_full, whole_full), (step_cut, whole_cut) = map(_whole_checkpoint, (full, cut))
+  assert step_full == step_cut == 4
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(whole_cut),
+               jax.device_get(whole_full))
