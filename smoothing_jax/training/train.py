@@ -14,6 +14,7 @@ rules, the train state and step) the run's method says (``smoothing_jax.methods`
 """
 from __future__ import annotations
 
+import signal
 from collections.abc import Sequence
 
 import jax
@@ -216,9 +217,10 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
     writer.close()
   run.variables, run.step = variables_of(state), int(state.step)
   if stopped_by:
-    reason = "after SIGTERM" if preemption in stopped_by else "at a callback's request"
+    signum = preemption.signum if preemption in stopped_by else None
+    reason = f"after {signal.Signals(signum).name}" if signum else "at a callback's request"
     raise Preempted(f"Stopped at step {step} {reason} (checkpoint saved in {checkpoint_dir}); "
-                    "rerun the same command to resume.")
+                    "rerun the same command to resume.", signum)
   return state
 
 
