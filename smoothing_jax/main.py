@@ -43,7 +43,7 @@ from smoothing_jax.experiment import checkpoints  # noqa: E402
 from smoothing_jax.experiment import config as config_lib  # noqa: E402
 from smoothing_jax.experiment import workdir as workdir_lib  # noqa: E402
 from smoothing_jax.experiment.config_base import with_model  # noqa: E402
-from smoothing_jax.experiment.run import RECORDED_KEYS, Run  # noqa: E402
+from smoothing_jax.experiment.run import RECORDED_KEYS, Run, check_config  # noqa: E402
 from smoothing_jax.experiment.workdir_lock import lock_workdir  # noqa: E402
 from smoothing_jax.training.callbacks import Preempted  # noqa: E402
 from smoothing_jax.training.train import train  # noqa: E402
@@ -304,6 +304,8 @@ def run(config, workdir: str, mode: str = "train", *, evaluated_workdir=None, re
   names = evaluators.names_after_training(config) if mode == "train" else (mode,)
   for name in (n for alias in names for n in evaluators.expand(alias)):
     evaluators.options_of(config, name)  # a bad option fails before anything runs
+  if mode == "train":  # a refused config leaves no workdir, lock or TensorBoard file behind
+    check_config(config)
   if multihost:
     initialize_multihost(coordinator_address, num_processes, process_id)
   results_dir = workdir_lib.workdir_path(results_dir or workdir_lib.workdir_path(workdir) /

@@ -27,7 +27,7 @@ from absl import logging
 from smoothing_jax.experiment import init_from
 from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.experiment.checkpoints import load_variables, set_aside_newer_steps
-from smoothing_jax.experiment.run import Run
+from smoothing_jax.experiment.run import Run, check_config
 from smoothing_jax.experiment.workdir_lock import lock_workdir
 from smoothing_jax.methods.losses import class_weights
 from smoothing_jax.parallel import DispatchWindow, evaluate_batches, prefetch_to_devices, shardings
@@ -99,10 +99,9 @@ def train(run: Run, *, stop_after_steps: int | None = None,
 
 def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Callback]
            ) -> TrainState:
+  # Everything that can refuse the run comes before the first file written (the checkpoint
+  # directory, config.json, the TensorBoard file): a refused run leaves its workdir as it was.
   config, pipeline, mesh = run.config, run.pipeline, run.mesh
-  workdir_lib.workdir_path(run.workdir).mkdir(parents=True, exist_ok=True)
-  writer = MetricWriter(  # other processes log only
-      str(workdir_lib.workdir_path(run.workdir)) if jax.process_index() == 0 else None)
   replicated, data_sharding = shardings(mesh)
   batch_sharding = train_batch_sharding(config, mesh)
 
@@ -143,6 +142,8 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
                                               config.grad_accum_steps, batch_sharding, pipeline,
                                               pipelines)
 
+  writer = MetricWriter(  # other processes log only
+      str(workdir_lib.workdir_path(run.workdir)) if jax.process_index() == 0 else None)
   report_progress = ProgressReporter(num_steps, writer)
   eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))
   stop_at = num_steps if stop_after_steps is None else min(num_steps, start_step + stop_after_steps)
@@ -228,5 +229,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        stop_after_steps: int | None = None) -> TrainState:
   """:func:`train` of ``Run.from_config(config, workdir)`` (the evaluators then run on
   ``Run.from_workdir(workdir)``, or ``main`` passes them the same run)."""
+  check_config(config)  # a refused config leaves no workdir behind
   with lock_workdir(workdir), Run.from_config(config, workdir) as run:
     return train(run, stop_after_steps=stop_after_steps)
