@@ -143,7 +143,8 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
                                               pipelines)
 
   writer = MetricWriter(  # other processes log only
-      str(workdir_lib.workdir_path(run.workdir)) if jax.process_index() == 0 else None)
+      str(workdir_lib.workdir_path(run.workdir)) if jax.process_index() == 0 else None,
+      num_steps)
   report_progress = ProgressReporter(num_steps, writer)
   eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))
   stop_at = num_steps if stop_after_steps is None else min(num_steps, start_step + stop_after_steps)
