@@ -29,6 +29,7 @@ evaluator writes its tables and figures and says what to print.
 import ast
 import os
 import re
+import signal
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -42,8 +43,9 @@ from smoothing_jax.experiment import checkpoints  # noqa: E402
 from smoothing_jax.experiment import config as config_lib  # noqa: E402
 from smoothing_jax.experiment import workdir as workdir_lib  # noqa: E402
 from smoothing_jax.experiment.config_base import with_model  # noqa: E402
-from smoothing_jax.experiment.run import RECORDED_KEYS, Run  # noqa: E402
+from smoothing_jax.experiment.run import RECORDED_KEYS, Run, check_config  # noqa: E402
 from smoothing_jax.experiment.workdir_lock import lock_workdir  # noqa: E402
+from smoothing_jax.training.callbacks import Preempted  # noqa: E402
 from smoothing_jax.training.train import train  # noqa: E402
 from smoothing_jax.training.writers import show_only_our_info_lines  # noqa: E402
 
@@ -220,9 +222,18 @@ def shorthand_options(mode: str, ensemble_workdirs=(), baseline_csv=None, num_sa
   return out
 
 
+def _exit_at_once(signum, frame):
+  """Ctrl-C outside the training loop, or a second one inside it: one line, exit 130 (128 +
+  SIGINT) at once.  Training's first Ctrl-C saves a checkpoint instead (``Preemption``)."""
+  print("smoothing_jax.main: stopped at once by SIGINT (checkpoints saved before are kept; "
+        "rerun the same command to resume).", file=sys.stderr, flush=True)
+  os._exit(128 + signal.SIGINT)  # no cleanup to wait for: the kernel drops the workdir lock
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  signal.signal(signal.SIGINT, _exit_at_once)  # no KeyboardInterrupt traceback
   if FLAGS.verbosity < 1:  # --verbosity=1 shows every library's INFO lines too
     show_only_our_info_lines()
   evaluated = FLAGS.ensemble_workdirs[0] if FLAGS.ensemble_workdirs else FLAGS.workdir
@@ -240,6 +251,9 @@ def main(argv):
         process_id=FLAGS.process_id)
   except USER_ERRORS as e:
     _fail(e, 1)
+  except Preempted as stopped:  # after its checkpoint: the line that says how to resume
+    print(stopped, file=sys.stderr)
+    sys.exit(stopped.exit_status)
 
 
 def _fail(error: Exception, status: int):
@@ -290,6 +304,8 @@ def run(config, workdir: str, mode: str = "train", *, evaluated_workdir=None, re
   names = evaluators.names_after_training(config) if mode == "train" else (mode,)
   for name in (n for alias in names for n in evaluators.expand(alias)):
     evaluators.options_of(config, name)  # a bad option fails before anything runs
+  if mode == "train":  # a refused config leaves no workdir, lock or TensorBoard file behind
+    check_config(config)
   if multihost:
     initialize_multihost(coordinator_address, num_processes, process_id)
   results_dir = workdir_lib.workdir_path(results_dir or workdir_lib.workdir_path(workdir) /

@@ -54,10 +54,12 @@ def cli_results(tmp_path_factory, analysis_workdirs):
     for split in ("train", "test"):
       np.savez(directory / f"{split}.npz", images=rng.integers(0, 255, (8, 8, 8, 3)).astype(dtype),
                labels=rng.integers(0, 2, 8))
-  workdir = str(root / "workdir")
   damaged = root / "damaged"  # a recorded run whose config.json was cut short
   shutil.copytree(analysis_workdirs["MC dropout"], damaged)
   (damaged / "config.json").write_text((damaged / "config.json").read_text()[:60])
+  existing = root / "existing"  # a workdir with files of its own, which a refusal leaves as it was
+  existing.mkdir()
+  (existing / "notes.txt").write_text("mine")
   cases = {
       "config argument typo":
           (["--config=configs/cifar_resnet.py:resnet_dnn_18,cifar10,runlokal"], {}),
@@ -68,6 +70,12 @@ def cli_results(tmp_path_factory, analysis_workdirs):
           (["--config=configs/quickstart.py", f"--config.input.dataset=npz:{floats}"], {}),
       "unknown model":
           ([f"--config=configs/cifar_resnet.py:resnet_dnn_18x,npz:{good},runlocal"], {}),
+      "unknown model in an existing workdir": ([
+          f"--config=configs/cifar_resnet.py:resnet_dnn_18x,npz:{good},runlocal",
+          f"--workdir={existing}"
+      ], {}),
+      "no deep-ensemble members":
+          (["--config=configs/quickstart.py", "--config.deep_ensemble.members=0"], {}),
       "model/dataset mismatch": ([
           f"--config=configs/camvid_unet.py:unet_dnn,npz:{good},runlocal", "--config.num_devices=1"
       ], {}),
@@ -98,9 +106,11 @@ def cli_results(tmp_path_factory, analysis_workdirs):
               "SMOOTHING_JAX_TRACEBACK": "1"
           }),
   }
-  given = {case: any(a.startswith("--workdir") for a in argv) for case, (argv, _) in cases.items()}
-  payload = json.dumps([(argv + [f"--workdir={workdir}"] * (not given[case]), env)
-                        for case, (argv, env) in cases.items()])
+  # A workdir of its own for each case that names none, to see what each leaves behind.
+  workdirs = {case: str(root / "workdirs" / str(i)) for i, (case, (argv, _)) in
+              enumerate(cases.items()) if not any(a.startswith("--workdir") for a in argv)}
+  payload = json.dumps([(argv + ([f"--workdir={workdirs[case]}"] if case in workdirs else []),
+                         env) for case, (argv, env) in cases.items()])
   env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3")
   out = subprocess.run([sys.executable, "-c", DRIVER, payload],
                        cwd=ROOT,
@@ -111,7 +121,9 @@ def cli_results(tmp_path_factory, analysis_workdirs):
   line = [x for x in out.stdout.splitlines() if x.startswith("RESULTS")]
   assert line, out.stdout[-2000:] + out.stderr[-2000:]
   results = dict(zip(cases, json.loads(line[0][len("RESULTS"):]), strict=True))
-  results["trained"], results["elsewhere"] = trained, elsewhere
+  for case, workdir in workdirs.items():
+    results[case]["workdir"] = workdir
+  results["trained"], results["elsewhere"], results["existing"] = trained, elsewhere, existing
   return results
 
 
@@ -121,6 +133,8 @@ def cli_results(tmp_path_factory, analysis_workdirs):
     ("missing dataset", 1, "/missing/train.npz does not exist"),
     ("wrong dtype", 1, "'images' must be uint8 [N,H,W,3], got float32"),
     ("unknown model", 1, "Unknown model name 'resnet_dnn_18x'"),
+    ("unknown model in an existing workdir", 1, "Unknown model name 'resnet_dnn_18x'"),
+    ("no deep-ensemble members", 1, "deep_ensemble.members must be an integer >= 1, got 0"),
     ("model/dataset mismatch", 1, "does not fit dataset"),
     ("missing checkpoint", 1, "No run in"),
     ("training needs a config", 2, "Training needs --config=<file>.py[:<args>]"),
@@ -141,6 +155,11 @@ def test_user_errors_print_one_line(cli_results, case, code, expected):
   assert result["code"] == code, result
   assert len(errors) == 1 and expected in errors[0], result["stderr"][-3000:]
   assert "Traceback" not in result["stderr"]
+  # Nothing left behind: no workdir, lock or TensorBoard file (an existing workdir unchanged).
+  if case == "unknown model in an existing workdir":
+    assert os.listdir(cli_results["existing"]) == ["notes.txt"]
+  elif "workdir" in result:
+    assert not os.path.exists(result["workdir"]), os.listdir(result["workdir"])
 
 
 def test_evaluation_reads_the_recorded_config_and_applies_overrides_on_top(cli_results):

@@ -103,6 +103,17 @@ def _unit_pixels(images):
   return xp.asarray(images, xp.float32) / 255.0 if integer else xp.asarray(images, xp.float32)
 
 
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Refuse, before any data is read or file written, what ``config`` can be refused for
+  without its data: the model's name and options (``get_model``) and its method's settings
+  (``methods.resolve``; e.g. ``deep_ensemble.members=0``).  The data decides only the class count
+  and stem geometry, which change neither the method nor its refusals, so a stand-in spec
+  builds the model here; training builds the real one from the data."""
+  stand_in = ModelSpec(num_classes=config.num_classes if config.num_classes > 0 else 2,
+                       stem="cifar", image_shape=(32, 32, 3))
+  resolve(config, build_model(config, stand_in))
+
+
 def _mean_probs(method: Method, variables, batch, rng):
   """``[B, C]`` mean predictive of ``method`` on one batch of normalised images
   (``Run.predict``)."""

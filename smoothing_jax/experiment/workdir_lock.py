@@ -84,6 +84,16 @@ def _parse(text: str) -> dict | None:
   return record if isinstance(record, dict) else None
 
 
+def _missing_folders(folder: str) -> list[str]:
+  """``folder`` and its ancestors that do not exist yet, deepest first."""
+  missing = []
+  folder = os.path.abspath(folder)
+  while not os.path.exists(folder):
+    missing.append(folder)
+    folder = os.path.dirname(folder)
+  return missing
+
+
 class WorkdirLock:
   """The exclusive right to write ``workdir`` (see the module docstring); ``acquire`` raises
   :class:`WorkdirLockedError` naming the holder.  ``lease=None`` chooses by path: a lease for
@@ -101,6 +111,7 @@ class WorkdirLock:
     self._stop = threading.Event()
     self._heartbeat: threading.Thread | None = None
     self._lost: dict | None = None
+    self._created: list[str] = []  # the local folders acquire made, deepest first
 
   def _refuse(self, holder: dict | None) -> WorkdirLockedError:
     return WorkdirLockedError(
@@ -115,7 +126,11 @@ class WorkdirLock:
   def _acquire_flock(self) -> None:
     path = os.fspath(self.path)
     while True:
-      fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+      except FileNotFoundError:  # removed by a refused run that had made it (``release``)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        continue
       try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
       except BlockingIOError:
@@ -200,6 +215,8 @@ class WorkdirLock:
       self._write_lease(since)
 
   def acquire(self) -> WorkdirLock:
+    if not self.lease:
+      self._created = _missing_folders(os.fspath(self.path.parent))
     self.path.parent.mkdir(parents=True, exist_ok=True)
     if self.lease:
       self._acquire_lease()
@@ -220,6 +237,14 @@ class WorkdirLock:
         os.unlink(os.fspath(self.path))  # while still holding it: see _acquire_flock
       os.close(self._fd)
       self._fd = None
+      # A run refused before it wrote anything leaves no empty workdir behind (the folders its
+      # lock made, deepest first, while they stay empty).
+      for folder in self._created:
+        try:
+          os.rmdir(folder)
+        except OSError:  # another run's files, or its lock, are in there now
+          break
+      self._created = []
     if self._token is not None:
       self._stop.set()
       if self._heartbeat is not None:

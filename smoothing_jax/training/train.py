@@ -14,6 +14,7 @@ rules, the train state and step) the run's method says (``smoothing_jax.methods`
 """
 from __future__ import annotations
 
+import signal
 from collections.abc import Sequence
 
 import jax
@@ -26,7 +27,7 @@ from absl import logging
 from smoothing_jax.experiment import init_from
 from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.experiment.checkpoints import load_variables, set_aside_newer_steps
-from smoothing_jax.experiment.run import Run
+from smoothing_jax.experiment.run import Run, check_config
 from smoothing_jax.experiment.workdir_lock import lock_workdir
 from smoothing_jax.methods.losses import class_weights
 from smoothing_jax.parallel import DispatchWindow, evaluate_batches, prefetch_to_devices, shardings
@@ -98,10 +99,9 @@ def train(run: Run, *, stop_after_steps: int | None = None,
 
 def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Callback]
            ) -> TrainState:
+  # Everything that can refuse the run comes before the first file written (the checkpoint
+  # directory, config.json, the TensorBoard file): a refused run leaves its workdir as it was.
   config, pipeline, mesh = run.config, run.pipeline, run.mesh
-  workdir_lib.workdir_path(run.workdir).mkdir(parents=True, exist_ok=True)
-  writer = MetricWriter(  # other processes log only
-      str(workdir_lib.workdir_path(run.workdir)) if jax.process_index() == 0 else None)
   replicated, data_sharding = shardings(mesh)
   batch_sharding = train_batch_sharding(config, mesh)
 
@@ -142,6 +142,9 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
                                               config.grad_accum_steps, batch_sharding, pipeline,
                                               pipelines)
 
+  writer = MetricWriter(  # other processes log only
+      str(workdir_lib.workdir_path(run.workdir)) if jax.process_index() == 0 else None,
+      num_steps)
   report_progress = ProgressReporter(num_steps, writer)
   eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))
   stop_at = num_steps if stop_after_steps is None else min(num_steps, start_step + stop_after_steps)
@@ -216,9 +219,10 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
     writer.close()
   run.variables, run.step = variables_of(state), int(state.step)
   if stopped_by:
-    reason = "after SIGTERM" if preemption in stopped_by else "at a callback's request"
+    signum = preemption.signum if preemption in stopped_by else None
+    reason = f"after {signal.Signals(signum).name}" if signum else "at a callback's request"
     raise Preempted(f"Stopped at step {step} {reason} (checkpoint saved in {checkpoint_dir}); "
-                    "rerun the same command to resume.")
+                    "rerun the same command to resume.", signum)
   return state
 
 
@@ -226,5 +230,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        stop_after_steps: int | None = None) -> TrainState:
   """:func:`train` of ``Run.from_config(config, workdir)`` (the evaluators then run on
   ``Run.from_workdir(workdir)``, or ``main`` passes them the same run)."""
+  check_config(config)  # a refused config leaves no workdir behind
   with lock_workdir(workdir), Run.from_config(config, workdir) as run:
     return train(run, stop_after_steps=stop_after_steps)

@@ -1,8 +1,9 @@
 """Training metrics on the console and in TensorBoard, and progress lines, without TensorFlow.
 
-:class:`MetricWriter` logs ``[step] name=value`` lines and appends the scalars to a TensorBoard
-event file in the workdir; :class:`ProgressReporter` logs steps/s, the share of time spent in
-timed sections (evaluation) and the time left.
+:class:`MetricWriter` logs ``[step/total] name=value`` lines and appends the scalars to a
+TensorBoard event file in the workdir; :class:`ProgressReporter` logs step/total, steps/s, the
+share of time spent in timed sections (evaluation) and the time left, every tenth of the run or
+30 s, whichever comes first.
 
 Why not clu's writers: importing ``clu.metric_writers`` (and ``clu.periodic_actions``, which
 imports it) imports TensorFlow for its ``tf.summary`` writer, and the accelerator images have no
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging as std_logging
+import math
 import os
 import socket
 import time
@@ -24,10 +26,12 @@ from etils import epath
 
 
 class MetricWriter:
-  """Scalars to the log and, with a ``logdir``, to ``<logdir>/events.out.tfevents.*``."""
+  """Scalars to the log (``[step/total] name=value``; ``[step]`` without ``num_steps``) and,
+  with a ``logdir``, to ``<logdir>/events.out.tfevents.*``."""
 
-  def __init__(self, logdir: str | None = None):
+  def __init__(self, logdir: str | None = None, num_steps: int | None = None):
     self._records = None
+    self._of_total = "" if num_steps is None else f"/{num_steps}"
     if logdir is not None:
       from tensorboard.compat.proto import event_pb2
       from tensorboard.summary.writer.record_writer import RecordWriter
@@ -43,7 +47,8 @@ class MetricWriter:
 
   def write_scalars(self, step: int, scalars: Mapping[str, float]):
     """Log ``scalars`` at ``step`` and add them to the event file."""
-    logging.info("[%d] %s", step, ", ".join(f"{k}={float(v):.6g}" for k, v in scalars.items()))
+    logging.info("[%d%s] %s", step, self._of_total,
+                 ", ".join(f"{k}={float(v):.6g}" for k, v in scalars.items()))
     if self._records is None:
       return
     from tensorboard.compat.proto import summary_pb2
@@ -61,32 +66,48 @@ class MetricWriter:
       self._records = None
 
 
-class ProgressReporter:
-  """Every ``every_secs`` seconds (and at the last step): steps/s since the last report, the
-  share of that time spent in :meth:`timed` sections, and the estimated time left, as a log
-  line and as the scalars ``steps_per_sec`` and ``<section>_fraction``."""
+def _duration(seconds: float) -> str:
+  """``42 s``, ``3 min 05 s``, ``2 h 07 min``."""
+  seconds = int(round(seconds))
+  if seconds < 60:
+    return f"{seconds} s"
+  if seconds < 3600:
+    return f"{seconds // 60} min {seconds % 60:02d} s"
+  return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
-  def __init__(self, num_train_steps: int, writer: MetricWriter, every_secs: float = 60.0):
+
+class ProgressReporter:
+  """Progress lines of a run of ``num_train_steps``: one once the first step is compiled, then
+  one every ``every_fraction`` of the run or every ``every_secs`` seconds, whichever comes first,
+  and one at the last step.  Each says step/total, steps/s since the previous line, the share of
+  that time spent in :meth:`timed` sections (evaluation) and the time left at that rate, and
+  writes the scalars ``steps_per_sec`` and ``<section>_fraction``."""
+
+  def __init__(self, num_train_steps: int, writer: MetricWriter, every_secs: float = 30.0,
+               every_fraction: float = 0.1):
     self.num_train_steps, self.writer, self.every_secs = num_train_steps, writer, every_secs
+    self.every_steps = max(1, math.ceil(num_train_steps * every_fraction))
+    self._started = time.monotonic()
     self._last_time, self._last_step = None, None
     self._sections: dict = {}
 
   def __call__(self, step: int):
     now = time.monotonic()
-    if self._last_time is None:  # the first step includes compilation: measure from after it
-      self._last_time, self._last_step = now, step
+    if self._last_time is None:  # the first step's time is mostly compilation: no rate from it
+      logging.info("Step %d/%d: first step compiled in %s; steps/s and time left follow.",
+                   step, self.num_train_steps, _duration(now - self._started))
+      self._last_time, self._last_step, self._sections = now, step, {}
       return
-    if now - self._last_time < self.every_secs and step != self.num_train_steps:
-      return
+    due = (step % self.every_steps == 0 or now - self._last_time >= self.every_secs
+           or step == self.num_train_steps)
     elapsed, steps = now - self._last_time, step - self._last_step
-    if steps <= 0:
+    if not due or steps <= 0 or elapsed <= 0:
       return
     rate = steps / elapsed
     fractions = {f"{name}_fraction": seconds / elapsed for name, seconds in self._sections.items()}
-    left = (self.num_train_steps - step) / rate
-    logging.info("Step %d/%d: %.3g steps/s, %s, %d min %02d s left.", step, self.num_train_steps,
-                 rate, ", ".join(f"{k} {v:.0%}" for k, v in fractions.items()) or "no evaluation",
-                 left // 60, left % 60)
+    logging.info("Step %d/%d: %.3g steps/s, %s, %s left.", step, self.num_train_steps, rate,
+                 ", ".join(f"{k.removesuffix('_fraction')} {v:.0%}" for k, v in fractions.items())
+                 or "no evaluation", _duration((self.num_train_steps - step) / rate))
     self.writer.write_scalars(step, {"steps_per_sec": rate, **fractions})
     self._last_time, self._last_step, self._sections = now, step, {}
 

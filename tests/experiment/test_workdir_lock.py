@@ -166,6 +166,19 @@ def test_the_lock_is_reentrant_within_a_process_and_released_by_the_outermost(tm
   WorkdirLock(tmp_path).acquire().release()
 
 
+def test_a_run_refused_before_writing_leaves_no_folder_its_lock_made(tmp_path):
+  made = tmp_path / "new" / "run"
+  with lock_workdir(made):
+    assert made.is_dir()
+  assert not (tmp_path / "new").exists()  # the folders the lock made, left empty: removed
+  with lock_workdir(made):
+    (made / "config.json").write_text("{}")
+  assert os.listdir(made) == ["config.json"]  # a folder with the run's files stays
+  with lock_workdir(tmp_path):
+    pass
+  assert tmp_path.is_dir()  # and so does one that was there before
+
+
 def test_a_lease_is_refused_while_renewed_and_taken_over_once_expired(fake_gcs, caplog):
   workdir = "gs://bucket/run"
   stored = fake_gcs / "bucket" / "run" / LOCK_FILE

@@ -1,5 +1,5 @@
 """smoothing_jax.training.train: the loop end to end under mock TFDS data, exact resume (also across
-SIGTERM and SIGKILL), the learning trajectory, and stopping at a non-finite loss."""
+Ctrl-C and SIGKILL), the learning trajectory, and stopping at a non-finite loss."""
 import json
 import os
 import signal
@@ -83,9 +83,12 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(
 
 
 @pytest.mark.slow
-def test_sigterm_and_sigkill_then_rerun_is_bit_identical(tmp_path):
-  """The CLI stopped by SIGTERM (checkpoint, exit) and by SIGKILL (at any moment), each time started
-  again with the same command, ends with the uninterrupted run's parameters."""
+def test_ctrl_c_and_sigkill_then_rerun_is_bit_identical(tmp_path):
+  """The CLI stopped by Ctrl-C (checkpoint, one line, exit 130, no traceback) and by SIGKILL (at
+  any moment), each time started again with the same command, ends with the uninterrupted run's
+  parameters.  SIGTERM takes Ctrl-C's path (test_callbacks.py; on the command line,
+  test_main.py's two processes)."""
+  import re
   import subprocess
   import sys
   import time
@@ -127,8 +130,12 @@ def test_sigterm_and_sigkill_then_rerun_is_bit_identical(tmp_path):
     return victim.returncode, stderr
 
   subprocess.run(command(tmp_path / "full"), check=True, env=env, cwd=root, capture_output=True)
-  code, stderr = start_and_signal(4, signal.SIGTERM)
-  assert code != 0 and "after SIGTERM" in stderr
+  code, stderr = start_and_signal(4, signal.SIGINT)
+  stopped = [line for line in stderr.splitlines() if "Stopped at step" in line]
+  assert code == 130 and "Traceback" not in stderr, stderr[-3000:]
+  assert len(stopped) == 1 and re.fullmatch(
+      r"Stopped at step \d+ after SIGINT \(checkpoint saved in .*\); rerun the same command to "
+      r"resume\.", stopped[0]), stderr[-3000:]
   code, _ = start_and_signal(12, signal.SIGKILL)  # possibly in the middle of writing a checkpoint
   assert code == -signal.SIGKILL
   subprocess.run(command(tmp_path / "stopped"), check=True, env=env, cwd=root, capture_output=True)

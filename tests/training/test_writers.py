@@ -20,8 +20,10 @@ def test_a_writer_without_logdir_only_logs(tmp_path, caplog):
   caplog.set_level("INFO")
   writer = writers.MetricWriter()
   writer.write_scalars(2, {"loss": 0.5})
+  writers.MetricWriter(num_steps=40).write_scalars(3, {"loss": 0.25})
   writer.close()
-  assert "[2] loss=0.5" in caplog.text and not list(tmp_path.iterdir())
+  assert "[2] loss=0.5" in caplog.text and "[3/40] loss=0.25" in caplog.text
+  assert not list(tmp_path.iterdir())
 
 
 class _Recorder:
@@ -32,20 +34,36 @@ class _Recorder:
     self.rows.append((step, scalars))
 
 
-def test_progress_reports_steps_per_second_and_timed_sections(monkeypatch):
-  clock = iter([0.0, 10.0, 12.0, 30.0, 70.0, 71.0]).__next__
-  monkeypatch.setattr(writers.time, "monotonic", clock)
+def test_progress_after_the_first_step_then_every_tenth_or_30_s(monkeypatch):
+  from tests.helpers import absl_info_lines
+  now = [0.0]
+  monkeypatch.setattr(writers.time, "monotonic", lambda: now[0])
   recorder = _Recorder()
-  progress = writers.ProgressReporter(100, recorder, every_secs=60)
-  progress(1)        # t = 0: the reference point (after the first step's compilation)
-  progress(5)        # t = 10: too soon
-  with progress.timed("eval"):  # t = 12 .. 30
-    pass
-  progress(61)       # t = 70: 60 steps in 70 s, 18 s of them evaluating
-  assert recorder.rows == [(61, {"steps_per_sec": pytest.approx(60 / 70),
-                                 "eval_fraction": pytest.approx(18 / 70)})]
-  progress(100)      # t = 71: the last step always reports
-  assert recorder.rows[-1] == (100, {"steps_per_sec": pytest.approx(39.0)})
+  progress = writers.ProgressReporter(200, recorder)  # t = 0: the loop starts
+
+  def at(t, step):
+    now[0] = t
+    progress(step)
+
+  with absl_info_lines() as lines:
+    at(12.0, 1)   # the first step, compiled
+    at(13.0, 2)   # too soon, and not a tenth of the run
+    now[0] = 14.0
+    with progress.timed("eval"):
+      now[0] = 18.0
+    at(20.0, 20)  # a tenth of the run: 19 steps in 8 s, 4 s of them evaluating
+    at(49.0, 21)  # neither 30 s nor a tenth yet
+    at(51.0, 30)  # 31 s since the last line
+    at(60.0, 200)  # the last step
+  assert lines == [
+      "Step 1/200: first step compiled in 12 s; steps/s and time left follow.",
+      "Step 20/200: 2.38 steps/s, eval 50%, 1 min 16 s left.",
+      "Step 30/200: 0.323 steps/s, no evaluation, 8 min 47 s left.",
+      "Step 200/200: 18.9 steps/s, no evaluation, 0 s left."]
+  assert recorder.rows == [
+      (20, {"steps_per_sec": pytest.approx(19 / 8), "eval_fraction": pytest.approx(0.5)}),
+      (30, {"steps_per_sec": pytest.approx(10 / 31)}),
+      (200, {"steps_per_sec": pytest.approx(170 / 9)})]
 
 
 def test_the_console_keeps_our_info_lines_and_the_warnings_that_say_something():
