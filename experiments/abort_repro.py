@@ -36,8 +36,10 @@ the same way.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -141,7 +143,9 @@ def main(argv=None):
     os.execvp("gdb", ["gdb", "-batch", "-ex", "handle SIGPIPE nostop noprint", "-ex", "run",
                       "-ex", "thread apply all bt 30", "--args", sys.executable,
                       os.path.abspath(__file__), *rest])
-  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="abort_repro_"))
+  if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # a cache of this run's own, removed after it
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="abort_repro_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   children = _children(args)
   try:
