@@ -86,6 +86,9 @@ def cli_results(tmp_path_factory, analysis_workdirs):
       "an unknown evaluator option": ([
           "--config=configs/quickstart.py", "--config.evals.ensemble_sizes.num_samples=3"
       ], {}),
+      "a bad evaluator option value": ([
+          "--config=configs/quickstart.py", "--config.evals.ensemble_sizes.sizes=(0,)"
+      ], {}),
       "a config of another model":
           (["--config=configs/quickstart.py", "--mode=evaluate", f"--workdir={trained}"], {}),
       "evaluation from the recorded run": ([
@@ -143,6 +146,8 @@ def cli_results(tmp_path_factory, analysis_workdirs):
      "(config.evals.ensemble_sizes.<option>): sizes, members, seed"),
     ("an unknown evaluator option", 2, "unknown config key 'evals.ensemble_sizes.num_samples'; "
      "keys there: members, seed, sizes"),
+    ("a bad evaluator option value", 1, "config.evals.ensemble_sizes.sizes must be ensemble sizes "
+     "N >= 1 (empty: config.ensemble_sizes), got (0,)."),
     ("a config of another model", 2, "names model 'resnet_mcdo_smoothing_18', but"),
     ("results not writable", 1, "PermissionError: Cannot write the results into "),
     ("a workdir that is a file", 2, "train.npz is a file, not a directory"),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import numbers
 from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -64,13 +65,42 @@ def default_options(name: str) -> dict:
   return {p.name: p.default for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
+# Option values checked with the names, before anything runs (a run that trains first would
+# otherwise train for nothing): what each shared option must be.
+_COUNTS = ("num_frames", "num_images", "length", "batch_size")  # integers >= 1
+_NON_NEGATIVE = ("seed", "num_samples", "max_shift")  # integers >= 0 (num_samples 0: default)
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _bad_value(option: str, value) -> str | None:
+  """What is wrong with ``value`` of a shared ``option`` (None: nothing, or not shared)."""
+  if option == "sizes" and not (isinstance(value, (tuple, list))
+                                and all(_is_int(n) and n >= 1 for n in value)):
+    return "ensemble sizes N >= 1 (empty: config.ensemble_sizes)"
+  if option in _COUNTS and not (_is_int(value) and value >= 1):
+    return "an integer >= 1"
+  if option in _NON_NEGATIVE and not (_is_int(value) and value >= 0):
+    return "an integer >= 0"
+  if option == "decay_rate" and not (isinstance(value, (int, float)) and 0 < value <= 1):
+    return "a number in (0, 1]"
+  return None
+
+
 def check_options(name: str, options: Mapping[str, Any]) -> None:
-  """ValueError (one line) naming the options ``name`` does not take, and those it takes."""
+  """ValueError (one line) naming the options ``name`` does not take, and those it takes; or
+  naming an option whose value it cannot take (sizes, counts, seeds, rates)."""
   known = default_options(name)
   unknown = [key for key in options if key not in known]
   if unknown:
     raise ValueError(f"The {name} evaluator takes no option {', '.join(map(repr, unknown))}; "
                      f"its options (config.evals.{name}.<option>): {', '.join(known)}.")
+  for option, value in options.items():
+    wanted = _bad_value(option, value)
+    if wanted:
+      raise ValueError(f"config.evals.{name}.{option} must be {wanted}, got {value!r}.")
 
 
 def names_after_training(config) -> tuple:
