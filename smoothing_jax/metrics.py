@@ -7,8 +7,10 @@ the numbers of evaluating them at once.  Definitions (conf = max_c p̄_c,
 pred = argmax_c p̄_c, "certain" = conf > cutoff, cutoff 0.9):
 
 * NLL = mean −log p̄(y);  Acc;  Top-5;  Brier = mean Σ_c (onehot_c − p̄_c)²
-* ECE = Σ_b (n_b/N)|acc_b − conf_b| over ``num_bins`` equal-width bins (lo, hi];
-  signed ECSE = Σ_b (n_b/N)(conf_b − acc_b).  ``ece_convention="ss"`` computes them as SS's
+* ECE = Σ_b (n_b/N)|acc_b − conf_b| over ``num_bins`` equal-width bins (lo, hi], the float32
+  confidences compared exactly with the float64 edges ``np.linspace(0, 1, num_bins + 1)``
+  (:func:`bin_thresholds`); signed ECSE = Σ_b (n_b/N)(conf_b − acc_b).
+  ``ece_convention="ss"`` computes them as SS's
   ``ops/tests.py`` does (HV's too): counts and accuracies over (lo, hi], but the confidences
   summed over [lo, hi), so a confidence of exactly 1.0 (saturated float32 softmax) is counted
   without its confidence and the ECE comes out lower; for comparisons with SS's published
@@ -99,6 +101,19 @@ def add_statistics(a, b):
 ECE_CONVENTIONS = ("consistent", "ss")
 
 
+def bin_thresholds(num_bins: int) -> tuple:
+  """``(below, above)``, float32 ``[num_bins + 1]``: the largest float32 at or below, and the
+  smallest at or above, each float64 edge e of ``np.linspace(0, 1, num_bins + 1)`` (SS's edges).
+  A float32 confidence c compares with e exactly through them: c > e ⇔ c > below, c ≥ e ⇔
+  c ≥ above.  Binning by ``ceil(c · num_bins)`` in float32 rounded the product, so float32(0.4)
+  (0.4000000060 > 0.4) fell one bin low."""
+  edges = np.linspace(0.0, 1.0, num_bins + 1)
+  nearest = edges.astype(np.float32)
+  below = np.where(nearest > edges, np.nextafter(nearest, np.float32(-np.inf)), nearest)
+  above = np.where(nearest < edges, np.nextafter(nearest, np.float32(np.inf)), nearest)
+  return below, above
+
+
 @functools.partial(jax.jit, static_argnames=("num_bins", "cutoff"))
 def batch_statistics(probs, labels, mask, num_bins: int, cutoff: float) -> dict:
   """The fields of :meth:`UncertaintyMetrics.from_model_output` (``probs [..., C]``, ``labels
@@ -122,11 +137,13 @@ def batch_statistics(probs, labels, mask, num_bins: int, cutoff: float) -> dict:
   onehot = jax.nn.one_hot(labels, num_classes)
   brier = jnp.sum((onehot - probs) ** 2, axis=-1)
   nll = -jnp.log(jnp.maximum(p_true, jnp.finfo(jnp.float32).tiny))
-  # Bin b holds confidences in (b/nb, (b+1)/nb].
-  bins = jnp.clip(jnp.ceil(conf * num_bins).astype(jnp.int32) - 1, 0, num_bins - 1)
+  below, above = bin_thresholds(num_bins)
+  # Bin b holds confidences in (e_b, e_b+1]: b is the number of inner edges below conf.
+  bins = jnp.searchsorted(below[1:-1], conf, side="left")
   bin_onehot = jax.nn.one_hot(bins, num_bins) * w[:, None]
-  # SS's confidence sums: [b/nb, (b+1)/nb), so 1.0 falls in no bin (one_hot of nb is all zeros).
-  ss_bins = jnp.floor(conf * num_bins).astype(jnp.int32)
+  # SS's confidence sums: [e_b, e_b+1), b the number of upper edges at or below conf, so 1.0
+  # falls in no bin (one_hot of nb is all zeros).
+  ss_bins = jnp.searchsorted(above[1:], conf, side="right")
   ss_bin_onehot = jax.nn.one_hot(ss_bins, num_bins) * w[:, None]
   pred_onehot = jax.nn.one_hot(pred, num_classes)
   weighted_true = onehot * w[:, None]

@@ -144,6 +144,60 @@ def test_ss_ece_convention_matches_the_reference_on_saturated_predictions():
     evaluate(probs, labels, ece_convention="pytorch")
 
 
+def _at_confidences(confidences, num_classes=20, seed=0):
+  """``(probs, labels)`` whose confidences are exactly the float32 ``confidences`` (class 0; the
+  rest share 1 − c, each below c), labels 0 (correct) or 1 at random."""
+  confidences = np.asarray(confidences, np.float32)
+  probs = np.empty((len(confidences), num_classes), np.float32)
+  probs[:, 0] = confidences
+  probs[:, 1:] = ((1 - confidences) / (num_classes - 1))[:, None]
+  assert np.all(probs.max(1) == confidences) and np.all(probs.argmax(1) == 0)
+  return probs, np.random.default_rng(seed).integers(0, 2, len(confidences))
+
+
+def _float32_edges(num_bins):
+  """float32(e) and its two float32 neighbours for each float64 edge e strictly inside (0, 1)."""
+  nearest = np.linspace(0.0, 1.0, num_bins + 1)[1:-1].astype(np.float32)
+  return np.concatenate([nearest, np.nextafter(nearest, np.float32(0)),
+                         np.nextafter(nearest, np.float32(1))])
+
+
+def test_ece_bins_compare_float32_confidences_with_float64_edges():
+  """Issue 44's example: float32(0.4), (0.6), (0.8) lie just above 0.4, 0.6, 0.8, so each is
+  counted and summed in the bin above the edge; SS's ``ops/tests.py`` (``_ss_ece``, whose NumPy 2
+  compares in float64) gives 0.350.  ``ceil(c · 10)`` in float32 counted them a bin low and gave
+  0.500 under "ss"."""
+  probs = np.array([[.4, .3, .3], [.3, .3, .4], [.6, .2, .2], [.8, .1, .1]], np.float32)
+  labels = np.array([0, 0, 0, 1])
+  assert _ss_ece(labels, probs) == pytest.approx(0.35)
+  assert evaluate(probs, labels, ece_convention="ss")["ece"] == pytest.approx(0.35, rel=1e-6)
+  assert evaluate(probs, labels)["ece"] == pytest.approx(0.35, rel=1e-6)
+  # Every edge, its float32 neighbours, 0.5 (an edge float32 holds) and 1.0, against SS.
+  confidences = np.concatenate([_float32_edges(10), [0.5, 1.0, 1.0]])
+  probs, labels = _at_confidences(confidences)
+  assert evaluate(probs, labels, ece_convention="ss")["ece"] == pytest.approx(
+      _ss_ece(labels, probs), rel=1e-5)
+  counts = UncertaintyMetrics.from_model_output(probs, labels).reliability()["count"]
+  edges = np.linspace(0.0, 1.0, 11)
+  np.testing.assert_array_equal(counts, [np.sum((confidences > lo) & (confidences <= hi))
+                                         for lo, hi in zip(edges, edges[1:], strict=False)])
+
+
+@pytest.mark.parametrize("num_bins", [10, 15])
+def test_default_ece_equals_torchmetrics_at_the_bin_edges(num_bins):
+  """On float64 confidences torchmetrics bins [lo, hi) with float64 edges; a float32 confidence
+  never sits on an edge float32 cannot hold, so its bins are ours at every float32-rounded edge
+  and its neighbours (0.5 and 1.0, which float32 holds, go to the bin above there by design)."""
+  pytest.importorskip("torch")
+  from tests.torch_reference import torchmetrics_calibration_error
+  confidences = _float32_edges(num_bins)
+  confidences = confidences[confidences != 0.5]
+  probs, labels = _at_confidences(confidences, seed=num_bins)
+  expected = torchmetrics_calibration_error(confidences.astype(np.float64),
+                                            (labels == 0).astype(np.float64), num_bins)
+  assert evaluate(probs, labels, num_bins=num_bins)["ece"] == pytest.approx(expected, rel=1e-6)
+
+
 def test_bad_labels_are_rejected():
   with pytest.raises(ValueError, match="does not match probs shape"):
     evaluate(PROBS, LABELS[:3])
@@ -165,7 +219,8 @@ def test_pixel_metrics_with_void_match_hand_worked_example():
                              -(np.log(0.95) + np.log(0.3) + np.log(0.8) + np.log(0.6)) / 4,
                              rtol=1e-6)
   np.testing.assert_allclose(m["acc"], 3 / 4)
-  # ECE: bins (0.9,1]: conf .95 acc 1; (0.5,0.6]: confs .6,.6 acc 0,1; (0.7,0.8]: conf .8 acc 1.
+  # ECE: bins (0.9,1]: conf .95 acc 1; (0.6,0.7]: confs .6,.6 acc 0,1 (float32(.6) > .6);
+  # (0.8,0.9]: conf .8 acc 1 (float32(.8) > .8).
   np.testing.assert_allclose(m["ece"], (0.05 + 2 * abs(0.6 - 0.5) + 0.2) / 4, rtol=1e-5)
   # Certain (> 0.9): only the first pixel, correct.
   np.testing.assert_allclose([m["acc90"], m["freq90"], m["unc90"]], [1.0, 1 / 4, 1.0])

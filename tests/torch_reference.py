@@ -7,7 +7,8 @@ semantics; only the deterministic paths are needed.  Used by the parity tests
 (``tests/convert/test_convert_reference.py``, ``tests/models/test_transformers.py``,
 ``tests/experiment/test_init_from.py``) and by
 ``experiments/bench_hessian.py`` and ``experiments/bench_accelerator.py``; not part of the
-installed package.
+installed package.  It also transcribes torchmetrics' calibration error
+(:func:`torchmetrics_calibration_error`, ``tests/test_metrics.py``).
 
 PyTorch is an optional dependency (``pip install -r requirements-test.txt``, or the
 ``torch`` extra of pyproject.toml); importing this module without torch installed raises
@@ -362,3 +363,27 @@ class AlterNet(nn.Module):
     for i in range(1, 5):
       x = getattr(self, f"layer{i}")(x)
     return self.classifier(x)
+
+
+def torchmetrics_calibration_error(confidences, accuracies, n_bins: int) -> float:
+  """torchmetrics' l1 calibration error of ``binary_calibration_error`` once its inputs are
+  formatted (``_ce_compute`` with ``_binning_bucketize``), transcribed from
+  Lightning-AI/torchmetrics at v1.9.0-28-gdab033394
+  (commit dab033394560ab3ce05e3d14c13f32e4cde6b351),
+  ``src/torchmetrics/functional/classification/calibration_error.py``: the edges
+  ``torch.linspace(0, 1, n_bins + 1)`` in the confidences' dtype, bins [lo, hi) by
+  ``torch.bucketize(right=True)``, and a confidence of 1.0 in a bin of its own (index n_bins)."""
+  confidences = torch.as_tensor(confidences)
+  accuracies = torch.as_tensor(accuracies).to(dtype=confidences.dtype)
+  bin_boundaries = torch.linspace(0, 1, n_bins + 1, dtype=confidences.dtype)
+  acc_bin = torch.zeros(len(bin_boundaries), dtype=confidences.dtype)
+  conf_bin = torch.zeros(len(bin_boundaries), dtype=confidences.dtype)
+  count_bin = torch.zeros(len(bin_boundaries), dtype=confidences.dtype)
+  indices = torch.bucketize(confidences, bin_boundaries, right=True) - 1
+  count_bin.scatter_add_(dim=0, index=indices, src=torch.ones_like(confidences))
+  conf_bin.scatter_add_(dim=0, index=indices, src=confidences)
+  conf_bin = torch.nan_to_num(conf_bin / count_bin)
+  acc_bin.scatter_add_(dim=0, index=indices, src=accuracies)
+  acc_bin = torch.nan_to_num(acc_bin / count_bin)
+  prop_bin = count_bin / count_bin.sum()
+  return float(torch.sum(torch.abs(acc_bin - conf_bin) * prop_bin))

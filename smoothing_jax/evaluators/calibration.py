@@ -16,6 +16,7 @@ import numpy as np
 
 from smoothing_jax import recalibration
 from smoothing_jax.evaluators.common import gather, predictive, sample_log_probs_step, write_results
+from smoothing_jax.experiment.run import split_seed
 from smoothing_jax.metrics import UncertaintyMetrics
 from smoothing_jax.parallel import eval_batch_size, sharded_eval_step
 from smoothing_jax.plots import plot_reliability_diagram
@@ -32,7 +33,8 @@ def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[st
              seed: int = 0) -> list:
   """Rows ``{"ensemble_size", "placement", "temperature", "nll_before", "nll_after",
   "ece_before", "ece_after", "brier_before", "brier_after", "accuracy", "holdout_examples",
-  "holdout_fraction", "seed"}``, one per N and placement."""
+  "holdout_fraction", "seed"}``, one per N and placement; ``seed`` is the held-out draw's
+  (``experiment.run.split_seed``: an ensemble's members written out hold their ensemble's)."""
   config = run.config
   pred = predictive(run, members, sizes)
   step = sharded_eval_step(sample_log_probs_step, run.mesh, pred.method)
@@ -57,7 +59,8 @@ def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[st
                    "nll_before": b["nll"], "nll_after": a["nll"], "ece_before": b["ece"],
                    "ece_after": a["ece"], "brier_before": b["brier"], "brier_after": a["brier"],
                    "accuracy": b["acc"], "holdout_examples": len(held["label"]),
-                   "holdout_fraction": config.input.holdout_fraction, "seed": config.seed,
+                   "holdout_fraction": config.input.holdout_fraction,
+                   "seed": split_seed(config),
                    **pred.scored})
       diagrams[f"after_{placement}"] = (after, a["ece"], temperature)
   write_results(output_dir, "calibration", rows, {

@@ -76,7 +76,8 @@ def base_config() -> ml_collections.ConfigDict:
   # on): the examples the ``calibration`` evaluator fits its temperature on (0: none).
   config.input.holdout_fraction = 0.0
   # The seed of those two draws (-1: ``seed``).  An ensemble's members share its split; a member
-  # written out as a run of its own (seed + m) records the ensemble's seed here.
+  # written out as a run of its own (its ``deep_ensemble.member_seeds[m]``) records the ensemble's
+  # seed here.
   config.input.split_seed = -1
   # A file prefix keeping the preprocessed evaluation images after the first evaluation ("": off;
   # ImageNet's validation JPEGs are otherwise decoded at every evaluation).

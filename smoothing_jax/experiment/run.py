@@ -34,6 +34,8 @@ from smoothing_jax.experiment.spec import ModelSpec, build_model, check_model_fi
 from smoothing_jax.experiment.workdir_lock import lock_workdir
 from smoothing_jax.inference import member_of
 from smoothing_jax.methods import Method, resolve
+from smoothing_jax.methods.base import setting
+from smoothing_jax.methods.deep_ensemble import members_of, seeds_of
 from smoothing_jax.parallel import (
   create_mesh,
   eval_batch_size,
@@ -46,8 +48,8 @@ from smoothing_jax.variables import abstract_variables
 # Config keys (dotted) that decide which training examples a run trained on and held out.
 DATA_SPLIT_KEYS = ("seed", "input.split_seed", "input.train_fraction", "input.holdout_fraction")
 # Config keys an evaluation config never replaces: the split, and how many members the
-# checkpoint stacks.
-RECORDED_KEYS = DATA_SPLIT_KEYS + ("deep_ensemble.members",)
+# checkpoint stacks and which seeds they were trained with.
+RECORDED_KEYS = DATA_SPLIT_KEYS + ("deep_ensemble.members", "deep_ensemble.member_seeds")
 
 
 def create_run_pipeline(config, mesh: Mesh) -> Pipeline:
@@ -103,6 +105,22 @@ def _unit_pixels(images):
   return xp.asarray(images, xp.float32) / 255.0 if integer else xp.asarray(images, xp.float32)
 
 
+def with_member_seeds(config: ml_collections.ConfigDict,
+                      recorded: ml_collections.ConfigDict | None = None
+                      ) -> ml_collections.ConfigDict:
+  """``config`` of a deep ensemble with its members' seeds set (``deep_ensemble.member_seeds``,
+  so that ``config.json`` records them): those it sets, else the ``recorded`` run's where it
+  resumes that run (same seed and members: one trained before seeds were derived resumes with
+  its ``seed + m``), else derived from ``config.seed``.  A single run's comes back unchanged."""
+  members = members_of(config)
+  if members == 1:
+    return config
+  resumed = (recorded is not None and not setting(config, "deep_ensemble.member_seeds", ())
+             and (recorded.seed, members_of(recorded)) == (config.seed, members))
+  seeds = seeds_of(recorded if resumed else config)
+  return with_overrides(config, {"deep_ensemble.member_seeds": seeds})
+
+
 def check_config(config: ml_collections.ConfigDict) -> None:
   """Refuse, before any data is read or file written, what ``config`` can be refused for
   without its data: the model's name and options (``get_model``) and its method's settings
@@ -143,9 +161,11 @@ class Run:
     mesh = mesh or create_mesh(config.num_devices)
     pipeline = create_run_pipeline(config, mesh)
     if checkpoints.has_checkpoint(workdir) and checkpoints.has_run(workdir):
-      options = workdir_lib.read_config(workdir)[1].model_options
+      recorded, recorded_spec = workdir_lib.read_config(workdir)
+      options = recorded_spec.model_options
     else:
-      options = init_from.model_options(config)
+      recorded, options = None, init_from.model_options(config)
+    config = with_member_seeds(config, recorded)
     spec = spec_lib.model_spec(config, pipeline, options)
     model = build_model(config, spec)
     check_model_fits(config, model, pipeline)
@@ -263,22 +283,24 @@ class Run:
 
   def member(self, m: int) -> Run:
     """Member ``m`` of an ensemble run as a run of its own (read-only, in this workdir): the
-    single run with seed + ``m``, its variables the ensemble's slice ``m``; what per-model
-    analyses take.  :meth:`write_member` writes it out as a workdir."""
+    single run with the member's recorded seed (``deep_ensemble.member_seeds[m]``), its
+    variables the ensemble's slice ``m``; what per-model analyses take.  :meth:`write_member`
+    writes it out as a workdir."""
     if not 0 <= m < self.ensemble_members:  # the bounds of the stacked members (a deep ensemble's)
       raise ValueError(f"{self.workdir} holds an ensemble of {self.ensemble_members} members; "
                        f"there is no member {m}.")
-    config = with_overrides(self.config, {"seed": self.config.seed + m,
+    config = with_overrides(self.config, {"seed": seeds_of(self.config)[m],
                                           "deep_ensemble.members": 1,
+                                          "deep_ensemble.member_seeds": (),
                                           "input.split_seed": split_seed(self.config)})
     return dataclasses.replace(self, config=config, variables=member_of(self.variables, m),
                                read_only=True)
 
   def write_member(self, m: int, workdir: str) -> Run:
     """Write member ``m`` of this ensemble workdir into the empty ``workdir`` as the single run
-    it is (config with seed + m, the checkpoint of the latest step with that member's slice of
-    the train state: parameters, BatchNorm statistics, optimizer state; it resumes and every
-    evaluator and analysis reads it); returns it, restored."""
+    it is (config with member m's recorded seed, the checkpoint of the latest step with that
+    member's slice of the train state: parameters, BatchNorm statistics, optimizer state; it
+    resumes and every evaluator and analysis reads it); returns it, restored."""
     member = self.member(m)
     if checkpoints.has_checkpoint(workdir) or checkpoints.has_run(workdir):
       raise ValueError(f"{workdir} already holds a run; write the member into a new workdir.")

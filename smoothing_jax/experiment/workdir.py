@@ -115,8 +115,9 @@ def read_record(workdir) -> dict:
 def upgrade_record(record: dict) -> dict:
   """A ``config.json`` record of 0.1.0 in today's layout: ``evals`` as a list of names becomes
   ``{name: {}}`` (every option at its default), ``ood_datasets`` the ``ood`` evaluator's
-  ``datasets``, and each of ``config.MOVED_KEYS`` moves to its new place.  Today's records come
-  back equal."""
+  ``datasets``, each of ``config.MOVED_KEYS`` moves to its new place, and a deep ensemble
+  recorded without ``member_seeds`` (trained when member m was the run of ``seed + m``) records
+  those.  Today's records come back equal."""
   record = json.loads(json.dumps(record))
   if isinstance(record.get("evals"), list):
     record["evals"] = {name: {} for name in record["evals"]}
@@ -130,6 +131,9 @@ def upgrade_record(record: dict) -> dict:
       for name in parents:
         node = node.setdefault(name, {})
       node.setdefault(leaf, record.pop(old))
+  ensemble = record.get("deep_ensemble", {})
+  if ensemble.get("members", 1) > 1 and "member_seeds" not in ensemble:
+    ensemble["member_seeds"] = [record["seed"] + m for m in range(ensemble["members"])]
   return record
 
 

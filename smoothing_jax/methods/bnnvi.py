@@ -7,7 +7,8 @@ protocol: per example,
 
     −ELBO / N = mean NLL of one Flipout pass + β · KL(q(W) ‖ p(W)) / N,
 
-β annealed linearly per epoch from 0 to 1 (:func:`smoothing_jax.methods.ibnn.kl_weight`), N the
+β annealed linearly per epoch from 0 to 1 (:func:`smoothing_jax.methods.ibnn.kl_weight`; per
+step with ``config.bnnvi.kl_anneal_per_step``, as uncertainty-baselines does), N the
 training-set size.  The prior is uncertainty-baselines' (``variational_inference.py``): N(μ, s²)
 with its mean tied to the posterior's and s = 0.1, so the KL pulls every σ towards s; a fixed
 prior mean (``config.bnnvi.prior_mean``) gives Blundell et al.'s N(m, s²) instead.
@@ -18,6 +19,7 @@ import dataclasses
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from ml_collections.config_dict import placeholder
 
@@ -35,6 +37,7 @@ class Objective(NamedTuple):
   num_train: int
   steps_per_epoch: int
   kl_anneal_epochs: int
+  kl_anneal_per_step: bool = False
 
   def check(self):
     if not self.prior_std > 0:
@@ -49,10 +52,20 @@ def decay_mask(params):
   return jax.tree.map(lambda variational: not variational, posterior)
 
 
+def annealed_kl_weight(step, objective: Objective):
+  """β of the 0-based ``step``: per epoch (:func:`smoothing_jax.methods.ibnn.kl_weight`, the iBNN
+  protocol), or with ``kl_anneal_per_step`` uncertainty-baselines' ``kl_scale`` =
+  min(1, (step + 1) / (steps_per_epoch · kl_anneal_epochs)) (``baselines/cifar/
+  variational_inference.py``: ``optimizer.iterations + 1``, the iterations before this step)."""
+  if not objective.kl_anneal_per_step or objective.kl_anneal_epochs <= 0:
+    return kl_weight(step, objective)
+  return jnp.minimum(1.0, (step + 1) / (objective.steps_per_epoch * objective.kl_anneal_epochs))
+
+
 def elbo_terms(params, objective: Objective, nll, step):
   """``(loss, metrics)``: ``nll + β·KL/N`` and the KL, β of ``step``."""
   kl = kl_divergence(params, objective.prior_std, objective.prior_mean)
-  beta = kl_weight(step, objective)
+  beta = annealed_kl_weight(step, objective)
   return nll + beta * kl / objective.num_train, {"nll": nll, "kl": kl, "kl_weight": beta}
 
 
@@ -65,6 +78,7 @@ class BNNVI(MCDropout):
       "prior_std": 0.1,  # s of the prior N(μ, s²) (uncertainty-baselines' --prior_stddev)
       "prior_mean": placeholder(float),  # None: tied to the posterior mean (uncertainty-baselines)
       "kl_anneal_epochs": 200,  # β: 0 → 1 linearly per epoch (the iBNN protocol)
+      "kl_anneal_per_step": False,  # β per step instead (uncertainty-baselines)
   }
 
   @classmethod
@@ -80,7 +94,8 @@ class BNNVI(MCDropout):
   def loss(self, config, *, num_train: int, steps_per_epoch: int, class_weights=None):
     """The cross-entropy of one Flipout pass + β·KL/N (:func:`elbo_terms`)."""
     objective = Objective(config.bnnvi.prior_std, config.bnnvi.prior_mean, num_train,
-                          steps_per_epoch, config.bnnvi.kl_anneal_epochs).check()
+                          steps_per_epoch, config.bnnvi.kl_anneal_epochs,
+                          config.bnnvi.kl_anneal_per_step).check()
     nll_fn = super().loss(config, num_train=num_train, steps_per_epoch=steps_per_epoch,
                           class_weights=class_weights)
 

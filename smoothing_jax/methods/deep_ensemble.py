@@ -4,9 +4,13 @@ MC-dropout networks is a deep ensemble of MC dropout).
 
 The train state is stacked along a leading member axis (parameters, BatchNorm statistics and
 optimizer state; one shared step counter), and one jitted step updates every member.  Member m
-is the single run with seed ``config.seed + m``: its initialisation, its dropout / noise keys, its
-data order and its augmentation draws (``Pipeline.seed``; ``config.deep_ensemble.shared_batches``
-feeds every member the batches of ``config.seed`` instead).  The split of the training data
+is the single run with seed ``config.deep_ensemble.member_seeds[m]``, derived from the pair
+(``config.seed``, m) (:func:`member_seeds`; recorded in ``config.json``): its initialisation, its
+dropout / noise keys, its data order and its augmentation draws (``Pipeline.seed``;
+``config.deep_ensemble.shared_batches`` feeds every member the batches of ``config.seed``
+instead).  So ensembles of different seeds share no member (with the earlier ``seed + m``, the
+ensembles of seeds 0 and 1 shared M − 1); workdirs trained under that rule read as ``seed + m``
+(``experiment.workdir.upgrade_record``).  The split of the training data
 (``input.train_fraction``, ``input.holdout_fraction``) comes from ``config.seed`` (or
 ``input.split_seed``) and is the ensemble's: every member trains on the same examples and none on
 those held out (members differ by initialisation and shuffling).
@@ -29,6 +33,7 @@ every member on its slice of the batch), so the same mesh serves any M.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Sequence
 
 import jax
@@ -55,11 +60,32 @@ def members_of(config) -> int:
   return members
 
 
-def member_keys(seed: int, members: int, index: int) -> jax.Array:
-  """``[M]`` keys: for member m, ``split(key(seed + m), 3)[index]`` (the single run's
+def member_seeds(seed: int, members: int) -> tuple:
+  """The seeds of an ensemble's ``members``: member m's the first 31 bits of
+  SHA-256("deep_ensemble/<seed>/<m>"), a hash of the pair, so that ensembles of different seeds
+  share no member (two pairs collide with probability 2⁻³¹), each a non-negative int32."""
+  return tuple(int.from_bytes(hashlib.sha256(f"deep_ensemble/{seed}/{m}".encode()).digest()[:4],
+                              "big") >> 1 for m in range(members))
+
+
+def seeds_of(config, members: int | None = None) -> tuple:
+  """The seeds of ``members`` (default ``config.deep_ensemble.members``) members:
+  ``deep_ensemble.member_seeds`` where recorded, else :func:`member_seeds` of ``config.seed``;
+  ValueError (one line) for a recorded list of another length."""
+  members = members_of(config) if members is None else members
+  recorded = tuple(setting(config, "deep_ensemble.member_seeds", ()))
+  if not recorded:
+    return member_seeds(config.seed, members)
+  if len(recorded) != members:
+    raise ValueError(f"deep_ensemble.member_seeds holds {len(recorded)} seeds for an ensemble "
+                     f"of {members} members.")
+  return recorded
+
+
+def member_keys(seeds: Sequence[int], index: int) -> jax.Array:
+  """``[M]`` keys: for member m, ``split(key(seeds[m]), 3)[index]`` (the single run's
   0: initialisation, 1: dropout / noise, 2: evaluation)."""
-  return jnp.stack([jax.random.split(jax.random.key(seed + m), 3)[index]
-                    for m in range(members)])
+  return jnp.stack([jax.random.split(jax.random.key(seed), 3)[index] for seed in seeds])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +99,9 @@ class DeepEnsemble(Method):
       # differ by initialisation and dropout only).
       "shared_batches": False,
       "vmap_size": 0,  # members vmapped together in the step (1: unrolled, M: all; 0: per backend)
+      # The members' seeds (empty: derived from ``seed``, :func:`member_seeds`); a run records
+      # them.
+      "member_seeds": (),
   }
   base: Method | None = None
   size: int = 1
@@ -144,6 +173,7 @@ class DeepEnsemble(Method):
       if setting(config, key):
         raise ValueError(f"{key} is for single runs (deep_ensemble.members={self.size}): train "
                          "the members apart to use it.")
+    seeds_of(config, self.size)  # a member_seeds list of another length, refused before the data
     self.base.check(config)
     return self
 
@@ -173,18 +203,18 @@ class DeepEnsemble(Method):
     random draws under ``vmap`` equal those of each key alone), its step counter shared; first
     :func:`check_fits`."""
     check_fits(config, init_one, self.size, devices)
-    state = jax.jit(jax.vmap(init_one))(member_keys(config.seed, self.size, 0))
+    state = jax.jit(jax.vmap(init_one))(member_keys(seeds_of(config, self.size), 0))
     return state.replace(step=state.step[0])
 
   def train_keys(self, config) -> jax.Array:
-    return member_keys(config.seed, self.size, 1)
+    return member_keys(seeds_of(config, self.size), 1)
 
   def train_pipelines(self, config, pipeline) -> list:
-    """``pipeline`` with ``seed`` + m for member m (its own order and augmentation draws; the
+    """``pipeline`` with member m's seed for member m (its own order and augmentation draws; the
     arrays and the split are shared), or ``[pipeline]`` alone with ``shared_batches``."""
     if self.shared_batches:
       return [pipeline]
-    return [dataclasses.replace(pipeline, seed=config.seed + m) for m in range(self.size)]
+    return [dataclasses.replace(pipeline, seed=seed) for seed in seeds_of(config, self.size)]
 
   def train_step(self, step: Callable, state, member_batch: Callable, rngs, *, shared: bool):
     return ensemble_train_step(step, self.vmap_size, state, member_batch, rngs, shared=shared)

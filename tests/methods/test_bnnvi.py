@@ -122,3 +122,45 @@ def test_predict_the_evaluators_and_the_training_evaluation_agree(trained, tmp_p
   workdir, data, _ = trained
   assert_paths_agree(three_paths(workdir, tmp_path, data=data))
   assert_paths_agree(three_paths(workdir, tmp_path, num_samples=2, data=data))
+
+
+def test_uncertainty_baselines_vi_recipe_builds_its_wrn_and_anneals_beta_per_step():
+  """``configs/cifar_resnet.py:wideresnet_bnnvi_28_10`` is uncertainty-baselines'
+  ``baselines/cifar/variational_inference.py`` (commit 163351d4): its WRN (72,940,426
+  parameters, no conv bias, the stride on ``conv1`` of stage 2's first block), counted from
+  abstract shapes, nothing compiled; its recipe; β = min(1, (step + 1) / (steps per epoch ·
+  200))."""
+  from flax.traverse_util import flatten_dict
+
+  from smoothing_jax.experiment.spec import ModelSpec, build_model
+  from tests.helpers import abstract_variables
+  config = cifar_resnet.get_config("wideresnet_bnnvi_28_10,cifar10")
+  assert (config.optimizer, config.momentum, config.nesterov) == ("sgd", 0.9, True)
+  assert (config.input.batch_size, config.base_batch_size, config.learning_rate) == (512, 128, 0.1)
+  assert config.weight_decay == pytest.approx(8e-4)  # Keras L2 4e-4 · ‖w‖²
+  assert (config.warmup_epochs, config.num_epochs, config.lr_milestones, config.lr_decay) == (
+      1, 249, (74, 149, 199), 0.2)
+  assert (config.bnnvi.kl_anneal_epochs, config.bnnvi.kl_anneal_per_step,
+          config.bnnvi.prior_std) == (200, True, 0.1)
+  assert (config.input.holdout_fraction, config.ece_bins) == (0.05, 15)
+  model = build_model(config, ModelSpec(num_classes=10, stem="cifar", image_shape=(32, 32, 3)))
+  variables = abstract_variables(model)
+  params = flatten_dict(variables["params"], sep="/")
+  assert sum(int(np.prod(p.shape)) for p in params.values()) == 72_940_426
+  biases = [k for k in params if k.endswith("/bias")]
+  assert biases and all(k.split("/")[-2].startswith("bn") or k == "linear/bias" for k in biases)
+
+  def conv_outputs(variables, images):
+    _, state = model.apply(variables, images, train=False, rngs=sample_rngs(jax.random.key(0)),
+                           capture_intermediates=True, mutable=["intermediates"])
+    block = state["intermediates"]["layer2_0"]
+    return block["conv1"]["__call__"][0], block["conv2"]["__call__"][0]
+
+  conv1, conv2 = jax.eval_shape(conv_outputs, variables,
+                                jax.ShapeDtypeStruct((1, 32, 32, 3), jnp.float32))
+  assert conv1.shape == conv2.shape == (1, 16, 16, 320)  # 32 → 16 at conv1
+  objective = bnnvi.Objective(0.1, None, 100, steps_per_epoch=10, kl_anneal_epochs=4,
+                              kl_anneal_per_step=True)
+  assert [float(bnnvi.annealed_kl_weight(s, objective)) for s in (0, 19, 39, 400)] == [
+      np.float32(1 / 40), 0.5, 1.0, 1.0]
+  assert float(bnnvi.annealed_kl_weight(15, objective._replace(kl_anneal_per_step=False))) == 0.25

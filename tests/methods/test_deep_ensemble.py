@@ -1,8 +1,11 @@
 """The deep-ensemble method, trained as one job (``config.deep_ensemble.members``): the predictive
-against an explicit loop over members, each member against the single run with its seed, device
+against an explicit loop over members, each member against the single run with its seed (derived
+from the ensemble's seed, so that ensembles of different seeds share no member), device
 counts, resume, member workdirs, every evaluator against ``--ensemble_workdirs`` over the members
 written out, and ``Run.predict``, ``ensemble_sizes`` and the training's evaluation agreeing."""
+import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -11,9 +14,15 @@ import pytest
 from smoothing_jax import main, methods
 from smoothing_jax.analysis.trained import load_trained
 from smoothing_jax.evaluators import calibration, ensemble_sizes, ood, selective, temporal_smoothing
+from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.experiment.run import Run
 from smoothing_jax.inference import member_of, sample_rngs
-from smoothing_jax.methods.deep_ensemble import DeepEnsemble, check_fits, state_bytes
+from smoothing_jax.methods.deep_ensemble import (
+  DeepEnsemble,
+  check_fits,
+  member_seeds,
+  state_bytes,
+)
 from smoothing_jax.models import get_model
 from smoothing_jax.parallel import create_mesh
 from smoothing_jax.training import train
@@ -54,13 +63,20 @@ def test_each_member_equals_the_single_run_with_its_seed_and_the_members_differ(
   data, workdir = ensemble_run
   run = Run.from_workdir(workdir)
   assert run.step == 4 and jax.tree.leaves(run.variables)[0].shape[0] == MEMBERS
+  # config.json records the members' seeds, derived from the pair (seed 0, m).
+  seeds = member_seeds(0, MEMBERS)
+  assert workdir_lib.read_record(workdir)["deep_ensemble"]["member_seeds"] == list(seeds)
+  assert len(set(seeds)) == MEMBERS and not set(seeds) & set(member_seeds(1, MEMBERS))
   for m in range(MEMBERS):
-    # The single run of seed m, given the ensemble's split (seeded by the ensemble's seed, 0).
+    # Member m written out is, bit for bit, the single run of the seed it records, given the
+    # ensemble's split (seeded by the ensemble's seed, 0).
+    written = run.write_member(m, str(tmp_path / f"member{m}"))
+    assert written.config.seed == seeds[m]
     single = train.train_and_evaluate(
-        small_npz_config(data, seed=m, num_devices=1,
+        small_npz_config(data, seed=written.config.seed, num_devices=1,
                          **{"input.split_seed": 0, "input.holdout_fraction": 0.25}),
         str(tmp_path / f"seed{m}"))
-    _assert_close(run.member(m).variables, variables_of(single), rtol=1e-5, atol=1e-6)
+    _assert_close(written.variables, variables_of(single), rtol=0, atol=0)
   first, second = (flat_variables(run.member(m).variables) for m in range(MEMBERS))
   kernels = [k for k in first if k.endswith("kernel")]  # initialised from each member's seed
   assert kernels and all(np.abs(first[k] - second[k]).max() > 1e-2 for k in kernels)
@@ -106,7 +122,8 @@ def test_every_evaluator_on_the_ensemble_equals_ensemble_workdirs_of_its_members
   members = [str(tmp_path / f"member{m}") for m in range(MEMBERS)]
   for m, member_dir in enumerate(members):
     written = run.write_member(m, member_dir)
-    assert (written.config.seed, written.config.deep_ensemble.members) == (m, 1)
+    assert (written.config.seed, written.config.deep_ensemble.members) == (
+        member_seeds(0, MEMBERS)[m], 1)
     assert written.config.input.split_seed == 0 and written.step == run.step
     _assert_close(written.variables, run.member(m).variables, rtol=0, atol=0)
   first = Run.from_workdir(members[0])
@@ -150,7 +167,7 @@ def test_one_model_consumers_take_a_member_and_refuse_the_whole_ensemble(ensembl
   _, workdir = ensemble_run
   with pytest.raises(ValueError, match="ensemble of 2 members.*member=<0..1>"):
     load_trained(workdir)
-  assert load_trained(workdir, member=1).config.seed == 1
+  assert load_trained(workdir, member=1).config.seed == member_seeds(0, MEMBERS)[1]
   with pytest.raises(ValueError, match="The temporal evaluator .* ensemble of 2 members"):
     temporal_smoothing.evaluate(Run.from_workdir(workdir), tmp_path)
   with pytest.raises(ValueError, match="^This run is a deep ensemble of 2 members already; "
@@ -165,6 +182,36 @@ def test_one_model_consumers_take_a_member_and_refuse_the_whole_ensemble(ensembl
   probs = run.predict(images)
   each = [run.member(m).predict(images) for m in range(MEMBERS)]
   np.testing.assert_allclose(probs, np.mean(each, axis=0), rtol=1e-5, atol=1e-7)
+
+
+def test_ensembles_of_different_seeds_share_no_member(ensemble_run, tmp_path):
+  """Seed 1's ensemble (the fixture's programs, from the compilation cache) against seed 0's:
+  with member m the run of seed + m, seed 1's member 0 was seed 0's member 1."""
+  data, workdir = ensemble_run
+  other = variables_of(train.train_and_evaluate(_config(data, seed=1), str(tmp_path / "seed1")))
+  ours = Run.from_workdir(workdir).variables
+  for a in range(MEMBERS):
+    for b in range(MEMBERS):
+      first, second = flat_variables(member_of(ours, a)), flat_variables(member_of(other, b))
+      shared = [k for k in first if k.endswith("kernel") and np.allclose(first[k], second[k])]
+      assert not shared, (a, b, shared)
+
+
+def test_an_ensemble_workdir_of_seed_plus_m_members_evaluates_as_before(ensemble_run, tmp_path):
+  """A workdir recorded before member seeds were derived (no ``member_seeds``): its members are
+  the runs of seed + m, and it predicts as it did."""
+  _, workdir = ensemble_run
+  old = tmp_path / "old"
+  shutil.copytree(workdir, old)
+  record = workdir_lib.read_record(old)
+  del record["deep_ensemble"]["member_seeds"]
+  (old / workdir_lib.CONFIG_FILE).write_text(json.dumps(record))
+  run, today = Run.from_workdir(str(old)), Run.from_workdir(workdir)
+  assert run.config.deep_ensemble.member_seeds == [0, 1]
+  assert [run.member(m).config.seed for m in range(MEMBERS)] == [0, 1]
+  images = np.asarray(run.pipeline.eval_arrays["images"][:3], np.float32) / 255.0
+  np.testing.assert_array_equal(run.predict(images), today.predict(images))
+  assert run.write_member(1, str(tmp_path / "member1")).config.seed == 1
 
 
 @pytest.mark.parametrize("members", [0, -1])
