@@ -238,7 +238,13 @@ class WorkdirLock:
       os.close(self._fd)
       self._fd = None
       # A run refused before it wrote anything leaves no empty workdir behind (the folders its
-      # lock made, deepest first, while they stay empty).
+      # lock made, deepest first, while they stay empty), nor the empty folders made in it
+      # before the refusal (the checkpoint manager's, when a missing init_from source refuses).
+      workdir_made = self._created[:1]
+      for folder, _, _ in (os.walk(workdir_made[0], topdown=False) if workdir_made else ()):
+        if folder != workdir_made[0]:
+          with contextlib.suppress(OSError):  # not empty: written into
+            os.rmdir(folder)
       for folder in self._created:
         try:
           os.rmdir(folder)

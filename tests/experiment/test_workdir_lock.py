@@ -170,6 +170,7 @@ def test_a_run_refused_before_writing_leaves_no_folder_its_lock_made(tmp_path):
   made = tmp_path / "new" / "run"
   with lock_workdir(made):
     assert made.is_dir()
+    (made / "checkpoints").mkdir()  # made empty before a refusal (a missing init_from source)
   assert not (tmp_path / "new").exists()  # the folders the lock made, left empty: removed
   with lock_workdir(made):
     (made / "config.json").write_text("{}")
