@@ -154,3 +154,20 @@ def test_every_requested_corruption_is_a_config_of_its_builder(base, builder):
       assert name == builder and config in configs, (corruption, severity, spec.tfds_name)
       assert spec.corruption == (corruption, severity)
   assert parse_dataset("cifar10_corrupted/elastic_2").corruption == ("elastic_transform", 2)
+
+
+def test_an_npz_file_is_a_test_split_and_grayscale_arrays_are_read(tmp_path):
+  from smoothing_jax.data.datasets import check_available, load_arrays
+  gray = np.arange(2 * 28 * 28, dtype=np.uint8).reshape(2, 28, 28)  # MNIST's layout [N,28,28]
+  np.savez(tmp_path / "gray.npz", images=gray, labels=np.array([7, 2]))
+  for name in (str(tmp_path / "gray.npz"), f"npz:{tmp_path / 'gray.npz'}"):
+    spec = parse_dataset(name)
+    assert (spec.source, spec.name) == ("npz", f"npz:{tmp_path / 'gray.npz'}")
+    images, labels = load_arrays(spec, "test", shard=False)
+    np.testing.assert_array_equal(images[..., 0], gray)
+    np.testing.assert_array_equal(labels, [7, 2])
+  with pytest.raises(DatasetUnavailableError, match="is one file, read as a test split; its "
+                     "train split needs npz:<dir> with train.npz"):
+    load_arrays(spec, "train")
+  with pytest.raises(DatasetUnavailableError, match="missing.npz does not exist"):
+    check_available(parse_dataset(str(tmp_path / "missing.npz")), "test")
