@@ -163,3 +163,19 @@ def test_sample_outputs_are_the_draws_of_sample_log_probs(analysis_workdirs):
     assert members["features"].shape[:2] == (2, 4)
     np.testing.assert_allclose(jax.nn.log_softmax(members["logits"]),
                                ensemble.sample_log_probs(stacked, images, key), atol=1e-5)
+
+
+def test_mc_dropout_gives_every_score_at_every_nested_size(analysis_workdirs, tmp_path):
+  from smoothing_jax import evaluators
+  from smoothing_jax.experiment.run import Run
+  near = npz_dataset(tmp_path, 16, num_train=4, num_test=6, num_classes=4)
+  with Run.from_workdir(analysis_workdirs["MC dropout"]) as mc_run:
+    rows, text = evaluators.run_evaluator("ood", mc_run, tmp_path / "results", {
+        "near": (f"npz:{near}",), "sizes": (1, 2), "knn_k": 5})
+  assert sorted({(r["ensemble_size"], r["score"]) for r in rows}) == sorted(
+      (n, s) for n in (1, 2) for s in ood.SCORES)
+  by = {(r["ood_dataset"], r["ensemble_size"], r["score"]): r for r in rows}
+  assert by[f"npz:{near}", 1, "mutual_information"]["auroc"] == pytest.approx(0.5)
+  assert by[f"npz:{near}", 2, "mutual_information"]["auroc"] != pytest.approx(0.5)
+  assert by["near mean", 2, "knn"]["auroc"] == by[f"npz:{near}", 2, "knn"]["auroc"]
+  assert "near mean" in text and "ID acc" in text
