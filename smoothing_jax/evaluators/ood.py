@@ -77,7 +77,7 @@ def evaluate(run, output_dir, *, datasets: Sequence[str] = (), near: Sequence[st
              far: Sequence[str] = (), scores: Sequence[str] = (), sizes: Sequence[int] = (),
              members: Sequence[str] = (), odin_temperature: float = ood_scores.ODIN_TEMPERATURE,
              odin_noise: float = ood_scores.ODIN_NOISE, knn_k: int = ood_scores.KNN_K,
-             seed: int = 0) -> list:
+             combine: str = "score_mean", seed: int = 0) -> list:
   """Rows ``{"ood_group", "ood_dataset", "ensemble_size", "score", "auroc", "aupr_in",
   "aupr_out", "fpr95_id_positive", "fpr95_ood_positive", "count_in", "count_out",
   "id_accuracy"}`` against each OOD set, and each group's mean (``ood_dataset``
@@ -86,8 +86,11 @@ def evaluate(run, output_dir, *, datasets: Sequence[str] = (), near: Sequence[st
   all of :data:`SCORES` with near/far, ``ranking.SCORES`` otherwise), the ensemble sizes
   ``sizes`` (empty: ``config.ensemble_sizes``) of the run and the workdirs ``members``.  ODIN
   at ``odin_temperature`` and ``odin_noise``, KNN with ``knn_k`` neighbours (OpenOOD's
-  defaults; no search on a validation split: its ``APS_mode`` is not offered).  The FPR@95
-  conventions: ``ranking``'s docstring."""
+  defaults; no search on a validation split: its ``APS_mode`` is not offered).  ``combine``:
+  how max-logit, energy and ODIN combine draws (``ood_scores``: ``"score_mean"``, the mean of
+  per-draw scores, or ``"mean"``, the score of the first n draws' mean logits / tempered
+  softmax, one ODIN step per size); the predictive's scores always score p̄ and the fitted ones
+  are always per draw.  The FPR@95 conventions: ``ranking``'s docstring."""
   config = run.config
   base = run.pipeline.dataset_spec.base
   if near or far:
@@ -97,6 +100,8 @@ def evaluate(run, output_dir, *, datasets: Sequence[str] = (), near: Sequence[st
     groups = {"near": list(near), "far": list(far)}
   else:
     groups = {"": resolve_ood_datasets(base, datasets)}
+  if combine not in ood_scores.COMBINE:
+    raise ValueError(f"combine must be one of {ood_scores.COMBINE}, got {combine!r}.")
   chosen = tuple(scores) or (SCORES if (near or far) else ranking.SCORES)
   unknown = [s for s in chosen if s not in SCORES]
   if unknown:
@@ -106,12 +111,12 @@ def evaluate(run, output_dir, *, datasets: Sequence[str] = (), near: Sequence[st
     spec = parse_dataset(name)
     check_available(spec, spec.eval_split, run.pipeline.data_dir, run.pipeline.download)
   pred = predictive(run, members, sizes)
-  odin = ((float(odin_temperature), float(odin_noise), tuple(run.pipeline.std))
-          if "odin" in chosen else None)
+  odin = ((float(odin_temperature), float(odin_noise), tuple(run.pipeline.std), combine,
+           pred.sizes) if "odin" in chosen else None)
   step = sharded_eval_step(outputs_step, run.mesh, pred.method, odin)
   fitted = fit_scores(run, pred, output_dir, seed) if any(s in FITTED for s in chosen) else {}
   table = functools.partial(score_table, sizes=pred.sizes, chosen=chosen, fitted=fitted,
-                            knn_k=knn_k)
+                            knn_k=knn_k, combine=combine)
   inside = table(gather(step, pred.variables, run.mesh, run.eval_batches(), seed))
   rows = []
   for k, name in enumerate(names):
@@ -123,7 +128,8 @@ def evaluate(run, output_dir, *, datasets: Sequence[str] = (), near: Sequence[st
         positive, negative = inside[score][:, j], outside[score][:, j]
         detection = ranking.detection_metrics(positive, negative)
         rows.append({"method": pred.method.name, "ood_group": group, "ood_dataset": name,
-                     "ensemble_size": n, "score": score, **detection,
+                     "ensemble_size": n, "score": score, "combine": _combine_of(score, combine),
+                     **detection,
                      "count_in": len(positive), "count_out": len(negative),
                      "id_accuracy": float(np.mean(inside["correct"][:, j])), **pred.scored})
         if n == pred.sizes[-1] or not (near or far):  # the protocol's curves: the largest N
@@ -157,20 +163,37 @@ def group_means(rows: list, groups: dict) -> list:
   return means
 
 
+def _combine_of(score: str, combine: str) -> str:
+  """How ``score`` combines draws in a row: ``"predictive"`` (p̄), ``"score_mean"`` or
+  ``"mean"``."""
+  if score in ("msp", "entropy", "mutual_information"):
+    return "predictive"
+  return combine if score in ("max_logit", "energy", "odin") else "score_mean"
+
+
 def outputs_step(method, odin, variables, batch, key):
   """Per example of one padded batch: every draw's ``logits`` ``[B, N, C]`` and penultimate
   ``features`` ``[B, N, D]`` (``Method.sample_outputs``), and where ``odin`` is
-  ``(temperature, noise, input std)``, each draw's ODIN confidence ``odin [B, N]`` (the same
-  keys in its passes); with the batch's ``mask`` and ``label``."""
+  ``(temperature, noise, input std, combine, sizes)``, ODIN's confidences ``odin``: each draw's
+  ``[B, N]`` (``"score_mean"``), or at each size ``[B, S]`` (``"mean"``: the first n draws'
+  mean, one step each), the same keys in every pass; with the batch's ``mask`` and
+  ``label``."""
   out = method.sample_outputs(variables, batch["image"], key)
   result = {"logits": jnp.swapaxes(out["logits"], 0, 1),
             "features": jnp.swapaxes(out["features"], 0, 1),
             "mask": batch["mask"], "label": batch["label"]}
   if odin is not None:
-    temperature, noise, std = odin
-    draws = ood_scores.odin_draws(
-        lambda x: method.sample_outputs(variables, x, key)["logits"], batch["image"],
-        num_draws=out["logits"].shape[0], input_std=std, temperature=temperature, noise=noise)
+    temperature, noise, std, combine, sizes = odin
+    settings = {"input_std": std, "temperature": temperature, "noise": noise,
+                "combine": combine}
+    if combine == "mean":  # every draw sees the same input: draw it once from the first copy
+      draws = jnp.concatenate([ood_scores.odin_draws(
+          lambda x, n=n: method.sample_outputs(variables, x[0], key)["logits"][:n],
+          batch["image"], num_draws=n, **settings) for n in sizes])
+    else:
+      draws = ood_scores.odin_draws(
+          lambda x: method.sample_outputs(variables, x, key)["logits"], batch["image"],
+          num_draws=out["logits"].shape[0], **settings)
     result["odin"] = jnp.swapaxes(draws, 0, 1)
   return result
 
@@ -181,17 +204,22 @@ def _nested_means(per_draw, sizes):
   return np.stack([running[:, n - 1] / n for n in sizes], axis=1)
 
 
-def score_table(out: dict, sizes, chosen, fitted: dict, knn_k: int) -> dict:
+def score_table(out: dict, sizes, chosen, fitted: dict, knn_k: int, combine: str) -> dict:
   """``{score: [B, S]}`` for each score of ``chosen`` at each nested size, and ``correct
   [B, S]``, from :func:`outputs_step`'s gathered ``out`` and the fitted statistics ``fitted``
   (``{score: [per draw]}``).  The predictive's scores take the first n draws' logits; the others
-  are per-draw scores averaged (``ood_scores``' ``"score_mean"``)."""
+  are per-draw scores averaged, or for max-logit, energy and ODIN with ``combine="mean"``, the
+  score of the first n draws' mean."""
   logits = np.swapaxes(out["logits"], 0, 1)                        # [N, B, C]
   table = {}
   for score in chosen:
     if score in ("msp", "entropy", "mutual_information"):
       fn = getattr(ood_scores, score)
       table[score] = np.stack([np.asarray(fn(logits[:n])) for n in sizes], axis=1)
+      continue
+    if combine == "mean" and score in ("max_logit", "energy", "odin"):
+      table[score] = (np.asarray(out["odin"]) if score == "odin" else np.stack(
+          [np.asarray(getattr(ood_scores, score)(logits[:n], combine="mean")) for n in sizes], 1))
       continue
     if score in ("max_logit", "energy"):
       per_draw = np.stack([np.asarray(getattr(ood_scores, score)(f[None])) for f in logits], 1)

@@ -179,3 +179,14 @@ def test_mc_dropout_gives_every_score_at_every_nested_size(analysis_workdirs, tm
   assert by[f"npz:{near}", 2, "mutual_information"]["auroc"] != pytest.approx(0.5)
   assert by["near mean", 2, "knn"]["auroc"] == by[f"npz:{near}", 2, "knn"]["auroc"]
   assert "near mean" in text and "ID acc" in text
+  assert {r["combine"] for r in rows if r["score"] in ("energy", "odin", "knn")} == {"score_mean"}
+  # The other convention: max-logit, energy and ODIN of the first n draws' mean.
+  with Run.from_workdir(analysis_workdirs["MC dropout"]) as mc_run:
+    mean_rows = ood.evaluate(mc_run, tmp_path / "mean", near=(f"npz:{near}",), sizes=(1, 2),
+                             scores=("energy", "odin"), combine="mean")
+  got = {(r["ensemble_size"], r["score"]): r for r in mean_rows if r["ood_dataset"] != "near mean"}
+  assert {r["combine"] for r in got.values()} == {"mean"}
+  for score in ("energy", "odin"):  # one draw: the two conventions agree
+    assert got[1, score]["auroc"] == pytest.approx(by[f"npz:{near}", 1, score]["auroc"])
+  with pytest.raises(ValueError, match="combine must be one of"):
+    ood.evaluate(mc_run, tmp_path, near=(f"npz:{near}",), combine="median")
