@@ -104,7 +104,11 @@ class Method:
     :meth:`sample_log_probs` (the same draws: log_softmax of these logits are its
     log-probabilities), the features being each draw's classifier input
     (``inference.pass_outputs``).  ``images``: ``[B, H, W, 3]``, or ``[N, B, H, W, 3]`` with draw
-    n on ``images[n]`` (ODIN steps each draw's input by its own gradient)."""
+    n on ``images[n]`` (ODIN steps each draw's input by its own gradient).  This default is
+    one network's pass; a method of several draws overrides it with :meth:`sample_log_probs`."""
+    if self.num_draws != 1:
+      raise NotImplementedError(f"{type(self).__name__} has {self.num_draws} draws but gives the "
+                                "outputs of one: it must override sample_outputs.")
     images = images[0] if images.ndim == 5 else images
     return jax.tree.map(lambda x: x[None], pass_outputs(self.model, variables, images, rng))
 

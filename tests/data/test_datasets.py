@@ -1,4 +1,6 @@
 """smoothing_jax.data.datasets: dataset names, sources (TFDS, digits, npz), missing data."""
+import os
+
 import numpy as np
 import pytest
 
@@ -171,3 +173,19 @@ def test_an_npz_file_is_a_test_split_and_grayscale_arrays_are_read(tmp_path):
     load_arrays(spec, "train")
   with pytest.raises(DatasetUnavailableError, match="missing.npz does not exist"):
     check_available(parse_dataset(str(tmp_path / "missing.npz")), "test")
+
+
+SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data")
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(SHARED, "mnist", "test.npz")),
+                    reason="no ../shared/data")
+def test_the_shared_near_and_far_sets_read_as_a_cifar_model_takes_them():
+  from smoothing_jax.data.datasets import as_model_images, check_available, load_arrays
+  check_available(parse_dataset(os.path.join(SHARED, "cifar100", "test_jpeg75.npz")), "test")
+  images, labels = load_arrays(parse_dataset(os.path.join(SHARED, "mnist", "test.npz")), "test",
+                               shard=False)
+  assert images.shape == (10000, 28, 28, 1) and list(labels[:4]) == [7, 2, 1, 0]  # its README
+  converted = as_model_images("mnist", images[:8], (32, 32, 3))
+  assert converted.shape == (8, 32, 32, 3)
+  assert np.all(converted[..., :1] == converted)  # the gray channel, repeated
