@@ -12,14 +12,15 @@ predictive's own scores):
 * MSP, entropy and mutual information score the predictive p̄ = (1/N) Σ_n softmax(f_n), as
   the ensemble literature does (Lakshminarayanan et al. 2017; MI = H(p̄) − mean_n H(p_n) is 0
   at N = 1).
-* Every other score is offered in two conventions (``combine``): ``"score_mean"``, the mean
-  over draws of each draw's own score, and ``"mean"``, the score of the draws' mean logits
-  (ODIN: of their mean tempered softmax).  **The default is** ``"score_mean"``: it is the
-  only one that holds for the fitted feature scores too (MDS, RMDS, KNN, ViM: the members of a
-  deep ensemble do not share one feature space, so their mean feature means nothing), one
+* Max-logit, energy and ODIN are offered in two conventions (``combine``): ``"score_mean"``,
+  the mean over draws of each draw's own score, and ``"mean"``, the score of the draws' mean
+  logits (ODIN: of their mean tempered softmax).  **The default is** ``"score_mean"``: it is
+  the only one that holds for the fitted feature scores too (MDS, RMDS, KNN, ViM: the members
+  of a deep ensemble do not share one feature space, so their mean feature means nothing), one
   convention for all keeps the scores comparable, and its nested sizes cost nothing more (the
   first n draws' mean is a running mean of per-draw scores).  The fitted scores are functions
-  of one draw's features here; the evaluator fits and scores each draw and averages.
+  of one draw's features, so per draw only; the evaluator fits and scores each draw and
+  averages.
 """
 from __future__ import annotations
 
