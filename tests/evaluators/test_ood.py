@@ -105,6 +105,7 @@ def test_near_far_protocol_gives_every_score_per_set_and_group_means(run, tmp_pa
   assert all(r["id_accuracy"] == pytest.approx(accuracy) for r in rows)
   assert json.load(open(tmp_path / "results" / "ood.json")) == json.loads(json.dumps(rows))
   assert "near mean" in ood.summary(rows, tmp_path)
+  assert os.path.exists(tmp_path / "results" / f"ood_{tmp_path.name}_gray.npz.png")
   # The fitted statistics are cached: a second evaluation does not pass over the training set.
   assert os.path.exists(tmp_path / "results" / "ood_fitted.npz")
   monkeypatch.setattr(run, "train_eval_batches", lambda: pytest.fail("refitted"))
