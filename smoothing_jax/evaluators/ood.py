@@ -102,6 +102,11 @@ def evaluate(run, output_dir, *, datasets: Sequence[str] = (), near: Sequence[st
     groups = {"": resolve_ood_datasets(base, datasets)}
   if combine not in ood_scores.COMBINE:
     raise ValueError(f"combine must be one of {ood_scores.COMBINE}, got {combine!r}.")
+  if not (isinstance(knn_k, int) and knn_k >= 1):
+    raise ValueError(f"config.evals.ood.knn_k must be an integer >= 1, got {knn_k!r}.")
+  if not (odin_temperature > 0 and odin_noise >= 0):
+    raise ValueError("config.evals.ood.odin_temperature must be > 0 and odin_noise >= 0, got "
+                     f"{odin_temperature!r} and {odin_noise!r}.")
   chosen = tuple(scores) or (SCORES if (near or far) else ranking.SCORES)
   unknown = [s for s in chosen if s not in SCORES]
   if unknown:

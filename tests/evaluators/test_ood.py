@@ -191,3 +191,11 @@ def test_mc_dropout_gives_every_score_at_every_nested_size(analysis_workdirs, tm
     assert got[1, score]["auroc"] == pytest.approx(by[f"npz:{near}", 1, score]["auroc"])
   with pytest.raises(ValueError, match="combine must be one of"):
     ood.evaluate(mc_run, tmp_path, near=(f"npz:{near}",), combine="median")
+  with pytest.raises(ValueError, match="knn_k must be an integer >= 1, got 0"):
+    ood.evaluate(mc_run, tmp_path, near=(f"npz:{near}",), knn_k=0)
+  with pytest.raises(ValueError, match="odin_temperature must be > 0 and odin_noise >= 0"):
+    ood.evaluate(mc_run, tmp_path, near=(f"npz:{near}",), odin_temperature=0.0)
+  with pytest.raises(ValueError, match=r"Unknown OOD scores \['mahalanobis'\]"):
+    ood.evaluate(mc_run, tmp_path, near=(f"npz:{near}",), scores=("mahalanobis",))
+  with pytest.raises(ValueError, match="near/far or by config.evals.ood.datasets, not both"):
+    ood.evaluate(mc_run, tmp_path, near=(f"npz:{near}",), datasets=(f"npz:{near}",))
