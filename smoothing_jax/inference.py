@@ -44,6 +44,30 @@ def log_probs(model: nn.Module, variables, images, rng=None, **apply_kwargs):
   return jax.nn.log_softmax(logits.astype(jnp.float32))
 
 
+def pass_outputs(model: nn.Module, variables, images, rng=None, **apply_kwargs) -> dict:
+  """One evaluation-mode pass as :func:`log_probs`, giving ``{"logits" [B, C], "features"
+  [B, D]}`` in float32: the features are the input of the classifier, the layer called on a
+  ``[B, D]`` input whose output the model returns as its logits (read with
+  ``nn.intercept_methods``: one pass, no copy of the model).  ValueError (one line) where no
+  such layer is found (logits that are not one layer's output unchanged)."""
+  rngs = None if rng is None else sample_rngs(rng)
+  calls = []
+
+  def record(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    if context.method_name == "__call__" and args and getattr(args[0], "ndim", 0) == 2:
+      calls.append((args[0], out))
+    return out
+
+  with nn.intercept_methods(record):
+    logits = model.apply(variables, images, train=False, rngs=rngs, **apply_kwargs)
+  features = [x for x, out in calls if out is logits]
+  if not features:
+    raise ValueError(f"{type(model).__name__}: no layer on [batch, features] inputs returns its "
+                     "logits, so its penultimate features cannot be read.")
+  return {"logits": logits.astype(jnp.float32), "features": features[-1].astype(jnp.float32)}
+
+
 def log_mean_probs(sample_log_probs):
   """log of the mean per-sample probability ``[N, ...] → [...]``: logsumexp − log N."""
   return jax.nn.logsumexp(sample_log_probs, axis=0) - jnp.log(sample_log_probs.shape[0])
@@ -67,7 +91,7 @@ def default_chunk_size() -> int:
 
 def map_in_chunks(fn, xs, chunk_size: int | None):
   """``vmap(fn)(xs)`` evaluated ``chunk_size`` rows at a time with ``lax.map`` (bounded memory;
-  None: :func:`default_chunk_size`, 1: a plain ``lax.map``)."""
+  None: :func:`default_chunk_size`, 1: a plain ``lax.map``); ``fn`` may return a pytree."""
   n = jax.tree.leaves(xs)[0].shape[0]
   chunk_size = default_chunk_size() if chunk_size is None else chunk_size
   if chunk_size == 1:
@@ -82,7 +106,7 @@ def map_in_chunks(fn, xs, chunk_size: int | None):
     return x.reshape((num_chunks, chunk_size) + x.shape[1:])
 
   out = jax.lax.map(jax.vmap(fn), jax.tree.map(split, xs))
-  return out.reshape((num_chunks * chunk_size,) + out.shape[2:])[:n]
+  return jax.tree.map(lambda y: y.reshape((num_chunks * chunk_size,) + y.shape[2:])[:n], out)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "num_samples", "chunk_size"))

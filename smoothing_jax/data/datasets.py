@@ -105,6 +105,8 @@ def parse_dataset(name: str) -> DatasetSpec:
       raise ValueError(f"dataset {name!r}: write synthetic:<N>x<H>x<W>x<C>:<classes> with positive "
                        "integers, e.g. synthetic:50000x32x32x3:100.")
     return DatasetSpec(name, "synthetic", "synthetic", num_classes=int(match.group(5)))
+  if name.endswith(".npz") and not name.startswith("npz:"):  # one file: a test split
+    name = f"npz:{name}"
   if name.startswith("npz:"):
     if not name[4:]:
       raise ValueError(
@@ -281,9 +283,18 @@ def _synthetic_arrays(spec: DatasetSpec, split: str):
 
 
 def _npz_path(spec: DatasetSpec, split: str) -> str:
-  """``<dir>/<split>.npz`` of an ``npz:<dir>`` spec; DatasetUnavailableError where it is
-  missing."""
-  path = os.path.join(spec.name[4:], f"{split}.npz")
+  """``<dir>/<split>.npz`` of an ``npz:<dir>`` spec (``npz:<file>.npz``: that file, a test
+  split only); DatasetUnavailableError where it is missing."""
+  path = spec.name[4:]
+  if path.endswith(".npz"):
+    if split != "test":
+      raise DatasetUnavailableError(
+          f"Dataset {spec.name!r} is one file, read as a test split; its {split} split needs "
+          f"npz:<dir> with {split}.npz.")
+    if not os.path.isfile(path):
+      raise DatasetUnavailableError(f"Dataset {spec.name!r}: {path} does not exist.")
+    return path
+  path = os.path.join(path, f"{split}.npz")
   if not os.path.exists(path):
     raise DatasetUnavailableError(
         f"Dataset {spec.name!r}: {path} does not exist (need train.npz and test.npz "
@@ -298,14 +309,41 @@ def _npz_arrays(spec: DatasetSpec, split: str):
       raise ValueError(
           f"{path} must contain arrays 'images' and 'labels', found {sorted(data.files)}.")
     images, labels = data["images"], data["labels"]
-  if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
-    raise ValueError(
-        f"{path}: 'images' must be uint8 [N,H,W,3], got {images.dtype} {images.shape}.")
+  if images.dtype == np.uint8 and images.ndim == 3:  # grayscale [N,H,W] (MNIST)
+    images = images[..., None]
+  if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3):
+    raise ValueError(f"{path}: 'images' must be uint8 [N,H,W,3] (or grayscale [N,H,W] / "
+                     f"[N,H,W,1]), got {images.dtype} {images.shape}.")
   if labels.shape not in (images.shape[:1], images.shape[:3]):
     raise ValueError(
         f"{path}: 'labels' shape {labels.shape} must be [N] (classes) or [N,H,W] "
         f"(label maps) for images {images.shape}.")
   return images, labels.astype(np.int32)
+
+
+def as_model_images(name: str, images: np.ndarray, image_shape) -> np.ndarray:
+  """Test ``images`` of the set ``name`` as the model takes them: grayscale ones ``[N,H,W,1]``
+  converted as OpenOOD's test preprocessing does for every set
+  (openood/evaluation_api/preprocessor.py at 3c35632, l. 42-59: PIL ``convert('RGB')``, which
+  repeats the channel, ``Resize(size)`` of the shorter side, bilinear, and ``CenterCrop``),
+  with Pillow as there; colour images of another shape are refused in one line."""
+  image_shape = tuple(image_shape)
+  if images.shape[-1] == 1 and image_shape[-1] == 3:
+    from PIL import Image
+    height, width = image_shape[:2]
+    short = min(images.shape[1:3])
+    # torchvision's Resize(int): the shorter side to the size, the other in proportion.
+    scale = min(height, width) / short
+    size = (max(width, int(images.shape[2] * scale)), max(height, int(images.shape[1] * scale)))
+    left, top = round((size[0] - width) / 2), round((size[1] - height) / 2)
+    images = np.stack([
+        np.asarray(Image.fromarray(x[..., 0], "L").convert("RGB").resize(size, Image.BILINEAR)
+                   .crop((left, top, left + width, top + height)))
+        for x in images])
+  if images.shape[1:] != image_shape:
+    raise ValueError(f"Dataset {name!r} has images of shape {images.shape[1:]}, the model takes "
+                     f"{image_shape}.")
+  return images
 
 
 def check_available(spec: DatasetSpec, split: str, data_dir: str | None = None,

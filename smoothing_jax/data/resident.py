@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from smoothing_jax.data import device_randaugment
-from smoothing_jax.data.datasets import load_arrays, parse_dataset
+from smoothing_jax.data.datasets import as_model_images, load_arrays, parse_dataset
 from smoothing_jax.data.pipeline_base import Pipeline
 from smoothing_jax.parallel import create_mesh, shardings
 
@@ -169,12 +169,15 @@ class ResidentPipeline(Pipeline):
     else:
       images, labels = load_arrays(spec, spec.eval_split, self.data_dir, self.download,
                                    shard=False)
-      if images.shape[1:] != tuple(self.image_shape):
-        raise ValueError(f"Dataset {spec.name!r} has images of shape {images.shape[1:]}, the "
-                         f"model takes {tuple(self.image_shape)}.")
+      images = as_model_images(spec.name, images, self.image_shape)
       check_fits_on_devices(spec.name, images.nbytes + labels.nbytes, self.mesh.devices.flat)
       arrays = self._put(images, labels)
     yield from self._batches(arrays, batch_size)
+
+  def train_eval_batches(self, batch_size: int | None = None) -> Iterator[dict]:
+    """Evaluation batches (no augmentation) of the training split: what post-hoc OOD scores
+    fit on."""
+    yield from self._batches(self.arrays, batch_size or self.global_batch_size)
 
   def _batches(self, arrays: dict, batch_size: int) -> Iterator[dict]:
     count = arrays["images"].shape[0]

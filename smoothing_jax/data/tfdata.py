@@ -31,7 +31,13 @@ from smoothing_jax.data.augment import (
   normalize,
   segmentation_train_augment,
 )
-from smoothing_jax.data.datasets import load_arrays, parse_dataset, tfds_builder, tfds_split
+from smoothing_jax.data.datasets import (
+  as_model_images,
+  load_arrays,
+  parse_dataset,
+  tfds_builder,
+  tfds_split,
+)
 from smoothing_jax.data.pipeline_base import Pipeline
 from smoothing_jax.data.randaugment import randaugment
 
@@ -100,8 +106,16 @@ class TFDataPipeline(Pipeline):
       yield from tfds.as_numpy(self.train_dataset(epoch, step_in_epoch))
       epoch, step_in_epoch = epoch + 1, 0
 
-  def eval_batches(self, batch_size: int | None = None,
-                   dataset: str | None = None) -> Iterator[dict]:
+  def train_eval_batches(self, batch_size: int | None = None) -> Iterator[dict]:
+    """Evaluation batches (no augmentation) of the training split: what post-hoc OOD scores
+    fit on (a split held in memory: not ImageNet's)."""
+    if self.train_images is None:
+      raise ValueError(f"{self.dataset_spec.name!r} streams its training split; the OOD scores "
+                       "fitted on training features (mds, rmds, knn, vim) need it in memory.")
+    return self.eval_batches(batch_size, train=True)
+
+  def eval_batches(self, batch_size: int | None = None, dataset: str | None = None,
+                   train: bool = False) -> Iterator[dict]:
     """Evaluation batches ``{"image", "label", "mask"}``; the last one is zero-padded, nothing
     is dropped.
 
@@ -111,7 +125,12 @@ class TFDataPipeline(Pipeline):
     """
     batch = (batch_size or self.global_batch_size) // jax.process_count()
     spec = self.dataset_spec if dataset is None else parse_dataset(dataset)
-    if spec == self.dataset_spec and self.eval_images is not None:
+    if train:  # every process holds the whole split: its share, as load_arrays shards
+      process, count = jax.process_index(), jax.process_count()
+      ds = tf.data.Dataset.from_tensor_slices((self.train_images[process::count],
+                                               self.train_labels[process::count]))
+      num_global = len(self.train_images)
+    elif spec == self.dataset_spec and self.eval_images is not None:
       ds = tf.data.Dataset.from_tensor_slices((self.eval_images, self.eval_labels))
       num_global = self.num_eval
     elif spec.geometry == "imagenet":
@@ -121,7 +140,8 @@ class TFDataPipeline(Pipeline):
       num_global = splits[spec.eval_split].num_examples
     else:
       images, labels = load_arrays(spec, spec.eval_split, self.data_dir, self.download)
-      ds = tf.data.Dataset.from_tensor_slices((images, labels))
+      ds = tf.data.Dataset.from_tensor_slices(
+          (as_model_images(spec.name, images, self.image_shape), labels))
       num_global = len(images) * jax.process_count()
     per_process = -(-num_global // jax.process_count())  # ceil
     num_batches = -(-per_process // batch)
@@ -130,7 +150,7 @@ class TFDataPipeline(Pipeline):
     preprocess = imagenet_eval_preprocess if imagenet else (lambda x: x)
     ds = ds.map(lambda x, y: (normalize(preprocess(x), mean, std), tf.cast(y, tf.int32)),
                 num_parallel_calls=tf.data.AUTOTUNE)
-    if self.eval_cache:  # decoded once (ImageNet JPEGs), then read back on later evaluations
+    if self.eval_cache and not train:  # decoded once (ImageNet JPEGs), read back later
       ds = ds.cache(f"{self.eval_cache}.{re.sub(r'[^A-Za-z0-9_.-]', '_', spec.name)}")
     iterator = iter(tfds.as_numpy(_options(ds.batch(batch).prefetch(tf.data.AUTOTUNE))))
     label_shape = tuple(self.eval_labels.shape[1:] if self.is_segmentation else ())

@@ -366,3 +366,7 @@ class Run:
     """Padded, masked evaluation batches of ``dataset`` (default: the run's evaluation split),
     ``config.eval_batch_size`` rounded up to the mesh."""
     return self.pipeline.eval_batches(eval_batch_size(self.config, self.mesh), dataset)
+
+  def train_eval_batches(self):
+    """Padded, masked evaluation batches (no augmentation) of the training split."""
+    return self.pipeline.train_eval_batches(eval_batch_size(self.config, self.mesh))

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from smoothing_jax.inference import Prediction, check_rng, log_probs, mean_probs
+from smoothing_jax.inference import Prediction, check_rng, log_probs, mean_probs, pass_outputs
 from smoothing_jax.methods import losses
 from smoothing_jax.metrics import UncertaintyMetrics
 from smoothing_jax.models.cnn import check_images
@@ -98,6 +98,19 @@ class Method:
     """``[N, B, ..., C]`` float32 log-probabilities of the N draws on ``images`` (pure: under
     ``jit``, ``grad`` and ``vmap``)."""
     return log_probs(self.model, variables, images, rng)[None]
+
+  def sample_outputs(self, variables, images, rng) -> dict:
+    """``{"logits" [N, B, C], "features" [N, B, D]}`` of the N draws of
+    :meth:`sample_log_probs` (the same draws: log_softmax of these logits are its
+    log-probabilities), the features being each draw's classifier input
+    (``inference.pass_outputs``).  ``images``: ``[B, H, W, 3]``, or ``[N, B, H, W, 3]`` with draw
+    n on ``images[n]`` (ODIN steps each draw's input by its own gradient).  This default is
+    one network's pass; a method of several draws overrides it with :meth:`sample_log_probs`."""
+    if self.num_draws != 1:
+      raise NotImplementedError(f"{type(self).__name__} has {self.num_draws} draws but gives the "
+                                "outputs of one: it must override sample_outputs.")
+    images = images[0] if images.ndim == 5 else images
+    return jax.tree.map(lambda x: x[None], pass_outputs(self.model, variables, images, rng))
 
   def predict(self, variables, images, *, rng) -> Prediction:
     """The predictive in one jitted call: ``Prediction(sample_probs [N, B, C], mean_probs

@@ -21,7 +21,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from smoothing_jax.inference import batch_ensemble_log_probs, mean_probs, repeat_for_members
+from smoothing_jax.inference import (
+  batch_ensemble_log_probs,
+  mean_probs,
+  pass_outputs,
+  repeat_for_members,
+)
 from smoothing_jax.layers.batch_ensemble import fast_weight_mask
 from smoothing_jax.methods.base import Method
 from smoothing_jax.models import is_batch_ensemble, is_stochastic
@@ -52,6 +57,15 @@ class BatchEnsemble(Method):
 
   def sample_log_probs(self, variables, images, rng):
     return batch_ensemble_log_probs(self.model, variables, images, rng)
+
+  def sample_outputs(self, variables, images, rng):
+    m = self.num_draws
+    # One pass over row b·M + m = example b under member m (repeat_for_members); per draw, the
+    # rows of member m come from images[m].
+    rows = (jnp.swapaxes(images, 0, 1).reshape((-1,) + images.shape[2:]) if images.ndim == 5
+            else repeat_for_members(images, m))
+    out = pass_outputs(self.model, variables, rows, rng)
+    return jax.tree.map(lambda x: jnp.swapaxes(x.reshape((-1, m) + x.shape[1:]), 0, 1), out)
 
   def frame_probs(self, variables, frame, rng):
     """The members' mean: all M members in one pass over the repeated frame."""

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from smoothing_jax.data.resident import device_memory_bytes
-from smoothing_jax.inference import ensemble_log_probs, member_of
+from smoothing_jax.inference import ensemble_log_probs, map_in_chunks, member_of, pass_outputs
 from smoothing_jax.methods.base import Method, setting
 from smoothing_jax.metrics import UncertaintyMetrics
 
@@ -138,6 +138,14 @@ class DeepEnsemble(Method):
 
   def sample_log_probs(self, variables, images, rng):
     return ensemble_log_probs(self.model, variables, images, rng, self.chunk_size)
+
+  def sample_outputs(self, variables, images, rng):
+    # Member m with key split(rng, M)[m], as ensemble_log_probs; on images[m] where per draw.
+    keys = None if rng is None else jax.random.split(rng, self.size)
+    per_draw = images.ndim == 5
+    return map_in_chunks(
+        lambda a: pass_outputs(self.model, a[0], a[2] if per_draw else images, a[1]),
+        (variables, keys, images if per_draw else None), self.chunk_size)
 
   def eval_metrics(self, variables, batch, rng, num_bins: int) -> dict:
     """The ensemble's metrics (the mean of its members' probabilities, ``""``), then each

@@ -19,7 +19,14 @@ import numpy as np
 import optax
 from ml_collections.config_dict import placeholder
 
-from smoothing_jax.inference import Prediction, log_probs, map_in_chunks, mean_probs, sample_rngs
+from smoothing_jax.inference import (
+  Prediction,
+  log_probs,
+  map_in_chunks,
+  mean_probs,
+  pass_outputs,
+  sample_rngs,
+)
 from smoothing_jax.layers.functional import layers_holding
 from smoothing_jax.layers.mean_field import gaussian_kl
 from smoothing_jax.layers.node_noise import VARIATIONAL_PARAMS
@@ -170,6 +177,28 @@ def _ibnn_log_probs(model, variables, images, rng, num_samples):
   return jnp.swapaxes(samples, 0, 1).reshape((k * num_samples,) + samples.shape[2:])
 
 
+def _ibnn_outputs(model, variables, images, rng, num_samples):
+  """:func:`_ibnn_log_probs`'s draws as ``inference.pass_outputs`` (the same keys, sample-major
+  ``[S·K, ...]``); ``images [S·K, B, ...]``: draw d on images[d]."""
+  k = model.num_components
+  keys = jax.random.split(rng, k * num_samples).reshape(k, num_samples)
+  per_draw = images.ndim == 5
+  if per_draw:  # [S·K, B, ...] sample-major → [K, S, B, ...] as the keys
+    images = jnp.swapaxes(images.reshape((num_samples, k) + images.shape[1:]), 0, 1)
+
+  def component(args):
+    index, component_keys, component_images = args
+    batch = (component_images if per_draw else images).shape[-4]
+    components = jnp.full((batch,), index)
+    return map_in_chunks(
+        lambda a: pass_outputs(model, variables, a[1] if per_draw else images, a[0],
+                               components=components),
+        (component_keys, component_images), None)
+  out = jax.lax.map(component, (jnp.arange(k), keys, images if per_draw else None))
+  return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape((k * num_samples,) + x.shape[2:]),
+                      out)
+
+
 def ibnn_predict(model, variables, images, *, num_samples: int = 5, rng) -> Prediction:
   """S samples from each of the K components in one jitted call (per component, the S passes
   in chunks of ``inference.default_chunk_size``).
@@ -258,6 +287,9 @@ class IBNN(Method):
 
   def sample_log_probs(self, variables, images, rng):
     return _ibnn_log_probs(self.model, variables, images, rng, self.num_samples)
+
+  def sample_outputs(self, variables, images, rng):
+    return _ibnn_outputs(self.model, variables, images, rng, self.num_samples)
 
   def check(self, config) -> IBNN:
     if config.label_smoothing or config.mixup_alpha or config.cutmix_alpha:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from smoothing_jax.inference import mc_log_probs
+import jax
+
+from smoothing_jax.inference import map_in_chunks, mc_log_probs, pass_outputs
 from smoothing_jax.methods.base import Method, check_num_samples
 from smoothing_jax.models import is_stochastic
 
@@ -38,3 +40,11 @@ class MCDropout(Method):
 
   def sample_log_probs(self, variables, images, rng):
     return mc_log_probs(self.model, variables, images, rng, self.num_samples, self.chunk_size)
+
+  def sample_outputs(self, variables, images, rng):
+    keys = jax.random.split(rng, self.num_samples)  # as mc_log_probs: pass n with key n
+    if images.ndim == 5:  # draw n on images[n]
+      return map_in_chunks(lambda a: pass_outputs(self.model, variables, a[1], a[0]),
+                           (keys, images), self.chunk_size)
+    return map_in_chunks(lambda key: pass_outputs(self.model, variables, images, key), keys,
+                         self.chunk_size)

@@ -1,4 +1,6 @@
 """smoothing_jax.data.datasets: dataset names, sources (TFDS, digits, npz), missing data."""
+import os
+
 import numpy as np
 import pytest
 
@@ -154,3 +156,36 @@ def test_every_requested_corruption_is_a_config_of_its_builder(base, builder):
       assert name == builder and config in configs, (corruption, severity, spec.tfds_name)
       assert spec.corruption == (corruption, severity)
   assert parse_dataset("cifar10_corrupted/elastic_2").corruption == ("elastic_transform", 2)
+
+
+def test_an_npz_file_is_a_test_split_and_grayscale_arrays_are_read(tmp_path):
+  from smoothing_jax.data.datasets import check_available, load_arrays
+  gray = np.arange(2 * 28 * 28, dtype=np.uint8).reshape(2, 28, 28)  # MNIST's layout [N,28,28]
+  np.savez(tmp_path / "gray.npz", images=gray, labels=np.array([7, 2]))
+  for name in (str(tmp_path / "gray.npz"), f"npz:{tmp_path / 'gray.npz'}"):
+    spec = parse_dataset(name)
+    assert (spec.source, spec.name) == ("npz", f"npz:{tmp_path / 'gray.npz'}")
+    images, labels = load_arrays(spec, "test", shard=False)
+    np.testing.assert_array_equal(images[..., 0], gray)
+    np.testing.assert_array_equal(labels, [7, 2])
+  with pytest.raises(DatasetUnavailableError, match="is one file, read as a test split; its "
+                     "train split needs npz:<dir> with train.npz"):
+    load_arrays(spec, "train")
+  with pytest.raises(DatasetUnavailableError, match="missing.npz does not exist"):
+    check_available(parse_dataset(str(tmp_path / "missing.npz")), "test")
+
+
+SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data")
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(SHARED, "mnist", "test.npz")),
+                    reason="no ../shared/data")
+def test_the_shared_near_and_far_sets_read_as_a_cifar_model_takes_them():
+  from smoothing_jax.data.datasets import as_model_images, check_available, load_arrays
+  check_available(parse_dataset(os.path.join(SHARED, "cifar100", "test_jpeg75.npz")), "test")
+  images, labels = load_arrays(parse_dataset(os.path.join(SHARED, "mnist", "test.npz")), "test",
+                               shard=False)
+  assert images.shape == (10000, 28, 28, 1) and list(labels[:4]) == [7, 2, 1, 0]  # its README
+  converted = as_model_images("mnist", images[:8], (32, 32, 3))
+  assert converted.shape == (8, 32, 32, 3)
+  assert np.all(converted[..., :1] == converted)  # the gray channel, repeated

@@ -200,3 +200,13 @@ def test_eval_cache_keeps_the_preprocessed_images_and_gives_the_same_batches(npz
     for key in ("image", "label", "mask"):
       np.testing.assert_array_equal(a[key], b[key])
       np.testing.assert_array_equal(a[key], c[key])
+
+
+def test_train_eval_batches_are_the_training_split_unaugmented(npz_dir):
+  pipeline = create_pipeline(f"npz:{npz_dir}", 8, seed=0)
+  batches = list(pipeline.train_eval_batches(16))
+  with np.load(f"{npz_dir}/train.npz") as d:
+    images = d["images"]
+  got = np.concatenate([b["image"][b["mask"] > 0] for b in batches])
+  mean, std = np.array(pipeline.mean), np.array(pipeline.std)
+  np.testing.assert_allclose(got, (images / 255.0 - mean) / std, rtol=1e-5, atol=1e-5)

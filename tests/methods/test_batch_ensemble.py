@@ -134,3 +134,20 @@ def test_trains_resumes_and_runs_every_evaluator_from_the_command_line(trained):
 def test_predict_the_evaluators_and_the_training_evaluation_agree(trained, tmp_path):
   workdir, data, _ = trained
   assert_paths_agree(three_paths(workdir, tmp_path, data=data))
+
+
+def test_sample_outputs_are_the_members_of_the_predictive(tiny_batch_ensemble):
+  """Each member's logits (and classifier input) as the predictive's; per-member images go to
+  their own member (ODIN's steps)."""
+  model, variables = tiny_batch_ensemble
+  images = jax.random.normal(jax.random.key(1), (4, 16, 16, 3))
+  method = methods.resolve(None, model)
+  outputs = jax.jit(lambda x: method.sample_outputs(variables, x, None))
+  out = outputs(images)
+  assert out["logits"].shape == (M, 4, 5) and out["features"].shape[:2] == (M, 4)
+  np.testing.assert_allclose(jax.nn.log_softmax(out["logits"]),
+                             method.sample_log_probs(variables, images, None), atol=1e-5)
+  per_member = outputs(jnp.stack([images * (1 + m) for m in range(M)]))
+  for m in range(M):
+    np.testing.assert_allclose(per_member["logits"][m], outputs(images * (1 + m))["logits"][m],
+                               atol=1e-5)

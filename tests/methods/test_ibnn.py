@@ -304,3 +304,21 @@ def test_kl_weight_anneals_per_epoch():
   assert [float(ibnn.kl_weight(s, objective)) for s in (0, 9, 10, 25, 40, 400)
          ] == [0.0, 0.0, 0.25, 0.5, 1.0, 1.0]
   assert float(ibnn.kl_weight(0, objective._replace(kl_anneal_epochs=0))) == 1.0
+
+
+def test_sample_outputs_are_the_draws_of_the_predictive(tiny_vgg):
+  """Each draw's logits (and classifier input) in the sample-major order of the predictive;
+  per-draw images go to their own draw (ODIN's steps)."""
+  model, variables = tiny_vgg
+  images = jax.random.normal(jax.random.key(3), (2, 32, 32, 3))
+  rng = jax.random.key(4)
+  method = methods.resolve(None, model).with_samples(2)
+  outputs = jax.jit(lambda x: method.sample_outputs(variables, x, rng))
+  out = outputs(images)
+  assert out["logits"].shape == (6, 2, 5) and out["features"].shape[:2] == (6, 2)
+  np.testing.assert_allclose(jax.nn.log_softmax(out["logits"]),
+                             method.sample_log_probs(variables, images, rng), atol=1e-5)
+  per_draw = outputs(jnp.stack([images * (1 + d) for d in range(6)]))
+  for d in (1, 4):
+    np.testing.assert_allclose(per_draw["logits"][d], outputs(images * (1 + d))["logits"][d],
+                               atol=1e-5)

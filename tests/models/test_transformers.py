@@ -247,3 +247,19 @@ def test_vit_has_no_dropout_by_default_as_in_the_reference(micro_vit):
   np.testing.assert_array_equal(train_logits(model, 0), train_logits(model, 1))
   dropped = model.clone(dropout_rate_train=0.1, embedding_dropout_rate=0.1)
   assert not np.allclose(train_logits(dropped, 0), train_logits(dropped, 1))
+
+
+def test_the_vit_s_penultimate_features_are_its_classifier_input(micro_vit):
+  """``inference.pass_outputs`` (the OOD scores' features) finds a ViT's head: the logits are
+  the features through the head's dense layer."""
+  from smoothing_jax.inference import pass_outputs
+  model, variables, x, _ = micro_vit
+  out = jax.jit(lambda v, images: pass_outputs(model, v, images))(variables, x)
+  dense = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(variables["params"])
+           if out["features"].shape[1] in leaf.shape[:1] and leaf.ndim == 2
+           and leaf.shape[1] == 3]
+  biases = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(variables["params"])
+            if leaf.shape == (3,)]
+  assert len(dense) == 1 and len(biases) == 1
+  np.testing.assert_allclose(out["features"] @ dense[0] + biases[0], out["logits"], atol=1e-5)
+  np.testing.assert_allclose(out["logits"], model.apply(variables, x), atol=1e-6)
