@@ -134,7 +134,8 @@ def cli_results(tmp_path_factory, analysis_workdirs):
     ("config argument typo", 2, "Bad config argument 'runlokal'"),
     ("unknown config key", 2, "unknown config key 'not_a_key'"),
     ("missing dataset", 1, "/missing/train.npz does not exist"),
-    ("wrong dtype", 1, "'images' must be uint8 [N,H,W,3], got float32"),
+    ("wrong dtype", 1, "'images' must be uint8 [N,H,W,3] (or grayscale [N,H,W] / [N,H,W,1]), got "
+     "float32"),
     ("unknown model", 1, "Unknown model name 'resnet_dnn_18x'"),
     ("unknown model in an existing workdir", 1, "Unknown model name 'resnet_dnn_18x'"),
     ("no deep-ensemble members", 1, "deep_ensemble.members must be an integer >= 1, got 0"),
