@@ -34,8 +34,7 @@ from smoothing_jax.experiment.spec import ModelSpec, build_model, check_model_fi
 from smoothing_jax.experiment.workdir_lock import lock_workdir
 from smoothing_jax.inference import member_of
 from smoothing_jax.methods import Method, resolve
-from smoothing_jax.methods.base import setting
-from smoothing_jax.methods.deep_ensemble import members_of, seeds_of
+from smoothing_jax.methods.deep_ensemble import member_seed_settings, seeds_of
 from smoothing_jax.parallel import (
   create_mesh,
   eval_batch_size,
@@ -105,22 +104,6 @@ def _unit_pixels(images):
   return xp.asarray(images, xp.float32) / 255.0 if integer else xp.asarray(images, xp.float32)
 
 
-def with_member_seeds(config: ml_collections.ConfigDict,
-                      recorded: ml_collections.ConfigDict | None = None
-                      ) -> ml_collections.ConfigDict:
-  """``config`` of a deep ensemble with its members' seeds set (``deep_ensemble.member_seeds``,
-  so that ``config.json`` records them): those it sets, else the ``recorded`` run's where it
-  resumes that run (same seed and members: one trained before seeds were derived resumes with
-  its ``seed + m``), else derived from ``config.seed``.  A single run's comes back unchanged."""
-  members = members_of(config)
-  if members == 1:
-    return config
-  resumed = (recorded is not None and not setting(config, "deep_ensemble.member_seeds", ())
-             and (recorded.seed, members_of(recorded)) == (config.seed, members))
-  seeds = seeds_of(recorded if resumed else config)
-  return with_overrides(config, {"deep_ensemble.member_seeds": seeds})
-
-
 def check_config(config: ml_collections.ConfigDict) -> None:
   """Refuse, before any data is read or file written, what ``config`` can be refused for
   without its data: the model's name and options (``get_model``) and its method's settings
@@ -165,7 +148,8 @@ class Run:
       options = recorded_spec.model_options
     else:
       recorded, options = None, init_from.model_options(config)
-    config = with_member_seeds(config, recorded)
+    seeds = member_seed_settings(config, recorded)  # recorded in config.json
+    config = with_overrides(config, seeds) if seeds else config
     spec = spec_lib.model_spec(config, pipeline, options)
     model = build_model(config, spec)
     check_model_fits(config, model, pipeline)

@@ -82,6 +82,19 @@ def seeds_of(config, members: int | None = None) -> tuple:
   return recorded
 
 
+def member_seed_settings(config, recorded=None) -> dict:
+  """The setting that records a deep ensemble's member seeds, ``{"deep_ensemble.member_seeds":
+  seeds}`` (``{}`` for a single run): those ``config`` sets, else the ``recorded`` run's where it
+  resumes that run (same seed and members: one trained before seeds were derived resumes with
+  its ``seed + m``), else derived from ``config.seed``."""
+  members = members_of(config)
+  if members == 1:
+    return {}
+  resumed = (recorded is not None and not setting(config, "deep_ensemble.member_seeds", ())
+             and (recorded.seed, members_of(recorded)) == (config.seed, members))
+  return {"deep_ensemble.member_seeds": seeds_of(recorded if resumed else config)}
+
+
 def member_keys(seeds: Sequence[int], index: int) -> jax.Array:
   """``[M]`` keys: for member m, ``split(key(seeds[m]), 3)[index]`` (the single run's
   0: initialisation, 1: dropout / noise, 2: evaluation)."""
