@@ -101,6 +101,9 @@ def check_options(name: str, options: Mapping[str, Any]) -> None:
     wanted = _bad_value(option, value)
     if wanted:
       raise ValueError(f"config.evals.{name}.{option} must be {wanted}, got {value!r}.")
+  own_checks = getattr(get(name), "check_option_values", None)  # an evaluator's own options
+  if own_checks:
+    own_checks(**{**known, **options})
 
 
 def names_after_training(config) -> tuple:

@@ -73,6 +73,26 @@ def resolve_ood_datasets(base: str, names: Sequence[str]) -> list:
   return expanded
 
 
+def check_option_values(*, near=(), far=(), datasets=(), scores=(), combine="score_mean",
+                        knn_k=ood_scores.KNN_K, odin_temperature=ood_scores.ODIN_TEMPERATURE,
+                        odin_noise=ood_scores.ODIN_NOISE, **_) -> None:
+  """ValueError (one line) for option values :func:`evaluate` cannot take; what
+  ``evaluators.check_options`` asks before anything runs, and ``evaluate`` itself."""
+  if (near or far) and datasets:
+    raise ValueError("Name the OOD sets by config.evals.ood.near/far or by "
+                     "config.evals.ood.datasets, not both.")
+  if combine not in ood_scores.COMBINE:
+    raise ValueError(f"combine must be one of {ood_scores.COMBINE}, got {combine!r}.")
+  if not (isinstance(knn_k, int) and knn_k >= 1):
+    raise ValueError(f"config.evals.ood.knn_k must be an integer >= 1, got {knn_k!r}.")
+  if not (odin_temperature > 0 and odin_noise >= 0):
+    raise ValueError("config.evals.ood.odin_temperature must be > 0 and odin_noise >= 0, got "
+                     f"{odin_temperature!r} and {odin_noise!r}.")
+  unknown = [s for s in scores if s not in SCORES]
+  if unknown:
+    raise ValueError(f"Unknown OOD scores {unknown}; the scores: {', '.join(SCORES)}.")
+
+
 def evaluate(run, output_dir, *, datasets: Sequence[str] = (), near: Sequence[str] = (),
              far: Sequence[str] = (), scores: Sequence[str] = (), sizes: Sequence[int] = (),
              members: Sequence[str] = (), odin_temperature: float = ood_scores.ODIN_TEMPERATURE,
@@ -91,26 +111,15 @@ def evaluate(run, output_dir, *, datasets: Sequence[str] = (), near: Sequence[st
   per-draw scores, or ``"mean"``, the score of the first n draws' mean logits / tempered
   softmax, one ODIN step per size); the predictive's scores always score p̄ and the fitted ones
   are always per draw.  The FPR@95 conventions: ``ranking``'s docstring."""
+  check_option_values(near=near, far=far, datasets=datasets, scores=scores, combine=combine,
+                      knn_k=knn_k, odin_temperature=odin_temperature, odin_noise=odin_noise)
   config = run.config
   base = run.pipeline.dataset_spec.base
   if near or far:
-    if datasets:
-      raise ValueError("Name the OOD sets by config.evals.ood.near/far or by "
-                       "config.evals.ood.datasets, not both.")
     groups = {"near": list(near), "far": list(far)}
   else:
     groups = {"": resolve_ood_datasets(base, datasets)}
-  if combine not in ood_scores.COMBINE:
-    raise ValueError(f"combine must be one of {ood_scores.COMBINE}, got {combine!r}.")
-  if not (isinstance(knn_k, int) and knn_k >= 1):
-    raise ValueError(f"config.evals.ood.knn_k must be an integer >= 1, got {knn_k!r}.")
-  if not (odin_temperature > 0 and odin_noise >= 0):
-    raise ValueError("config.evals.ood.odin_temperature must be > 0 and odin_noise >= 0, got "
-                     f"{odin_temperature!r} and {odin_noise!r}.")
   chosen = tuple(scores) or (SCORES if (near or far) else ranking.SCORES)
-  unknown = [s for s in chosen if s not in SCORES]
-  if unknown:
-    raise ValueError(f"Unknown OOD scores {unknown}; the scores: {', '.join(SCORES)}.")
   names = [name for sets in groups.values() for name in sets]
   for name in names:  # a missing set fails now, not after the in-distribution pass
     spec = parse_dataset(name)
