@@ -1,5 +1,5 @@
-"""Test settings: 8 simulated CPU devices, fast (unoptimised, elemental-emitter) XLA compiles and a compilation cache
-shared by every process of the run.
+"""Test settings: 8 simulated CPU devices, fast XLA compiles (unoptimised, older emitters) and a
+compilation cache shared by every process of the run.
 
 Compile time dominates on CPU, so tests use narrow models on small inputs and
 share compiled functions through session fixtures.
