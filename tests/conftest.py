@@ -13,14 +13,21 @@ import shutil
 import tempfile
 import time
 
+
+def _jaxlib_before(major: int, minor: int) -> bool:
+  from importlib import metadata
+  return tuple(int(part) for part in metadata.version("jaxlib").split(".")[:2]) < (major, minor)
+
+
 os.environ["XLA_FLAGS"] = " ".join([
     os.environ.get("XLA_FLAGS", ""),
     "--xla_force_host_platform_device_count=8",
     "--xla_backend_optimization_level=0",
     # XLA:CPU's older elemental emitters instead of its MLIR fusion emitters: each compile takes
     # about half the time (38 programs of a tiny ResNet and ViT, train step and predictive:
-    # 3.2 s against 5.9 s), and compiles are most of the suite's time.
-    "--xla_cpu_use_fusion_emitters=false",
+    # 3.2 s against 5.9 s), and compiles are most of the suite's time.  jaxlib 0.11 (the
+    # accelerator image's) has only the fusion emitters and refuses the flag.
+    *(["--xla_cpu_use_fusion_emitters=false"] if _jaxlib_before(0, 11) else []),
 ]).strip()
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

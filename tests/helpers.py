@@ -37,6 +37,16 @@ TINY_RUN = {
 }
 
 
+def subprocess_xla_flags(num_devices: int | None = None) -> str:
+  """This run's ``XLA_FLAGS`` (conftest.py's fast compiles) for a process a test starts, with
+  ``num_devices`` simulated CPU devices (``None``: one)."""
+  flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+           if not flag.startswith("--xla_force_host_platform_device_count")]
+  if num_devices:
+    flags.append(f"--xla_force_host_platform_device_count={num_devices}")
+  return " ".join(flags)
+
+
 def rngs(seed: int = 0) -> dict:
   """The initialisation keys of the tests: ``params`` from ``seed``; ``dropout`` (and iBNN
   ``noise``, :func:`smoothing_jax.inference.sample_rngs`) from 1."""

@@ -273,15 +273,14 @@ def test_two_processes_stop_together_and_match_one_process(tmp_path):
   from smoothing_jax.experiment.checkpoints import load_variables
   from smoothing_jax.parallel import create_mesh
   from smoothing_jax.training import train
-  from tests.helpers import override
+  from tests.helpers import override, subprocess_xla_flags
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
   workdir = tmp_path / "two_processes"
   sizes = {"model_kwargs.width": 4, "model_kwargs.stage_sizes": (1,), "input.batch_size": 16,
            "log_every_steps": 5, "checkpoint_every_steps": 1000, "num_train_steps": 1000}
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": subprocess_xla_flags(4)}
   command = [sys.executable, "-m", "smoothing_jax.main", "--config=configs/quickstart.py:runlocal",
              f"--workdir={workdir}", "--multihost", f"--coordinator_address=localhost:{port}",
              "--num_processes=2"] + [f"--config.{k}={v}" for k, v in sizes.items()]

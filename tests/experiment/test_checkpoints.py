@@ -30,7 +30,13 @@ from smoothing_jax.experiment.checkpoints import (
 from smoothing_jax.experiment.spec import ModelSpec
 from smoothing_jax.parallel import create_mesh
 from smoothing_jax.training import train
-from tests.helpers import evaluate_workdir, flat_variables, override, small_npz_config
+from tests.helpers import (
+    evaluate_workdir,
+    flat_variables,
+    override,
+    small_npz_config,
+    subprocess_xla_flags,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -55,10 +61,10 @@ def _worker(data_dir, jobs):
 
 
 def _start_worker(num_devices: int, data_dir: str, jobs: list) -> subprocess.Popen:
-  flags = f"--xla_force_host_platform_device_count={num_devices} --xla_backend_optimization_level=0"
   return subprocess.Popen([sys.executable, "-m", "tests.experiment.test_checkpoints", data_dir,
                            json.dumps(jobs)], cwd=ROOT,
-                          env=dict(os.environ, XLA_FLAGS=flags, CUDA_VISIBLE_DEVICES=""),
+                          env=dict(os.environ, XLA_FLAGS=subprocess_xla_flags(num_devices),
+                                   CUDA_VISIBLE_DEVICES=""),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -11,7 +11,7 @@ import pytest
 from smoothing_jax.experiment.checkpoints import load_variables
 from smoothing_jax.parallel import create_mesh
 from smoothing_jax.training import train
-from tests.helpers import tiny_config
+from tests.helpers import subprocess_xla_flags, tiny_config
 
 tfds = pytest.importorskip("tensorflow_datasets")  # CIFAR-10 under TFDS mock data
 
@@ -110,7 +110,7 @@ def test_ctrl_c_and_sigkill_then_rerun_is_bit_identical(tmp_path):
         "--config.eval_batch_size=16"
     ]
 
-  env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", CUDA_VISIBLE_DEVICES="")
+  env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags(), CUDA_VISIBLE_DEVICES="")
   checkpoints = tmp_path / "stopped" / "checkpoints"
 
   def start_and_signal(after_checkpoint, sig):
