@@ -37,11 +37,14 @@ TINY_RUN = {
 }
 
 
-def subprocess_xla_flags(num_devices: int | None = None) -> str:
+def subprocess_xla_flags(num_devices: int | None = None, default_emitters: bool = False) -> str:
   """This run's ``XLA_FLAGS`` (conftest.py's fast compiles) for a process a test starts, with
-  ``num_devices`` simulated CPU devices (``None``: one)."""
+  ``num_devices`` simulated CPU devices (``None``: one); ``default_emitters`` leaves out the
+  older-emitter flag, for what must hold bit for bit with XLA:CPU's default code."""
+  dropped = ("--xla_force_host_platform_device_count",
+             *(("--xla_cpu_use_fusion_emitters",) if default_emitters else ()))
   flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
-           if not flag.startswith("--xla_force_host_platform_device_count")]
+           if not flag.startswith(dropped)]
   if num_devices:
     flags.append(f"--xla_force_host_platform_device_count={num_devices}")
   return " ".join(flags)
