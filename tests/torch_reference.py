@@ -5,7 +5,8 @@ repositories (``xxxnell/spatial-smoothing``, ``trungtrinh44/ibnn``) so that its
 ``state_dict`` keys are the reference's.  Written from the reference's documented
 semantics; only the deterministic paths are needed.  Used by the parity tests
 (``tests/convert/test_convert_reference.py``, ``tests/models/test_transformers.py``,
-``tests/experiment/test_init_from.py``) and by
+``tests/experiment/test_init_from.py``; the iBNN repository's Bayesian layers and models, whose
+weights are sampled, ``tests/layers/test_mean_field.py``) and by
 ``experiments/bench_hessian.py`` and ``experiments/bench_accelerator.py``; not part of the
 installed package.  It also transcribes torchmetrics' calibration error
 (:func:`torchmetrics_calibration_error`, ``tests/test_metrics.py``).
@@ -387,3 +388,146 @@ def torchmetrics_calibration_error(confidences, accuracies, n_bins: int) -> floa
   acc_bin = torch.nan_to_num(acc_bin / count_bin)
   prop_bin = count_bin / count_bin.sum()
   return float(torch.sum(torch.abs(acc_bin - conf_bin) * prop_bin))
+
+
+# ------------------------------------------------------------- the iBNN repository's own BNN-VI
+# Transcribed from trungtrinh44/ibnn at commit 665ba40a9f41646635103687e8b52849ad87df52:
+# ``models/utils.py`` (``BayesianLinear``, ``BayesianConv2d``: lines 179–269), ``models/vgg.py``
+# (``make_bayes_layers``, ``BayesianVGG``, ``BayesianVGG16``: lines 49–62, 140–181, 281–283) and
+# ``models/resnet.py`` (``conv3x3``, ``BayesianWideBasic``, ``BayesianWideResNet``,
+# ``BayesianWideResNet28x10``: lines 19–22, 58–78, 211–279).  Layouts and parameter names are the
+# reference's; ``IBNN_VGG16`` is its ``cfg[16]``.
+
+class _Bayesian:
+  """What the reference's two Bayesian layers share: a σ = softplus(ρ) per weight and per bias,
+  ρ = log(expm1(|N(0.015, 0.001²)|)) (``weight_std`` / ``bias_std``); the fixed prior
+  N(prior_mean, prior_std²) as two parameters with ``requires_grad=False``; one ``rsample`` of
+  the weights and biases per forward call, shared by the whole batch; the KL summed over both."""
+
+  def _posterior_init(self, prior_mean, prior_std):
+    def rho_like(tensor):
+      rho = nn.Parameter(torch.zeros_like(tensor))
+      nn.init.normal_(rho, 0.015, 0.001)
+      rho.data.abs_().expm1_().log_()
+      return rho
+    self.weight_std = rho_like(self.weight)
+    if self.bias is not None:
+      self.bias_std = rho_like(self.bias)
+    self.prior_mean = nn.Parameter(torch.tensor(prior_mean), requires_grad=False)
+    self.prior_std = nn.Parameter(torch.tensor(prior_std), requires_grad=False)
+
+  def posterior(self) -> list:
+    """The Normal posteriors of the weights and (if any) the biases."""
+    dists = [torch.distributions.Normal(self.weight, nn.functional.softplus(self.weight_std))]
+    if self.bias is not None:
+      dists.append(torch.distributions.Normal(self.bias, nn.functional.softplus(self.bias_std)))
+    return dists
+
+  def sample(self):
+    """``(weight, bias)``: one reparameterised draw (bias None without one)."""
+    draws = [d.rsample() for d in self.posterior()]
+    return draws[0], (draws[1] if len(draws) > 1 else None)
+
+  def kl(self):
+    prior = torch.distributions.Normal(self.prior_mean, self.prior_std)
+    return sum(torch.distributions.kl_divergence(d, prior).sum() for d in self.posterior())
+
+
+class BayesianLinear(nn.Linear, _Bayesian):
+  def __init__(self, in_features, out_features, bias=True, prior_mean=0.0, prior_std=1.0):
+    super().__init__(in_features, out_features, bias)
+    self._posterior_init(prior_mean, prior_std)
+
+  def forward(self, x):
+    weight, bias = self.sample()
+    return nn.functional.linear(x, weight, bias)
+
+
+class BayesianConv2d(nn.Conv2d, _Bayesian):
+  def __init__(self, in_channels, out_channels, kernel_size, prior_mean=0.0, prior_std=1.0,
+               stride=1, padding=0, bias=True):
+    super().__init__(in_channels, out_channels, kernel_size, stride, padding, bias=bias)
+    self._posterior_init(prior_mean, prior_std)
+
+  def forward(self, x):
+    weight, bias = self.sample()
+    return nn.functional.conv2d(x, weight, bias, self.stride, self.padding)
+
+
+IBNN_VGG16 = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512,
+              "M")
+
+
+class BayesianVGG16(nn.Module):
+  """No BatchNorm, no dropout; convs N(0, 2 / (k²·C_out)) with zero biases, the 512-512-C head at
+  PyTorch's default initialisation.  ``forward`` returns the logits of one sample."""
+
+  def __init__(self, num_classes, prior_mean, prior_std):
+    super().__init__()
+    layers, cin = [], 3
+    for v in IBNN_VGG16:
+      if v == "M":
+        layers.append(nn.MaxPool2d(2, 2))
+      else:
+        layers += [BayesianConv2d(cin, v, 3, prior_mean, prior_std, padding=1), nn.ReLU()]
+        cin = v
+    self.features = nn.Sequential(*layers)
+    self.classifier = nn.Sequential(
+        BayesianLinear(512, 512, True, prior_mean, prior_std), nn.ReLU(),
+        BayesianLinear(512, 512, True, prior_mean, prior_std), nn.ReLU(),
+        BayesianLinear(512, num_classes, True, prior_mean, prior_std))
+    for m in self.modules():
+      if isinstance(m, BayesianConv2d):
+        m.weight.data.normal_(0, (2.0 / (m.kernel_size[0] * m.kernel_size[1]
+                                         * m.out_channels)) ** 0.5)
+        m.bias.data.zero_()
+
+  def kl(self):
+    return sum(m.kl() for m in self.modules() if isinstance(m, _Bayesian))
+
+  def forward(self, x):
+    return self.classifier(self.features(x).flatten(1))
+
+
+class BayesianWideBasic(nn.Module):
+  def __init__(self, cin, planes, stride, prior_mean, prior_std):
+    super().__init__()
+    self.bn1 = nn.BatchNorm2d(cin)
+    self.conv1 = BayesianConv2d(cin, planes, 3, prior_mean, prior_std, padding=1)
+    self.bn2 = nn.BatchNorm2d(planes)
+    self.conv2 = BayesianConv2d(planes, planes, 3, prior_mean, prior_std, stride=stride, padding=1)
+    self.shortcut = (BayesianConv2d(cin, planes, 1, prior_mean, prior_std, stride=stride)
+                     if stride != 1 or cin != planes else nn.Identity())
+
+  def forward(self, x):
+    out = self.conv1(torch.relu(self.bn1(x)))
+    out = self.conv2(torch.relu(self.bn2(out)))
+    return out + self.shortcut(x)
+
+
+class BayesianWideResNet28x10(nn.Module):
+  """The stem a plain (deterministic) ``conv3x3`` with bias; every block conv, 1×1 shortcut and the
+  classifier Bayesian, with biases; the stride on a block's second conv; PyTorch's default
+  initialisation throughout."""
+
+  def __init__(self, num_classes=10, prior_mean=0.0, prior_std=1.0, depth=28, k=10):
+    super().__init__()
+    n = (depth - 4) // 6
+    self.conv1 = nn.Conv2d(3, 16, 3, padding=1, bias=True)
+    cin = 16
+    for i, planes in enumerate((16 * k, 32 * k, 64 * k), start=1):
+      blocks = []
+      for j in range(n):
+        blocks.append(BayesianWideBasic(cin, planes, 2 if i > 1 and j == 0 else 1, prior_mean,
+                                        prior_std))
+        cin = planes
+      setattr(self, f"layer{i}", nn.Sequential(*blocks))
+    self.bn1 = nn.BatchNorm2d(cin, momentum=0.9)
+    self.linear = BayesianLinear(cin, num_classes, True, prior_mean, prior_std)
+
+  def kl(self):
+    return sum(m.kl() for m in self.modules() if isinstance(m, _Bayesian))
+
+  def forward(self, x):
+    x = self.layer3(self.layer2(self.layer1(self.conv1(x))))
+    return self.linear(torch.relu(self.bn1(x)).mean(dim=(2, 3)))

@@ -1,15 +1,21 @@
 """Layers: spatial smoothing (``Prob``, ``Blur``, ``Smooth``), ``MCDropout``, self-attention
 (MSA), and the weights of the Bayesian and ensemble baselines: BNN-VI's mean-field Gaussian
-kernels (``MeanFieldConv``, ``MeanFieldDense``), BatchEnsemble's fast weights
+kernels (``MeanFieldConv``, ``MeanFieldDense``; the iBNN repository's ``BayesianConv``,
+``BayesianDense``), BatchEnsemble's fast weights
 (``BatchEnsembleConv``, ``BatchEnsembleDense``) and iBNN's node noise (``node_noise``)."""
 from smoothing_jax.layers.attention import MultiHeadAttention, WindowAttention
 from smoothing_jax.layers.batch_ensemble import BatchEnsembleConv, BatchEnsembleDense
 from smoothing_jax.layers.dropout import MCDropout
-from smoothing_jax.layers.mean_field import MeanFieldConv, MeanFieldDense
+from smoothing_jax.layers.mean_field import (
+  BayesianConv,
+  BayesianDense,
+  MeanFieldConv,
+  MeanFieldDense,
+)
 from smoothing_jax.layers.smoothing import Blur, Prob, Smooth, blur_kernel, blur_padding
 
 __all__ = [
-    "BatchEnsembleConv", "BatchEnsembleDense", "Blur", "MCDropout", "MeanFieldConv",
-    "MeanFieldDense", "MultiHeadAttention", "Prob", "Smooth", "WindowAttention", "blur_kernel",
-    "blur_padding"
+    "BatchEnsembleConv", "BatchEnsembleDense", "BayesianConv", "BayesianDense", "Blur",
+    "MCDropout", "MeanFieldConv", "MeanFieldDense", "MultiHeadAttention", "Prob", "Smooth",
+    "WindowAttention", "blur_kernel", "blur_padding"
 ]

@@ -22,6 +22,13 @@ He-normal, fan-in, truncated; the layers' default), ρ ~ TruncatedNormal(softplu
 with σ₀ = 1e-3.  Parameters: ``kernel`` (μ; a deterministic checkpoint's kernel loads into it),
 ``kernel_rho`` (ρ) and ``bias``.  Noise comes from the ``"noise"`` RNG stream, at training and
 evaluation alike.
+
+The iBNN repository's own BNN-VI (trungtrinh44/ibnn at 665ba40, ``models/utils.py``:
+``BayesianLinear``, ``BayesianConv2d``) is :class:`BayesianConv` / :class:`BayesianDense`: the
+biases are variational too (``bias``, ``bias_rho``), ρ starts at softplus⁻¹|N(σ₀, 0.001²)| with
+σ₀ = 0.015 (``nn.init.normal_(weight_std, 0.015, 0.001)`` then ``abs_().expm1_().log_()``), and a
+pass draws one sample of the kernel and one of the bias for the whole batch (``rsample()``), no
+Flipout.  :func:`kl_divergence` sums over every variational kernel and bias.
 """
 from __future__ import annotations
 
@@ -37,6 +44,10 @@ from smoothing_jax.layers.functional import conv2d, layers_holding
 
 POSTERIOR_STD_INIT = 1e-3  # σ₀ (uncertainty-baselines ``--stddev_init``)
 RHO_INIT_STD = 0.1          # std of the truncated normal around softplus⁻¹(σ₀) (edward2)
+# The iBNN repository's σ initialisation |N(0.015, 0.001²)| (``models/utils.py`` at 665ba40,
+# ``BayesianLinear.__init__`` and ``BayesianConv2d.__init__``).
+IBNN_POSTERIOR_STD_INIT = 0.015
+IBNN_POSTERIOR_STD_SPREAD = 0.001
 
 
 # μ: Keras ``he_normal`` (truncated normal, fan-in, variance 2 / fan_in), edward2's
@@ -51,27 +62,43 @@ def rho_init(posterior_std: float = POSTERIOR_STD_INIT, std: float = RHO_INIT_ST
       key, -2.0, 2.0, shape, dtype)
 
 
+def abs_normal_rho_init(posterior_std: float = IBNN_POSTERIOR_STD_INIT,
+                        spread: float = IBNN_POSTERIOR_STD_SPREAD):
+  """ρ = softplus⁻¹(|N(σ₀, spread²)|) = log(expm1|ε|): the iBNN repository's initialisation."""
+  def init(key, shape, dtype=jnp.float32):
+    sigma = jnp.abs(posterior_std + spread * jax.random.normal(key, shape, dtype))
+    return jnp.log(jnp.expm1(sigma))
+  return init
+
+
 def gaussian_kl(mean, std, prior_mean, prior_std):
   """KL(N(mean, std²) ‖ N(prior_mean, prior_std²)), elementwise (closed form)."""
   return jnp.log(prior_std / std) + (std**2 + (mean - prior_mean)**2) / (2 * prior_std**2) - 0.5
 
 
+VARIATIONAL = ("kernel", "bias")  # parameters that may have a posterior σ (``<name>_rho``)
+
+
 def mean_field_layers(params) -> list:
-  """The parameter dicts of every mean-field layer (those holding ``kernel_rho``), in order."""
+  """The parameter dicts of every mean-field layer (those holding ``kernel_rho``; Flipout's and
+  the iBNN repository's alike), in order."""
   return layers_holding(params, "kernel_rho")
 
 
 def kl_divergence(params, prior_std: float, prior_mean: float | None = None):
-  """Σ over every mean-field kernel entry of KL(q(w) ‖ p(w)), p = N(prior_mean, prior_std²).
+  """Σ over every variational kernel entry and bias (those with a ``<name>_rho``: the iBNN
+  repository's layers have variational biases) of KL(q(w) ‖ p(w)), p = N(prior_mean, prior_std²).
 
   ``prior_mean`` None ties the prior's mean to the posterior's (uncertainty-baselines' default,
   edward2 ``NormalKLDivergenceWithTiedMean``): only σ is pulled, towards ``prior_std``.
   """
   total = 0.0
   for layer in mean_field_layers(params):
-    mean, std = layer["kernel"], jax.nn.softplus(layer["kernel_rho"])
-    total += jnp.sum(gaussian_kl(mean, std, mean if prior_mean is None else prior_mean,
-                                 prior_std))
+    for name in VARIATIONAL:
+      if f"{name}_rho" in layer:
+        mean, std = layer[name], jax.nn.softplus(layer[f"{name}_rho"])
+        total += jnp.sum(gaussian_kl(mean, std, mean if prior_mean is None else prior_mean,
+                                     prior_std))
   return total
 
 
@@ -138,3 +165,51 @@ class MeanFieldDense(_MeanField):
 
     y = matmul(x, mean) + self.flipout(x, std, matmul)
     return y + self.param("bias", self.bias_init, (self.features,)).astype(y.dtype)
+
+
+class _OneSample(nn.Module):
+  """A kernel (and bias) drawn once per pass for the whole batch: w = μ + σ ∘ ε, σ = softplus(ρ),
+  ρ from :func:`abs_normal_rho_init` (the iBNN repository's ``rsample()``)."""
+  posterior_std_init: float = IBNN_POSTERIOR_STD_INIT
+  kernel_init: Callable = he_normal
+  bias_init: Callable = nn.initializers.zeros
+
+  def sample(self, name: str, init: Callable, shape):
+    """One draw of the parameter ``name`` (μ) with its posterior σ (``<name>_rho``)."""
+    mean = self.param(name, init, shape)
+    rho = self.param(f"{name}_rho", abs_normal_rho_init(self.posterior_std_init), shape)
+    return mean + nn.softplus(rho) * jax.random.normal(self.make_rng("noise"), shape, mean.dtype)
+
+
+class BayesianConv(_OneSample):
+  """The iBNN repository's ``BayesianConv2d``: ``nn.Conv2d`` (explicit symmetric zero padding)
+  with a Gaussian kernel and bias, one sample of each per pass.
+  ``__call__(x [B,H,W,C_in]) -> [B,H',W',features]``."""
+  features: int = 64
+  kernel_size: int = 3
+  stride: int = 1
+  padding: int = 0
+  use_bias: bool = False
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.sample("kernel", self.kernel_init, (self.kernel_size, self.kernel_size,
+                                                      x.shape[-1], self.features))
+    y = conv2d(x, kernel, self.stride, self.padding, dtype=self.dtype)
+    if self.use_bias:
+      y = y + self.sample("bias", self.bias_init, (self.features,)).astype(y.dtype)
+    return y
+
+
+class BayesianDense(_OneSample):
+  """The iBNN repository's ``BayesianLinear``: ``nn.Dense`` with a Gaussian kernel and bias, one
+  sample of each per pass.  ``__call__(x [B,C_in]) -> [B,features]``."""
+  features: int = 10
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.sample("kernel", self.kernel_init, (x.shape[-1], self.features))
+    y = x.astype(self.dtype) @ kernel.astype(self.dtype)
+    return y + self.sample("bias", self.bias_init, (self.features,)).astype(y.dtype)

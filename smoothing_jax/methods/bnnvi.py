@@ -1,17 +1,21 @@
-"""BNN-VI (Blundell et al. 2015): the ELBO of the mean-field models (``vgg_bnnvi_16``,
-``wideresnet_bnnvi_28_10``; the layers are in :mod:`smoothing_jax.layers.mean_field`).
+"""BNN-VI (Blundell et al. 2015): the ELBO of the mean-field models (the layers are in
+:mod:`smoothing_jax.layers.mean_field`): uncertainty-baselines' (``vgg_bnnvi_16``,
+``wideresnet_bnnvi_28_10``: Flipout, deterministic biases) and the iBNN repository's own
+(``vgg_bayesian_16``, ``wideresnet_bayesian_28_10``: one sample per pass, variational biases,
+whose KL joins the kernels').
 
 Predictive: N weight samples, as MC dropout's N passes (pass n with the noise key of
 ``split(key, N)[n]``).  The objective is the iBNN paper's, so the two compare under one
 protocol: per example,
 
-    −ELBO / N = mean NLL of one Flipout pass + β · KL(q(W) ‖ p(W)) / N,
+    −ELBO / N = mean NLL of one pass + β · KL(q(W) ‖ p(W)) / N,
 
 β annealed linearly per epoch from 0 to 1 (:func:`smoothing_jax.methods.ibnn.kl_weight`; per
 step with ``config.bnnvi.kl_anneal_per_step``, as uncertainty-baselines does), N the
 training-set size.  The prior is uncertainty-baselines' (``variational_inference.py``): N(μ, s²)
 with its mean tied to the posterior's and s = 0.1, so the KL pulls every σ towards s; a fixed
-prior mean (``config.bnnvi.prior_mean``) gives Blundell et al.'s N(m, s²) instead.
+prior mean (``config.bnnvi.prior_mean``) gives Blundell et al.'s N(m, s²) instead, the iBNN
+repository's (``configs/cifar_ibnn.py`` sets its ``train.py`` defaults, N(1, 0.5²), and Adam).
 """
 from __future__ import annotations
 
@@ -46,10 +50,12 @@ class Objective(NamedTuple):
 
 
 def decay_mask(params):
-  """True for the parameters weight decay applies to: all but the mean-field kernels' μ and ρ,
-  which the KL regularises (uncertainty-baselines: L2 on BatchNorm and biases only)."""
-  posterior = in_layers_holding(params, "kernel_rho", ("kernel", "kernel_rho"))
-  return jax.tree.map(lambda variational: not variational, posterior)
+  """True for the parameters weight decay applies to: all but the variational kernels' and
+  biases' μ and ρ, which the KL regularises (uncertainty-baselines: L2 on BatchNorm and biases
+  only; the iBNN repository's biases are variational)."""
+  kernels = in_layers_holding(params, "kernel_rho", ("kernel", "kernel_rho"))
+  biases = in_layers_holding(params, "bias_rho", ("bias", "bias_rho"))
+  return jax.tree.map(lambda kernel, bias: not (kernel or bias), kernels, biases)
 
 
 def annealed_kl_weight(step, objective: Objective):
@@ -71,12 +77,14 @@ def elbo_terms(params, objective: Objective, nll, step):
 
 @dataclasses.dataclass(frozen=True)
 class BNNVI(MCDropout):
-  """Mean-field Gaussian weights sampled by Flipout: the predictive of N weight samples, the
-  ELBO of ``config.bnnvi``, weight decay on everything but the posterior."""
+  """Mean-field Gaussian weights (Flipout, or the iBNN repository's one sample per pass): the
+  predictive of N weight samples, the ELBO of ``config.bnnvi``, weight decay on everything but
+  the posterior."""
   name = "bnnvi"
   settings = {
       "prior_std": 0.1,  # s of the prior N(μ, s²) (uncertainty-baselines' --prior_stddev)
-      "prior_mean": placeholder(float),  # None: tied to the posterior mean (uncertainty-baselines)
+      # None: tied to the posterior mean (uncertainty-baselines); the iBNN repository's is 1.0
+      "prior_mean": placeholder(float),
       "kl_anneal_epochs": 200,  # β: 0 → 1 linearly per epoch (the iBNN protocol)
       "kl_anneal_per_step": False,  # β per step instead (uncertainty-baselines)
   }
@@ -92,7 +100,7 @@ class BNNVI(MCDropout):
     return self
 
   def loss(self, config, *, num_train: int, steps_per_epoch: int, class_weights=None):
-    """The cross-entropy of one Flipout pass + β·KL/N (:func:`elbo_terms`)."""
+    """The cross-entropy of one pass + β·KL/N (:func:`elbo_terms`)."""
     objective = Objective(config.bnnvi.prior_std, config.bnnvi.prior_mean, num_train,
                           steps_per_epoch, config.bnnvi.kl_anneal_epochs,
                           config.bnnvi.kl_anneal_per_step).check()

@@ -5,7 +5,9 @@ variant ``dnn`` (deterministic), ``mcdo`` (MC dropout), ``dnn_smoothing`` or
 ``mcdo_smoothing``; plus the iBNN models ``vgg_ibnn_16`` and ``wideresnet_ibnn_28_10``
 (``num_components=K`` override; they take ``components`` and a ``"noise"`` key); the BNN-VI
 models ``vgg_bnnvi_16`` and ``wideresnet_bnnvi_28_10`` (mean-field Gaussian kernels, a
-``"noise"`` key per pass); the BatchEnsemble models ``resnet_batchensemble_18`` and
+``"noise"`` key per pass) and the iBNN repository's own BNN-VI ``vgg_bayesian_16`` and
+``wideresnet_bayesian_28_10`` (its ``BayesianVGG16``, ``BayesianWideResNet28x10``); the
+BatchEnsemble models ``resnet_batchensemble_18`` and
 ``wideresnet_batchensemble_28_10`` (``ensemble_size=M`` override, default 4; ``components``
 names each row's member); and the
 self-attention models ``vit_{ti,s,b}``, ``pit_{ti,s}``, ``swin_{t,s}`` and
@@ -51,6 +53,9 @@ MCDO_RATE = 0.3
 ALEXNET_MCDO_RATE = 0.1
 UNET_MCDO_RATE = 0.5  # Bayesian SegNet
 IBNN_COMPONENTS = 4
+# The iBNN repository's BNN-VI layers (``bnn_reference="ibnn"``), σ₀ of ρ = softplus⁻¹|N(σ₀,
+# 0.001²)|.
+IBNN_BNNVI = dict(mean_field=True, bnn_reference="ibnn", posterior_std_init=0.015)
 BATCH_ENSEMBLE_SIZE = 4
 # uncertainty-baselines' WRN-28-10 (``wide_resnet_variational``, ``wide_resnet_batchensemble``).
 UB_WIDERESNET = dict(depth=28, widen_factor=10, conv_bias=False, stride_first=True,
@@ -122,6 +127,15 @@ def _registry():
                                         classifier="mlp512", mean_field=True,
                                         kernel_init="pytorch_dense"))
   registry["wideresnet_bnnvi_28_10"] = (WideResNet, dict(UB_WIDERESNET, mean_field=True))
+  # The iBNN repository's own BNN-VI (trungtrinh44/ibnn at 665ba40: ``BayesianVGG16`` in
+  # ``models/vgg.py``, ``BayesianWideResNet28x10`` in ``models/resnet.py``): variational kernels
+  # and biases drawn once per pass, its VGG-16 and WRN (the stem a plain conv), its initialisation.
+  registry["vgg_bayesian_16"] = (VGG, dict(stage_sizes=VGG_STAGES[16], batch_norm=False,
+                                           classifier="mlp512", kernel_init="pytorch_dense",
+                                           **IBNN_BNNVI))
+  registry["wideresnet_bayesian_28_10"] = (WideResNet, dict(depth=28, widen_factor=10,
+                                                            kernel_init="pytorch_default",
+                                                            point_stem=True, **IBNN_BNNVI))
   # BatchEnsemble (Wen et al.): uncertainty-baselines' WRN-28-10 and a CIFAR ResNet-18.
   registry["resnet_batchensemble_18"] = (ResNet, dict(stage_sizes=RESNET_STAGES[18][0],
                                                       block="basic",

@@ -21,7 +21,13 @@ from smoothing_jax.layers.batch_ensemble import (
   BatchEnsembleConv,
   BatchEnsembleDense,
 )
-from smoothing_jax.layers.mean_field import POSTERIOR_STD_INIT, MeanFieldConv, MeanFieldDense
+from smoothing_jax.layers.mean_field import (
+  POSTERIOR_STD_INIT,
+  BayesianConv,
+  BayesianDense,
+  MeanFieldConv,
+  MeanFieldDense,
+)
 from smoothing_jax.layers.node_noise import NodeNoiseConv, NodeNoiseDense
 
 STEMS = ("cifar", "imagenet")
@@ -31,6 +37,10 @@ WEIGHTS = ("point", "ibnn", "mean_field", "batch_ensemble")
 WEIGHT_NAMES = {"point": "point-estimate", "ibnn": "iBNN", "mean_field": "BNN-VI",
                 "batch_ensemble": "BatchEnsemble"}
 CLASSIFIERS = ("gap", "mlp", "mlp512")
+# Whose mean-field layers a BNN-VI builds (``CNN.bnn_reference``): uncertainty-baselines'
+# (Flipout, deterministic biases) or the iBNN repository's (one sample per pass, variational
+# biases).
+MEAN_FIELD_LAYERS = {"ub": (MeanFieldConv, MeanFieldDense), "ibnn": (BayesianConv, BayesianDense)}
 
 # PyTorch BatchNorm2d defaults: running = 0.9 · running + 0.1 · batch, eps 1e-5.
 batch_norm = functools.partial(nn.BatchNorm, momentum=0.9, epsilon=1e-5)
@@ -206,10 +216,14 @@ class CNN(nn.Module):
       then take ``components`` [B] (default: row r uses component r mod K) and a ``"noise"`` key.
     noise_init_std: σ₀ of the iBNN mean initialisation μ ~ N(1, σ₀²).
     bias_noise: iBNN scalar noise on each layer's bias (the reference's default).
-    mean_field: BNN-VI (VGG, WRN-28-10): every conv and dense kernel a mean-field Gaussian with
-      Flipout (``smoothing_jax.layers.mean_field``; a ``"noise"`` key per pass, BatchNorm and
-      biases deterministic).
-    posterior_std_init: σ₀ of the BNN-VI initialisation ρ ~ N(softplus⁻¹(σ₀), 0.1²).
+    mean_field: BNN-VI (VGG, WRN-28-10): every conv and dense kernel a mean-field Gaussian
+      (``smoothing_jax.layers.mean_field``; a ``"noise"`` key per pass, BatchNorm
+      deterministic), sampled as ``bnn_reference`` says.
+    posterior_std_init: σ₀ of the BNN-VI initialisation: ρ ~ N(softplus⁻¹(σ₀), 0.1²) for
+      ``bnn_reference="ub"``, ρ = softplus⁻¹|N(σ₀, 0.001²)| for ``"ibnn"``.
+    bnn_reference: whose BNN-VI layers ``mean_field`` builds: ``"ub"`` (uncertainty-baselines:
+      Flipout, deterministic biases) or ``"ibnn"`` (the iBNN repository's ``BayesianConv2d`` /
+      ``BayesianLinear``: one sample of the kernels and biases per pass, variational biases).
     ensemble_size: BatchEnsemble (ResNet, VGG, WRN-28-10): M > 0 members with rank-1 fast weights
       on every conv and dense layer (``smoothing_jax.layers.batch_ensemble``); ``components`` [B]
       then names each row's member (default: row r uses member r mod M).
@@ -235,6 +249,7 @@ class CNN(nn.Module):
   bias_noise: bool = True
   mean_field: bool = False
   posterior_std_init: float = POSTERIOR_STD_INIT
+  bnn_reference: str = "ub"
   ensemble_size: int = 0
   random_sign_init: float = RANDOM_SIGN_INIT
   kernel_init: str = "reference"
@@ -281,6 +296,12 @@ class CNN(nn.Module):
     if len(chosen) > 1:
       raise ValueError(f"{type(self).__name__}: choose one of num_components (iBNN), mean_field "
                        f"(BNN-VI) and ensemble_size (BatchEnsemble); got {' and '.join(chosen)}.")
+    if self.bnn_reference not in MEAN_FIELD_LAYERS:
+      raise ValueError(f"Unknown bnn_reference {self.bnn_reference!r}; choose one of "
+                       f"{sorted(MEAN_FIELD_LAYERS)}.")
+    if self.bnn_reference != "ub" and not self.mean_field:
+      raise ValueError(f"bnn_reference={self.bnn_reference!r} chooses BNN-VI's layers; it needs "
+                       "mean_field=True.")
     if self.weights not in weights:
       raise ValueError(f"{type(self).__name__} has no {WEIGHT_NAMES[self.weights]} variant; it "
                        f"builds {', '.join(WEIGHT_NAMES[w] for w in weights)} weights.")
@@ -293,21 +314,24 @@ class CNN(nn.Module):
                 bias_noise=self.bias_noise,
                 mean_field=self.mean_field,
                 posterior_std_init=self.posterior_std_init,
+                bnn_reference=self.bnn_reference,
                 ensemble_size=self.ensemble_size,
                 random_sign_init=self.random_sign_init,
                 kernel_init=self.kernel_init)
 
   def conv(self, x, components, features, kernel_size, stride=1, padding=0, bias=False, name=None,
-           groups=1):
-    """A ``conv`` layer applied to ``x``, its weights as ``weights`` says (``components``: each
-    row's iBNN component or BatchEnsemble member)."""
-    if groups != 1 and self.weights in ("ibnn", "mean_field"):
-      raise ValueError(f"Grouped convolutions have no {self.weights} variant.")
+           groups=1, point=False):
+    """A ``conv`` layer applied to ``x``, its weights as ``weights`` says (``point``: point
+    estimates whatever it says; ``components``: each row's iBNN component or BatchEnsemble
+    member)."""
+    weights = "point" if point else self.weights
+    if groups != 1 and weights in ("ibnn", "mean_field"):
+      raise ValueError(f"Grouped convolutions have no {weights} variant.")
     scheme = KERNEL_INITS[self.kernel_init]
     init = scheme.conv
     bias_init = (pytorch_default_bias(kernel_size**2 * x.shape[-1] // groups)
                  if scheme.conv_bias_uniform else nn.initializers.zeros)
-    if self.weights == "ibnn":
+    if weights == "ibnn":
       return NodeNoiseConv(self.num_components,
                            self.bias_noise,
                            self.noise_init_std,
@@ -320,11 +344,12 @@ class CNN(nn.Module):
                            bias_init=bias_init,
                            dtype=self.dtype,
                            name=name)(x, components)
-    if self.weights == "mean_field":
-      return MeanFieldConv(self.posterior_std_init, features=features, kernel_size=kernel_size,
-                           stride=stride, padding=padding, use_bias=bias, kernel_init=init,
-                           bias_init=bias_init, dtype=self.dtype, name=name)(x)
-    if self.weights == "batch_ensemble":
+    if weights == "mean_field":
+      layer = MEAN_FIELD_LAYERS[self.bnn_reference][0]
+      return layer(self.posterior_std_init, features=features, kernel_size=kernel_size,
+                   stride=stride, padding=padding, use_bias=bias, kernel_init=init,
+                   bias_init=bias_init, dtype=self.dtype, name=name)(x)
+    if weights == "batch_ensemble":
       return BatchEnsembleConv(self.ensemble_size, self.random_sign_init, features=features,
                                kernel_size=kernel_size, stride=stride, padding=padding,
                                groups=groups, use_bias=bias, kernel_init=init,
@@ -348,8 +373,9 @@ class CNN(nn.Module):
                             dtype=self.dtype,
                             name=name)(x, components)
     if self.weights == "mean_field":
-      return MeanFieldDense(self.posterior_std_init, features=features, kernel_init=init,
-                            bias_init=bias_init, dtype=self.dtype, name=name)(x)
+      layer = MEAN_FIELD_LAYERS[self.bnn_reference][1]
+      return layer(self.posterior_std_init, features=features, kernel_init=init,
+                   bias_init=bias_init, dtype=self.dtype, name=name)(x)
     if self.weights == "batch_ensemble":
       return BatchEnsembleDense(self.ensemble_size, self.random_sign_init, features=features,
                                 kernel_init=init, bias_init=bias_init, dtype=self.dtype,

@@ -9,7 +9,9 @@ head is max-pool + adaptive average pool to 7×7 + a 4096-4096 MLP.
 instead), head max-pool + 512-512-C MLP (``classifier="mlp512"``), and iBNN node
 noise on the input of all 13 convs and 3 dense layers: 5,251 noisy input nodes
 per component.  ``vgg_bnnvi_16`` is the same network with mean-field Gaussian kernels (BNN-VI),
-the iBNN paper's Bayesian baseline.  The reference's deterministic ``DetVGG16`` puts dropout 0.5
+uncertainty-baselines' layers; ``vgg_bayesian_16`` is the iBNN repository's own BNN-VI, the
+baseline of the iBNN paper (``BayesianVGG16``: variational kernels and biases, one sample per
+pass).  The reference's deterministic ``DetVGG16`` puts dropout 0.5
 before both hidden layers of that head (``head_dropout_rate``), train-only for its SGD baseline
 and kept on at test time for its MC dropout (``head_mc_dropout``).
 """

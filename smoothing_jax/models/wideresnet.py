@@ -16,6 +16,11 @@ the final BatchNorm with momentum 0.9 like the others (``conv_bias``, ``stride_f
 ``padding="same"`` pads a stride-2 3×3 conv on the bottom and right only, ours on every side
 (the PyTorch references'), which shifts that conv's sampling grid by one pixel; the sizes and
 parameter counts are the same.
+
+``wideresnet_bayesian_28_10`` is the iBNN repository's own BNN-VI, ``BayesianWideResNet28x10``
+(``models/resnet.py`` at 665ba40): the iBNN reference's layout with its Bayesian layers
+(``bnn_reference="ibnn"``) everywhere but the stem, a plain deterministic ``conv3x3``
+(``point_stem``).
 """
 from __future__ import annotations
 
@@ -55,6 +60,7 @@ class WideResNet(CNN):
   stride_first: bool = False
   # The iBNN reference builds this BN with PyTorch momentum 0.9, i.e. Flax momentum 0.1.
   head_bn_momentum: float = 0.1
+  point_stem: bool = False  # the stem conv keeps point weights whatever ``weights`` says
 
   def feature_taps(self) -> list:
     """``[(name, kind)]`` of the feature-map taps in order (:mod:`smoothing_jax.analysis.features`):
@@ -75,7 +81,8 @@ class WideResNet(CNN):
     if self.stem != "cifar" or classifier != "gap":
       raise ValueError("WRN-28-10 is defined for CIFAR inputs with a GAP classifier only.")
     n = (self.depth - 4) // 6
-    x = self.conv(x, components, self.width, 3, 1, 1, bias=self.conv_bias, name="conv1")
+    x = self.conv(x, components, self.width, 3, 1, 1, bias=self.conv_bias, name="conv1",
+                  point=self.point_stem)
     self.sow("intermediates", "stem", x)  # depth 0 of the feature taps
     for stage in range(1, 4):
       features = self.width * self.widen_factor * 2 ** (stage - 1)

@@ -112,14 +112,24 @@ def test_cifar_ibnn_trains_every_method_under_one_protocol():
   from smoothing_jax.models import is_stochastic
   shared = ("optimizer", "nesterov", "input.batch_size", "learning_rate", "weight_decay",
             "num_epochs", "lr_schedule", "lr_final_ratio", "ece_bins")
+  adam = ("optimizer", "learning_rate", "weight_decay")  # the iBNN repository's BNN-VI: Adam
   for architecture, methods in cifar_ibnn.METHODS.items():
     configs = {method: cifar_ibnn.get_config(f"{name},cifar100")
                for method, name in methods.items()}
-    assert len({tuple(c[k] for k in shared) for c in configs.values()}) == 1, architecture
+    others = [c for method, c in configs.items() if method != "bnnvi"]
+    assert len({tuple(c[k] for k in shared) for c in others}) == 1, architecture
+    assert len({tuple(c[k] for k in shared if k not in adam) for c in configs.values()}) == 1
+    assert (configs["bnnvi"].optimizer, configs["bnnvi"].learning_rate,
+            configs["bnnvi"].weight_decay) == ("adam", 1e-3, 0.0)
+    assert (configs["bnnvi"].bnnvi.prior_mean, configs["bnnvi"].bnnvi.prior_std) == (1.0, 0.5)
+    assert (configs["bnnvi_ub"].bnnvi.prior_mean, configs["bnnvi_ub"].bnnvi.prior_std) == (
+        None, 0.1)
     spec = ModelSpec(100, "cifar", (32, 32, 3))
     models = {method: build_model(c, spec) for method, c in configs.items()}
     weights = {method: model.weights for method, model in models.items()}
-    assert weights == {"dnn": "point", "mcdo": "point", "bnnvi": "mean_field", "ibnn": "ibnn"}
+    assert weights == {"dnn": "point", "mcdo": "point", "bnnvi": "mean_field",
+                       "bnnvi_ub": "mean_field", "ibnn": "ibnn"}
+    assert (models["bnnvi"].bnn_reference, models["bnnvi_ub"].bnn_reference) == ("ibnn", "ub")
     fields = ("conv_bias", "stride_first", "head_bn_momentum", "kernel_init", "width",
               "widen_factor", "depth", "batch_norm", "classifier", "stage_sizes")
     architectures = {tuple(getattr(m, f, None) for f in fields) for m in models.values()}

@@ -18,7 +18,8 @@ SPEC = ModelSpec(4, "cifar", (16, 16, 3), 32)
 FIXTURE_0_1_0 = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures",
                              "config_0_1_0_quickstart.json")
 # Keys of today's quickstart config that 0.1.0 did not record (none yet).
-ADDED_SINCE_0_1_0 = {"deep_ensemble.member_seeds", "bnnvi.kl_anneal_per_step"}
+ADDED_SINCE_0_1_0 = {"deep_ensemble.member_seeds", "bnnvi.kl_anneal_per_step",
+                     "model_kwargs.bnn_reference"}
 
 
 def _flat(config, prefix="") -> dict:

@@ -164,3 +164,38 @@ def test_uncertainty_baselines_vi_recipe_builds_its_wrn_and_anneals_beta_per_ste
   assert [float(bnnvi.annealed_kl_weight(s, objective)) for s in (0, 19, 39, 400)] == [
       np.float32(1 / 40), 0.5, 1.0, 1.0]
   assert float(bnnvi.annealed_kl_weight(15, objective._replace(kl_anneal_per_step=False))) == 0.25
+
+
+def test_the_ibnn_repository_bnnvi_trains_with_adam_and_decays_no_variational_parameter():
+  """``configs/cifar_ibnn.py:wideresnet_bayesian_28_10`` is the iBNN repository's BNN-VI (its
+  ``train.py`` at 665ba40): the BNN-VI method with the fixed prior N(1, 0.5²), whose KL covers
+  every variational kernel and bias, and Adam at 1e-3 without decay (optax.adam's β 0.9/0.999
+  and ε 1e-8 are torch's); the decay mask skips every σ and μ (the stem conv and BatchNorm
+  alone are deterministic).  Shapes only, nothing compiled."""
+  from flax.traverse_util import flatten_dict
+
+  from configs import cifar_ibnn
+  from smoothing_jax.experiment.spec import ModelSpec, build_model
+  from tests.helpers import abstract_variables
+  config = cifar_ibnn.get_config("wideresnet_bayesian_28_10,cifar10")
+  model = build_model(config, ModelSpec(num_classes=10, stem="cifar", image_shape=(32, 32, 3)))
+  assert isinstance(methods.resolve(config, model), bnnvi.BNNVI)
+  assert (model.bnn_reference, model.point_stem, model.posterior_std_init) == ("ibnn", True, 0.015)
+  assert (config.bnnvi.prior_mean, config.bnnvi.prior_std, config.bnnvi.kl_anneal_epochs) == (
+      1.0, 0.5, 200)
+  params = abstract_variables(model)["params"]
+  mask = flatten_dict(bnnvi.decay_mask(params), sep="/")
+  decayed = {k for k, on in mask.items() if on}
+  assert decayed == {k for k in mask if k.startswith("conv1/") or "bn" in k.split("/")[-2]}
+  assert {"conv1/kernel", "conv1/bias", "bn1/scale"} <= decayed
+  # One Adam step at rate 1e-3 from any gradient: −1e-3 · g / (|g| + ε) on every parameter.
+  tiny = get_model("resnet_dnn_18", 4, width=4, stage_sizes=(1,), mean_field=True,
+                   bnn_reference="ibnn")
+  params = jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype),
+                        abstract_variables(tiny, (1, 16, 16, 3))["params"])
+  assert "bias_rho" in params["classifier_0"]
+  tx = optim.create_optimizer(config, lambda step: config.learning_rate, tiny)
+  grads = jax.tree.map(lambda p: 0.5 * p, params)
+  updates, _ = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(grads, params)
+  for update in jax.tree.leaves(updates):
+    np.testing.assert_allclose(update, -1e-3, rtol=2e-5)  # float32 bias corrections
