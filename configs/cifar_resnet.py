@@ -14,6 +14,7 @@ prediction (``config_base.with_uncertainty_evals``).
   --config=configs/cifar_resnet.py:resnet_mcdo_18,cifar10,uncertainty      # + OOD, recalibration
   --config=configs/cifar_resnet.py:wideresnet_batchensemble_28_10,cifar10  # BatchEnsemble
   --config=configs/cifar_resnet.py:wideresnet_bnnvi_28_10,cifar10  # uncertainty-baselines' VI
+  --config=configs/cifar_resnet.py:wideresnet_mimo_28_10,cifar10   # MIMO
 
 SGD (momentum 0.9, no Nesterov), lr 0.1 at batch 128, weight decay 5e-4,
 200 epochs after 1 linear warm-up epoch, lr × 0.2 at epochs 60/130/160 (the
@@ -25,6 +26,15 @@ SGD-Nesterov 0.9, lr 0.1 at 128 new images a step (each repeated for the M membe
 with 1 warm-up epoch, lr × 0.2 at epochs 100/200/225, Keras L2 3e-4 on all but the fast weights
 (weight decay 6e-4 here: L2 λ·‖w‖² is decay 2λ), the fast weights and member biases at half the
 rate, fast weights initialised N(1, 0.5²) (``random_sign_init`` −0.5).
+
+MIMO models (``resnet_mimo_18``, ``wideresnet_mimo_28_10``: M = 3) take uncertainty-baselines'
+CIFAR MIMO settings (``baselines/cifar/mimo.py`` with the flags of ``baselines/cifar/utils.py``,
+commit 163351d4): SGD-Nesterov 0.9, lr 0.1 at 128 new images a step (``per_core_batch_size`` 64 ×
+``num_cores`` 8 // ``batch_repetitions`` 4; ``base_learning_rate`` 0.1 × 128 / 128), each
+repeated 4 times (``mimo.batch_repetitions``) with input repetition probability 0
+(``mimo.input_repetition_probability``), 250 epochs with 1 warm-up epoch, lr × 0.2 at epochs
+100/200/225 (``lr_decay_epochs`` 80/160/180 × 250 // 200), Keras L2 3e-4 on every kernel, bias and
+BatchNorm parameter (weight decay 6e-4 here).
 
 The variational WRN-28-10 (``wideresnet_bnnvi_28_10``: UB's layout, 72,940,426 parameters) takes
 uncertainty-baselines' VI recipe instead (``baselines/cifar/variational_inference.py`` with the
@@ -74,6 +84,13 @@ def get_config(arg: str = ""):
     config.lr_milestones = (99, 199, 224)  # counted after the warm-up: epochs 100, 200, 225
     config.batch_ensemble.fast_weight_lr_multiplier = 0.5
     config.batch_ensemble.fast_weight_decay = 0.0
+  if "_mimo_" in args.model:           # uncertainty-baselines' baselines/cifar/mimo.py
+    config.nesterov = True
+    config.weight_decay = 2 * 3e-4
+    config.num_epochs = 249            # + the warm-up epoch: uncertainty-baselines' 250
+    config.lr_milestones = (99, 199, 224)  # counted after the warm-up: epochs 100, 200, 225
+    config.mimo.batch_repetitions = 4
+    config.mimo.input_repetition_probability = 0.0
   if args.model.startswith("wideresnet_bnnvi_"):  # uncertainty-baselines' VI recipe
     config.nesterov = True
     config.input.batch_size = 512

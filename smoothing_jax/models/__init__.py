@@ -9,7 +9,9 @@ models ``vgg_bnnvi_16`` and ``wideresnet_bnnvi_28_10`` (mean-field Gaussian kern
 ``wideresnet_bayesian_28_10`` (its ``BayesianVGG16``, ``BayesianWideResNet28x10``); the
 BatchEnsemble models ``resnet_batchensemble_18`` and
 ``wideresnet_batchensemble_28_10`` (``ensemble_size=M`` override, default 4; ``components``
-names each row's member); and the
+names each row's member); the MIMO models ``resnet_mimo_18`` and ``wideresnet_mimo_28_10``
+(``mimo_members=M`` override, default 3: M inputs ``[B, M, H, W, 3]``, or one image for all, and
+logits ``[B, M, C]``); and the
 self-attention models ``vit_{ti,s,b}``, ``pit_{ti,s}``, ``swin_{t,s}`` and
 ``alternet_{18,34,50,101,152}`` (HV); and the segmentation U-Nets
 ``unet_{dnn,mcdo,dnn_smoothing,mcdo_smoothing}`` (per-pixel logits ``[B, H, W, C]``).  Every
@@ -57,6 +59,7 @@ IBNN_COMPONENTS = 4
 # 0.001²)|.
 IBNN_BNNVI = dict(mean_field=True, bnn_reference="ibnn", posterior_std_init=0.015)
 BATCH_ENSEMBLE_SIZE = 4
+MIMO_MEMBERS = 3  # uncertainty-baselines' baselines/cifar/mimo.py flag ensemble_size
 # uncertainty-baselines' WRN-28-10 (``wide_resnet_variational``, ``wide_resnet_batchensemble``).
 UB_WIDERESNET = dict(depth=28, widen_factor=10, conv_bias=False, stride_first=True,
                      head_bn_momentum=0.9, kernel_init="he_normal")
@@ -143,6 +146,10 @@ def _registry():
   registry["wideresnet_batchensemble_28_10"] = (WideResNet,
                                                 dict(UB_WIDERESNET,
                                                      ensemble_size=BATCH_ENSEMBLE_SIZE))
+  # MIMO (Havasi et al.): uncertainty-baselines' WRN-28-10 (``wide_resnet_mimo``) and a ResNet-18.
+  registry["resnet_mimo_18"] = (ResNet, dict(stage_sizes=RESNET_STAGES[18][0], block="basic",
+                                             mimo_members=MIMO_MEMBERS))
+  registry["wideresnet_mimo_28_10"] = (WideResNet, dict(UB_WIDERESNET, mimo_members=MIMO_MEMBERS))
   # MSA as trainable smoothing (HV): ViTs and AlterNets (geometry from ``stem``, like the CNNs).
   for size, (dim, heads, mlp_dim) in VIT_SIZES.items():
     registry[f"vit_{size}"] = (ViT, dict(hidden_dim=dim, num_heads=heads, mlp_dim=mlp_dim))
@@ -180,6 +187,11 @@ def is_mean_field(model: nn.Module) -> bool:
 def is_batch_ensemble(model: nn.Module) -> bool:
   """True for BatchEnsemble models: M ≥ 1 members of fast weights (``ensemble_size``)."""
   return getattr(model, "ensemble_size", 0) > 0
+
+
+def is_mimo(model: nn.Module) -> bool:
+  """True for MIMO models: M ≥ 1 inputs and heads (``mimo_members``)."""
+  return getattr(model, "mimo_members", 0) > 0
 
 
 def is_stochastic(model: nn.Module) -> bool:
@@ -247,4 +259,6 @@ def get_model(name: str, num_classes: int, **overrides) -> nn.Module:
     raise ValueError(f"{name!r} needs num_components (K) >= 1, got {kwargs['num_components']}.")
   if "_batchensemble_" in name and kwargs["ensemble_size"] < 1:
     raise ValueError(f"{name!r} needs ensemble_size (M) >= 1, got {kwargs['ensemble_size']}.")
+  if "_mimo_" in name and kwargs["mimo_members"] < 1:
+    raise ValueError(f"{name!r} needs mimo_members (M) >= 1, got {kwargs['mimo_members']}.")
   return cls(num_classes=num_classes, **kwargs)

@@ -199,6 +199,22 @@ class MLPHead(nn.Module):
     return nn.Dense(self.num_classes, dtype=self.dtype, name="dense3")(x)
 
 
+class MultiHead(nn.Module):
+  """MIMO's M heads: one dense layer of M·C outputs on ``[B, D]``, reshaped to ``[B, M, C]``
+  (head m's logits at ``[:, m]``; edward2's ``DenseMultihead``)."""
+  members: int
+  num_classes: int
+  kernel_init: Any = nn.initializers.lecun_normal()
+  bias_init: Any = nn.initializers.zeros
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    y = nn.Dense(self.members * self.num_classes, kernel_init=self.kernel_init,
+                 bias_init=self.bias_init, dtype=self.dtype, name="dense")(x)
+    return y.reshape(x.shape[0], self.members, self.num_classes)
+
+
 class CNN(nn.Module):
   """Options every CNN family shares (dataclass fields of each model).
 
@@ -231,6 +247,9 @@ class CNN(nn.Module):
       signs, +1 with probability p; p < 0 N(1, p²).
     kernel_init: the conv and dense kernels' (BNN-VI: their means') initialisation, a key of
       ``KERNEL_INITS`` (the conv and dense layers built through ``conv`` / ``dense``).
+    mimo_members: MIMO (ResNet, WRN-28-10): M > 0 inputs concatenated on channels and M heads
+      (``mimo_inputs``, ``MultiHead``): the model takes ``[B, M, H, W, 3]`` (member m's input at
+      ``[:, m]``) or ``[B, H, W, 3]`` (the same image to every input) and gives ``[B, M, C]``.
   """
   num_classes: int = 10
   dropout_rate: float = 0.0
@@ -253,6 +272,7 @@ class CNN(nn.Module):
   ensemble_size: int = 0
   random_sign_init: float = RANDOM_SIGN_INIT
   kernel_init: str = "reference"
+  mimo_members: int = 0
 
   @property
   def weights(self) -> str:
@@ -266,9 +286,11 @@ class CNN(nn.Module):
   def check_options(self,
                     default_classifier: str,
                     classifiers=("gap", "mlp"),
-                    weights: tuple = ("point",)) -> str:
+                    weights: tuple = ("point",),
+                    mimo: bool = False) -> str:
     """Validate the shared options against what the family supports (``weights``: the kinds of
-    ``WEIGHTS`` it builds); return the classifier to build."""
+    ``WEIGHTS`` it builds; ``mimo``: whether it builds MIMO's inputs and heads); return the
+    classifier to build."""
     if self.stem not in STEMS:
       raise ValueError(f"Unknown stem {self.stem!r}; choose one of {STEMS}.")
     classifier = self.classifier or default_classifier
@@ -305,7 +327,45 @@ class CNN(nn.Module):
     if self.weights not in weights:
       raise ValueError(f"{type(self).__name__} has no {WEIGHT_NAMES[self.weights]} variant; it "
                        f"builds {', '.join(WEIGHT_NAMES[w] for w in weights)} weights.")
+    if self.mimo_members < 0:
+      raise ValueError(f"mimo_members (MIMO M) must be >= 1, or 0 for one input and head; got "
+                       f"{self.mimo_members}.")
+    if self.mimo_members and not mimo:
+      raise ValueError(f"{type(self).__name__} has no MIMO variant (mimo_members).")
+    if self.mimo_members and self.weights != "point":
+      raise ValueError(f"{type(self).__name__}: MIMO (mimo_members) takes point-estimate weights, "
+                       f"not {WEIGHT_NAMES[self.weights]}.")
+    if self.mimo_members and classifier != "gap":
+      raise ValueError(f"{type(self).__name__}: MIMO (mimo_members) has the GAP classifier only.")
     return classifier
+
+  def mimo_inputs(self, x):
+    """The network's input: ``x`` checked (NHWC, 3 channels); with ``mimo_members`` M the M
+    inputs ``[B, M, H, W, 3]`` (``[B, H, W, 3]``: the same image to each) concatenated on
+    channels as uncertainty-baselines' ``wide_resnet_mimo`` does (``Permute([2, 3, 4, 1])`` then
+    ``Reshape``): channel c·M + m is channel c of input m."""
+    m = self.mimo_members
+    if not m or getattr(x, "ndim", 0) != 5:
+      check_images(x)
+      if not m:
+        return x
+      x = jnp.broadcast_to(x[:, None], (x.shape[0], m) + x.shape[1:])
+    if x.shape[1] != m:
+      raise ValueError(f"Expected MIMO inputs of shape [batch, {m}, height, width, 3], got "
+                       f"shape {x.shape}.")
+    check_images(x[:, 0])
+    return jnp.transpose(x, (0, 2, 3, 4, 1)).reshape(x.shape[:1] + x.shape[2:4] + (-1,))
+
+  def classifier_dense(self, x, components, name=None):
+    """The classifier on the pooled features ``x [B, D]``: :meth:`dense` to ``num_classes``, or
+    with ``mimo_members`` M the M heads (:class:`MultiHead`, ``[B, M, C]``)."""
+    if not self.mimo_members:
+      return self.dense(x, components, self.num_classes, name=name)
+    scheme = KERNEL_INITS[self.kernel_init]
+    bias_init = (pytorch_default_bias(x.shape[-1]) if scheme.dense_bias_uniform
+                 else nn.initializers.zeros)
+    return MultiHead(self.mimo_members, self.num_classes, scheme.dense, bias_init,
+                     dtype=self.dtype, name=name)(x)
 
   def weight_options(self) -> dict:
     """The fields that choose and initialise the weights, for passing on to blocks."""

@@ -10,7 +10,9 @@ One module, variants as arguments:
   * ``ensemble_size`` M > 0: BatchEnsemble (``resnet_batchensemble_18``): every conv, the
     shortcuts included, and the classifier get rank-1 fast weights per member (BatchNorm shared,
     as in uncertainty-baselines' WRN; TorchUncertainty leaves the shortcut conv unbatched);
-    ``mean_field``: BNN-VI, every conv and the classifier with mean-field Gaussian kernels.
+    ``mean_field``: BNN-VI, every conv and the classifier with mean-field Gaussian kernels;
+  * ``mimo_members`` M > 0: MIMO (``resnet_mimo_18``): M inputs concatenated on channels into the
+    stem, M heads (``cnn.MultiHead``).
 """
 from __future__ import annotations
 
@@ -25,7 +27,6 @@ from smoothing_jax.models.cnn import (
   MLPHead,
   adaptive_avg_pool,
   batch_norm,
-  check_images,
   drop_path,
   max_pool,
 )
@@ -132,8 +133,8 @@ class ResNet(CNN):
 
   @nn.compact
   def __call__(self, x, train: bool = False, components=None):
-    check_images(x)
-    classifier = self.check_options("gap", weights=WEIGHTS)
+    x = self.mimo_inputs(x)
+    classifier = self.check_options("gap", weights=WEIGHTS, mimo=True)
     if self.weights != "point" and classifier != "gap":
       raise ValueError(f"A ResNet with {self.weights} weights has the GAP classifier only.")
     if self.block not in EXPANSION:
@@ -168,11 +169,10 @@ class ResNet(CNN):
     if classifier == "mlp":
       return MLPHead(self.num_classes, dtype=self.dtype,
                      name="classifier_1")(adaptive_avg_pool(x, 7), train)
-    if self.weights != "point":  # GAPHead's layers, its dense of the model's weights
+    if self.weights != "point" or self.mimo_members:  # GAPHead's layers, its own dense
       if self.preact:
         x = nn.relu(batch_norm(use_running_average=not train, dtype=self.dtype,
                                name="classifier_bn")(x))
-      return self.dense(jnp.mean(x, axis=(1, 2)), components, self.num_classes,
-                        name="classifier_0")
+      return self.classifier_dense(jnp.mean(x, axis=(1, 2)), components, name="classifier_0")
     return GAPHead(self.num_classes, bn=self.preact, dtype=self.dtype, name="classifier_0")(x,
                                                                                             train)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from smoothing_jax.models.cnn import CNN, WEIGHTS, check_images
+from smoothing_jax.models.cnn import CNN, WEIGHTS
 
 
 class WideBasic(CNN):
@@ -74,8 +74,8 @@ class WideResNet(CNN):
 
   @nn.compact
   def __call__(self, x, train: bool = False, components=None):
-    check_images(x)
-    classifier = self.check_options("gap", weights=WEIGHTS)
+    x = self.mimo_inputs(x)
+    classifier = self.check_options("gap", weights=WEIGHTS, mimo=True)
     if (self.depth - 4) % 6 != 0:
       raise ValueError(f"Wide ResNet depth must be 6n + 4, got {self.depth}.")
     if self.stem != "cifar" or classifier != "gap":
@@ -95,4 +95,4 @@ class WideResNet(CNN):
         x = self.smooth(x, f"smooth{stage}_0")
     x = nn.relu(self.bn(train, "bn1", momentum=self.head_bn_momentum)(x))
     x = jnp.mean(x, axis=(1, 2))
-    return self.dense(x, components, self.num_classes, name="linear")
+    return self.classifier_dense(x, components, name="linear")
