@@ -7,6 +7,7 @@ place that decides which a run uses (:func:`resolve`).
 ``deep_ensemble``       M stacked members of a base method, one job
                         (:mod:`~smoothing_jax.methods.deep_ensemble`)
 ``batch_ensemble``      M rank-1 members in one pass (:mod:`~smoothing_jax.methods.batch_ensemble`)
+``packed_ensemble``     M grouped-conv members in one pass (:mod:`~smoothing_jax.methods.packed`)
 ``bnnvi``               N mean-field weight samples, the ELBO (:mod:`~smoothing_jax.methods.bnnvi`)
 ``ibnn``                S draws of K node-noise components, the ELBO
                         (:mod:`~smoothing_jax.methods.ibnn`)
@@ -23,6 +24,7 @@ from smoothing_jax.methods.deep_ensemble import DeepEnsemble
 from smoothing_jax.methods.deterministic import Deterministic
 from smoothing_jax.methods.ibnn import IBNN
 from smoothing_jax.methods.mc_dropout import MCDropout
+from smoothing_jax.methods.packed import PackedEnsemble
 
 __all__ = ["REGISTRY", "Method", "as_method", "resolve"]
 
@@ -32,6 +34,7 @@ REGISTRY: dict[str, type[Method]] = {
     "ibnn": IBNN,
     "bnnvi": BNNVI,
     "batch_ensemble": BatchEnsemble,
+    "packed_ensemble": PackedEnsemble,
     "mc_dropout": MCDropout,
     "deterministic": Deterministic,
     "deep_ensemble": DeepEnsemble,

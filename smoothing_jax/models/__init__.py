@@ -7,7 +7,8 @@ variant ``dnn`` (deterministic), ``mcdo`` (MC dropout), ``dnn_smoothing`` or
 models ``vgg_bnnvi_16`` and ``wideresnet_bnnvi_28_10`` (mean-field Gaussian kernels, a
 ``"noise"`` key per pass); the BatchEnsemble models ``resnet_batchensemble_18`` and
 ``wideresnet_batchensemble_28_10`` (``ensemble_size=M`` override, default 4; ``components``
-names each row's member); and the
+names each row's member); the Packed-Ensembles ResNet-18 ``resnet_packed_18`` (``num_estimators``
+M, ``alpha``, ``gamma``; logits ``[B·M, C]``, ``smoothing_jax.methods.packed``); and the
 self-attention models ``vit_{ti,s,b}``, ``pit_{ti,s}``, ``swin_{t,s}`` and
 ``alternet_{18,34,50,101,152}`` (HV); and the segmentation U-Nets
 ``unet_{dnn,mcdo,dnn_smoothing,mcdo_smoothing}`` (per-pixel logits ``[B, H, W, C]``).  Every
@@ -129,6 +130,10 @@ def _registry():
   registry["wideresnet_batchensemble_28_10"] = (WideResNet,
                                                 dict(UB_WIDERESNET,
                                                      ensemble_size=BATCH_ENSEMBLE_SIZE))
+  # Packed-Ensembles (Laurent et al.): TorchUncertainty's CIFAR ResNet-18 (M 4, α 2, γ 2); the
+  # module is the method's own (smoothing_jax/methods/packed.py).
+  from smoothing_jax.methods.packed import PackedResNet
+  registry["resnet_packed_18"] = (PackedResNet, dict(stage_sizes=RESNET_STAGES[18][0]))
   # MSA as trainable smoothing (HV): ViTs and AlterNets (geometry from ``stem``, like the CNNs).
   for size, (dim, heads, mlp_dim) in VIT_SIZES.items():
     registry[f"vit_{size}"] = (ViT, dict(hidden_dim=dim, num_heads=heads, mlp_dim=mlp_dim))
