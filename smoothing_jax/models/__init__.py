@@ -8,7 +8,7 @@ models ``vgg_bnnvi_16`` and ``wideresnet_bnnvi_28_10`` (mean-field Gaussian kern
 ``"noise"`` key per pass); the BatchEnsemble models ``resnet_batchensemble_18`` and
 ``wideresnet_batchensemble_28_10`` (``ensemble_size=M`` override, default 4; ``components``
 names each row's member); the Packed-Ensembles ResNet-18 ``resnet_packed_18`` (``num_estimators``
-M, ``alpha``, ``gamma``; logits ``[B·M, C]``, ``smoothing_jax.methods.packed``); and the
+M, ``alpha``, ``gamma``; logits ``[B·M, C]``, ``smoothing_jax.models.packed``); and the
 self-attention models ``vit_{ti,s,b}``, ``pit_{ti,s}``, ``swin_{t,s}`` and
 ``alternet_{18,34,50,101,152}`` (HV); and the segmentation U-Nets
 ``unet_{dnn,mcdo,dnn_smoothing,mcdo_smoothing}`` (per-pixel logits ``[B, H, W, C]``).  Every
@@ -27,6 +27,7 @@ import flax.linen as nn
 
 from smoothing_jax.models.alexnet import AlexNet
 from smoothing_jax.models.alternet import AlterNet
+from smoothing_jax.models.packed import PackedResNet
 from smoothing_jax.models.pit import PiT
 from smoothing_jax.models.resnet import ResNet
 from smoothing_jax.models.swin import Swin
@@ -130,9 +131,7 @@ def _registry():
   registry["wideresnet_batchensemble_28_10"] = (WideResNet,
                                                 dict(UB_WIDERESNET,
                                                      ensemble_size=BATCH_ENSEMBLE_SIZE))
-  # Packed-Ensembles (Laurent et al.): TorchUncertainty's CIFAR ResNet-18 (M 4, α 2, γ 2); the
-  # module is the method's own (smoothing_jax/methods/packed.py).
-  from smoothing_jax.methods.packed import PackedResNet
+  # Packed-Ensembles (Laurent et al.): TorchUncertainty's CIFAR ResNet-18 (M 4, α 2, γ 2).
   registry["resnet_packed_18"] = (PackedResNet, dict(stage_sizes=RESNET_STAGES[18][0]))
   # MSA as trainable smoothing (HV): ViTs and AlterNets (geometry from ``stem``, like the CNNs).
   for size, (dim, heads, mlp_dim) in VIT_SIZES.items():

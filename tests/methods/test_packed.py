@@ -19,8 +19,9 @@ from flax import traverse_util
 from configs import cifar_resnet
 from smoothing_jax import methods
 from smoothing_jax.methods.losses import supervised_loss
-from smoothing_jax.methods.packed import PackedBlock, PackedEnsemble, packed_groups
+from smoothing_jax.methods.packed import PackedEnsemble
 from smoothing_jax.models import get_model
+from smoothing_jax.models.packed import PackedBlock, packed_groups
 from tests.helpers import init_variables, num_params, override, tiny_run, train_resume_and_evaluate
 from tests.methods.paths import assert_paths_agree, three_paths
 
