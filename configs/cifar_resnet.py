@@ -15,6 +15,7 @@ prediction (``config_base.with_uncertainty_evals``).
   --config=configs/cifar_resnet.py:wideresnet_batchensemble_28_10,cifar10  # BatchEnsemble
   --config=configs/cifar_resnet.py:wideresnet_bnnvi_28_10,cifar10  # uncertainty-baselines' VI
   --config=configs/cifar_resnet.py:wideresnet_mimo_28_10,cifar10   # MIMO
+  --config=configs/cifar_resnet.py:resnet_packed_18,cifar10  # Packed-Ensembles (TorchUncertainty)
 
 SGD (momentum 0.9, no Nesterov), lr 0.1 at batch 128, weight decay 5e-4,
 200 epochs after 1 linear warm-up epoch, lr × 0.2 at epochs 60/130/160 (the
@@ -35,6 +36,10 @@ repeated 4 times (``mimo.batch_repetitions``) with input repetition probability 
 (``mimo.input_repetition_probability``), 250 epochs with 1 warm-up epoch, lr × 0.2 at epochs
 100/200/225 (``lr_decay_epochs`` 80/160/180 × 250 // 200), Keras L2 3e-4 on every kernel, bias and
 BatchNorm parameter (weight decay 6e-4 here).
+The Packed-Ensembles ResNet-18 (``resnet_packed_18``: M = 4, α = 2, γ = 2) takes
+TorchUncertainty's CIFAR-10 recipe instead (``experiments/classification/cifar10/configs/resnet18/
+packed.yaml``): SGD 0.9 (no Nesterov), lr 0.05 at batch 128, weight decay 5e-4, 75 epochs without
+warm-up, lr × 0.1 at epochs 25 and 50.
 
 The variational WRN-28-10 (``wideresnet_bnnvi_28_10``: UB's layout, 72,940,426 parameters) takes
 uncertainty-baselines' VI recipe instead (``baselines/cifar/variational_inference.py`` with the
@@ -91,6 +96,12 @@ def get_config(arg: str = ""):
     config.lr_milestones = (99, 199, 224)  # counted after the warm-up: epochs 100, 200, 225
     config.mimo.batch_repetitions = 4
     config.mimo.input_repetition_probability = 0.0
+  if "_packed_" in args.model:  # TorchUncertainty's Packed-Ensembles ResNet-18 recipe
+    config.lr_milestones = (25, 50)
+    config.learning_rate = 0.05
+    config.num_epochs = 75
+    config.warmup_epochs = 0
+    config.lr_decay = 0.1
   if args.model.startswith("wideresnet_bnnvi_"):  # uncertainty-baselines' VI recipe
     config.nesterov = True
     config.input.batch_size = 512

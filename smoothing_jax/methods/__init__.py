@@ -8,6 +8,7 @@ place that decides which a run uses (:func:`resolve`).
                         (:mod:`~smoothing_jax.methods.deep_ensemble`)
 ``batch_ensemble``      M rank-1 members in one pass (:mod:`~smoothing_jax.methods.batch_ensemble`)
 ``mimo``                M inputs and heads, one pass (:mod:`~smoothing_jax.methods.mimo`)
+``packed_ensemble``     M grouped-conv members in one pass (:mod:`~smoothing_jax.methods.packed`)
 ``bnnvi``               N mean-field weight samples, the ELBO (:mod:`~smoothing_jax.methods.bnnvi`)
 ``ibnn``                S draws of K node-noise components, the ELBO
                         (:mod:`~smoothing_jax.methods.ibnn`)
@@ -25,6 +26,7 @@ from smoothing_jax.methods.deterministic import Deterministic
 from smoothing_jax.methods.ibnn import IBNN
 from smoothing_jax.methods.mc_dropout import MCDropout
 from smoothing_jax.methods.mimo import MIMO
+from smoothing_jax.methods.packed import PackedEnsemble
 
 __all__ = ["REGISTRY", "Method", "as_method", "resolve"]
 
@@ -35,6 +37,7 @@ REGISTRY: dict[str, type[Method]] = {
     "bnnvi": BNNVI,
     "batch_ensemble": BatchEnsemble,
     "mimo": MIMO,
+    "packed_ensemble": PackedEnsemble,
     "mc_dropout": MCDropout,
     "deterministic": Deterministic,
     "deep_ensemble": DeepEnsemble,

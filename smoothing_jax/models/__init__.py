@@ -11,7 +11,8 @@ BatchEnsemble models ``resnet_batchensemble_18`` and
 ``wideresnet_batchensemble_28_10`` (``ensemble_size=M`` override, default 4; ``components``
 names each row's member); the MIMO models ``resnet_mimo_18`` and ``wideresnet_mimo_28_10``
 (``mimo_members=M`` override, default 3: M inputs ``[B, M, H, W, 3]``, or one image for all, and
-logits ``[B, M, C]``); and the
+logits ``[B, M, C]``); the Packed-Ensembles ResNet-18 ``resnet_packed_18`` (``num_estimators``
+M, ``alpha``, ``gamma``; logits ``[B·M, C]``, ``smoothing_jax.models.packed``); and the
 self-attention models ``vit_{ti,s,b}``, ``pit_{ti,s}``, ``swin_{t,s}`` and
 ``alternet_{18,34,50,101,152}`` (HV); and the segmentation U-Nets
 ``unet_{dnn,mcdo,dnn_smoothing,mcdo_smoothing}`` (per-pixel logits ``[B, H, W, C]``).  Every
@@ -30,6 +31,7 @@ import flax.linen as nn
 
 from smoothing_jax.models.alexnet import AlexNet
 from smoothing_jax.models.alternet import AlterNet
+from smoothing_jax.models.packed import PackedResNet
 from smoothing_jax.models.pit import PiT
 from smoothing_jax.models.resnet import ResNet
 from smoothing_jax.models.swin import Swin
@@ -150,6 +152,8 @@ def _registry():
   registry["resnet_mimo_18"] = (ResNet, dict(stage_sizes=RESNET_STAGES[18][0], block="basic",
                                              mimo_members=MIMO_MEMBERS))
   registry["wideresnet_mimo_28_10"] = (WideResNet, dict(UB_WIDERESNET, mimo_members=MIMO_MEMBERS))
+  # Packed-Ensembles (Laurent et al.): TorchUncertainty's CIFAR ResNet-18 (M 4, α 2, γ 2).
+  registry["resnet_packed_18"] = (PackedResNet, dict(stage_sizes=RESNET_STAGES[18][0]))
   # MSA as trainable smoothing (HV): ViTs and AlterNets (geometry from ``stem``, like the CNNs).
   for size, (dim, heads, mlp_dim) in VIT_SIZES.items():
     registry[f"vit_{size}"] = (ViT, dict(hidden_dim=dim, num_heads=heads, mlp_dim=mlp_dim))
