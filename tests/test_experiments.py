@@ -6,7 +6,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from experiments import msa_figures, smoothing_figures
+from experiments import msa_figures, ood_near_far_cpu_scale, smoothing_figures
 from smoothing_jax.analysis import trained
 
 TINY_SIZES = [
@@ -125,6 +125,24 @@ def test_changes_by_kind_by_hand():
   values = {"a": 1.0, "b": 3.0, "c": 2.0, "d": 2.5}
   kinds = {"a": "conv", "b": "conv", "c": "msa", "d": "msa"}
   assert msa_figures.changes_by_kind(values, kinds) == {"conv": 2.0, "msa": -0.25}
+
+
+def test_near_far_summary_and_table_by_hand():
+  def row(n, score, dataset, auroc, group="near"):
+    return {"ensemble_size": n, "score": score, "ood_dataset": dataset, "ood_group": group,
+            "auroc": auroc, "fpr95_ood_positive": 1 - auroc, "id_accuracy": 0.4 + 0.01 * n}
+  rows = [row(1, "msp", "a.npz", 0.5), row(1, "msp", "near mean", 0.6),
+          row(1, "msp", "far mean", 0.7, "far"), row(4, "msp", "near mean", 0.65),
+          row(4, "msp", "far mean", 0.75, "far"), row(4, "mutual_information", "near mean", 0.8),
+          row(4, "mutual_information", "far mean", 0.9, "far")]
+  summary = ood_near_far_cpu_scale.summarise(rows)
+  assert summary["msp"]["4"]["far"] == {"auroc": 0.75, "fpr95": 0.25}
+  assert summary["id_accuracy"] == {"1": pytest.approx(0.41), "4": pytest.approx(0.44)}
+  lines = ood_near_far_cpu_scale.table([{"method": "m", "summary": summary}]).splitlines()
+  assert lines[2] == "| m (1 / 4; 41.0 / 44.0) | msp | 60.0 → 65.0 | 70.0 → 75.0 | " \
+      "40.0 → 35.0 | 30.0 → 25.0 |"
+  assert lines[2 + ood_near_far_cpu_scale.SCORES.index("mutual_information")] == (
+      "|  | mutual_information | 80.0 | 90.0 | 20.0 | 10.0 |")
 
 
 def test_temporal_smoothing_script_on_translated_streams(analysis_workdirs, tmp_path, capsys):
