@@ -19,7 +19,8 @@ FIXTURE_0_1_0 = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures",
                              "config_0_1_0_quickstart.json")
 # Keys of today's quickstart config that 0.1.0 did not record (none yet).
 ADDED_SINCE_0_1_0 = {"deep_ensemble.member_seeds", "bnnvi.kl_anneal_per_step",
-                     "model_kwargs.bnn_reference"}
+                     "model_kwargs.bnn_reference", "model_kwargs.mimo_members",
+                     "mimo.batch_repetitions", "mimo.input_repetition_probability"}
 
 
 def _flat(config, prefix="") -> dict:
