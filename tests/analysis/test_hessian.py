@@ -13,16 +13,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
+from jax.tree_util import Partial
 
 from smoothing_jax.analysis import (
+  dataset_loss,
   eigenvalue_density,
   hessian_trace,
   hvp,
   min_eigenvalue,
+  restricted_to,
   top_eigenvalues,
 )
 from smoothing_jax.analysis.hessian import linearized_hvp, top_and_min_eigenvalues
-from tests.helpers import SmallNet, small_net_problem
+from tests.helpers import SmallNet, small_net_batches, small_net_problem
 
 
 def cross_entropy(logits, labels):
@@ -89,7 +92,6 @@ def test_hvp_and_lanczos_on_an_eight_device_mesh(problem):
   """The batch sharded over a ``data`` mesh axis (parameters replicated) gives the same operator."""
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
-  from jax.tree_util import Partial
   _, params, unravel, hessian = problem
   mesh = Mesh(np.asarray(jax.devices()[:8]), ("data",))
   model = SmallNet()
@@ -112,6 +114,70 @@ def test_hvp_and_lanczos_on_an_eight_device_mesh(problem):
   true_values = np.linalg.eigvalsh(hessian)
   np.testing.assert_allclose(top.eigenvalues[0], true_values[np.argmax(np.abs(true_values))],
                              rtol=1e-4)
+
+
+def test_dataset_hvp_is_the_mean_of_the_batch_hvps_and_the_concatenated_batch_s(problem):
+  """Four batches of 8 with a mean loss: the mean of their HVPs is the HVP of the batch of 32."""
+  _, params, unravel, hessian = problem
+  batch_loss, batches = small_net_batches(4)
+  v = unravel(jax.random.normal(jax.random.key(4), (hessian.shape[0],)))
+  expected = hessian @ np.asarray(ravel_pytree(v)[0])
+  mean = np.mean([ravel_pytree(hvp(Partial(batch_loss, b), params, v))[0] for b in batches], 0)
+  np.testing.assert_allclose(mean, expected, rtol=1e-4, atol=1e-5)
+  got = ravel_pytree(linearized_hvp(dataset_loss(batch_loss, batches), params)(v))[0]
+  np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_dataset_hessian_on_eight_devices_equals_one_device(problem):
+  """Top-1, Hutchinson samples and SLQ nodes of the mean over 2 batches, each batch sharded
+  over 8 devices, against 1 device (and the top eigenvalue against ``eigh``)."""
+  from smoothing_jax.parallel import create_mesh, shardings
+  _, params, _, hessian = problem
+  batch_loss, batches = small_net_batches(2)
+  results = []
+  for mesh in (create_mesh(1), create_mesh(8)):
+    loss_fn = dataset_loss(batch_loss, batches, mesh)
+    assert len(jax.tree.leaves(loss_fn.args[-1])[0].sharding.device_set) == mesh.size
+    replicated = jax.device_put(params, shardings(mesh)[0])
+    key = jax.random.key(5)
+    results.append((top_eigenvalues(loss_fn, replicated, max_iters=20, tol=1e-5, rng=key),
+                    hessian_trace(loss_fn, replicated, num_samples=2, rng=key)[1],
+                    eigenvalue_density(loss_fn, replicated, num_iters=20, rng=key).nodes))
+  (top1, trace1, nodes1), (top8, trace8, nodes8) = results
+  true_values = np.linalg.eigvalsh(hessian)
+  np.testing.assert_allclose(top8.eigenvalues, true_values[np.argmax(np.abs(true_values))],
+                             rtol=1e-4)
+  np.testing.assert_allclose(top8.eigenvalues, top1.eigenvalues, rtol=1e-5)
+  np.testing.assert_allclose(trace8, trace1, rtol=1e-4)
+  np.testing.assert_allclose(nodes8, nodes1, rtol=1e-3, atol=1e-4)
+
+
+def block_mask(params, keep):
+  """Which entries of ``ravel_pytree(params)`` belong to the leaves whose path ``keep`` takes."""
+  return np.asarray(ravel_pytree(jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.full(x.shape, keep("/".join(k.key for k in path))), params))[0], bool)
+
+
+def test_restricted_hessian_is_the_block_of_the_explicit_hessian(problem):
+  """The Hessian restricted to ``Dense_1`` (27 of 115 parameters): the SLQ nodes over the whole
+  27-dimensional space are ``eigh`` of that block, and so is its top eigenvalue, also by a
+  predicate (the solvers' programs compiled once: one size of Krylov basis)."""
+  loss_fn, params, _, hessian = problem
+  mask = block_mask(params, lambda path: path.startswith("Dense_1/"))
+  assert mask.sum() == 27
+  values = np.linalg.eigvalsh(hessian[np.ix_(mask, mask)])
+  block_loss, block = restricted_to(loss_fn, params, "Dense_1")
+  assert list(block) == ["Dense_1"] and set(block["Dense_1"]) == {"kernel", "bias"}
+  nodes = eigenvalue_density(block_loss, block, num_iters=27, rng=jax.random.key(6)).nodes[0]
+  np.testing.assert_allclose(np.sort(nodes), values, atol=1e-4 * np.abs(values).max())
+  top = values[np.argmax(np.abs(values))]
+  for by in ("Dense_1", lambda path: path.startswith("Dense_1/")):
+    result = top_eigenvalues(*restricted_to(loss_fn, params, by), max_iters=27, tol=1e-6)
+    np.testing.assert_allclose(result.eigenvalues, [top], rtol=1e-4)
+  # A path matches up to "/" or "_" (as "layer3" a ResNet's stage), not inside a name.
+  assert set(restricted_to(loss_fn, params, "Dense")[1]) == {"Dense_0", "Dense_1"}
+  with pytest.raises(ValueError, match="No parameter path matches 'Dens'"):
+    restricted_to(loss_fn, params, "Dens")
 
 
 @pytest.mark.parametrize("method", ["lanczos", "power"])
