@@ -93,15 +93,15 @@ def dataset_loss(batch_loss: Callable, batches: Iterable, mesh: Mesh | None = No
   """L(θ) = (1/B) Σ_b ``batch_loss(batch_b, θ)`` over B batches: a ``loss_fn`` for every solver
   here, whose Hessian is the mean of the batches' Hessians (PyHessian's ``dataloader=`` mode).
 
-  ``batches``: pytrees of equal shapes (e.g. ``{"image": [n, …], "label": [n]}``), stacked here
-  to ``[B, n, …]`` and, on ``mesh``, sharded over its ``data`` axis on ``n`` (n a multiple of the
-  mesh size; pass ``params`` replicated on the mesh), so each HVP is data-parallel with one
-  all-reduce.  The batches stay on the devices; the batch losses run one after another
-  (``lax.map``), each under ``jax.checkpoint``: a linearised HVP keeps only the parameters and
-  the batches, not B batches' activations, and recomputes each batch's forward and backward
-  pass (the cost of one :func:`hvp` per batch per HVP).  Where ``batch_loss`` is a mean over
-  equal batches, L is the loss of their concatenation.  ``batch_loss``: a module-level function
-  or a ``Partial`` (the same one again reuses the compiled solvers).
+  ``batches``: pytrees of equal shapes (e.g. ``{"image": [n, …], "label": [n]}``), stacked here to
+  ``[B, n, …]`` and, on ``mesh``, sharded over its ``data`` axis on ``n`` (n a multiple of the mesh
+  size; pass ``params`` replicated on the mesh), so each HVP runs data-parallel (``jit`` inserts the
+  cross-device sums).  The batches stay on the devices; the batch losses run one after another
+  (``lax.map``), each under ``jax.checkpoint``: a linearised HVP keeps only the parameters and the
+  batches, not B batches' activations, and recomputes each batch's forward and backward pass (the
+  cost of one :func:`hvp` per batch per HVP).  Where ``batch_loss`` is a mean over equal batches, L
+  is the loss of their concatenation.  ``batch_loss``: a module-level function or a ``Partial`` (the
+  same one again reuses the compiled solvers).
   """
   leaves = [jax.tree.map(np.asarray, batch) for batch in batches]
   if not leaves:
