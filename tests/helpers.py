@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.tree_util import Partial
 
 from smoothing_jax.inference import sample_rngs
 
@@ -168,9 +169,9 @@ def flat_variables(variables) -> dict:
   return {k: np.asarray(v) for k, v in flatten_dict(jax.device_get(variables), sep="/").items()}
 
 
-def small_net_problem():
-  """``(loss_fn, params)``: cross-entropy of :class:`SmallNet` on a fixed batch of 32, with
-  perturbed parameters and BatchNorm statistics (a non-convex point)."""
+def _small_net_point():
+  """``(x [32, 8], y [32], batch_stats, params)``: a fixed batch, perturbed BatchNorm statistics
+  and parameters of :class:`SmallNet` (a non-convex point)."""
   model = SmallNet()
   x = jax.random.normal(jax.random.key(0), (32, 8))
   y = jnp.arange(32) % 3
@@ -179,12 +180,29 @@ def small_net_problem():
                        variables["batch_stats"])
   params = jax.tree.map(lambda p: p + 0.5 * jax.random.normal(jax.random.key(3), p.shape),
                         variables["params"])
+  return x, y, stats, params
 
-  def loss_fn(p):
-    logits = model.apply({"params": p, "batch_stats": stats}, x)
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
 
-  return loss_fn, params
+def small_net_loss(batch_stats, batch, params):
+  """Mean cross-entropy of :class:`SmallNet` (BatchNorm in inference mode) on ``{"x", "y"}``."""
+  logits = SmallNet().apply({"params": params, "batch_stats": batch_stats}, batch["x"])
+  return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], axis=1))
+
+
+def small_net_problem():
+  """``(loss_fn, params)``: cross-entropy of :class:`SmallNet` on a fixed batch of 32, with
+  perturbed parameters and BatchNorm statistics (a non-convex point)."""
+  x, y, stats, params = _small_net_point()
+  return functools.partial(small_net_loss, stats, {"x": x, "y": y}), params
+
+
+def small_net_batches(num_batches: int):
+  """``(batch_loss, batches)``: :func:`small_net_problem`'s loss as ``batch_loss(batch, params)``
+  and its 32 examples split into ``num_batches`` equal batches ``{"x", "y"}``."""
+  x, y, stats, _ = _small_net_point()
+  batches = [{"x": xs, "y": ys} for xs, ys in zip(jnp.split(x, num_batches),
+                                                  jnp.split(y, num_batches), strict=True)]
+  return Partial(small_net_loss, stats), batches
 
 
 class _TorchvisionStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -13,16 +13,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
+from jax.tree_util import Partial
 
 from smoothing_jax.analysis import (
+  dataset_loss,
   eigenvalue_density,
   hessian_trace,
   hvp,
   min_eigenvalue,
+  restricted_to,
   top_eigenvalues,
 )
 from smoothing_jax.analysis.hessian import linearized_hvp, top_and_min_eigenvalues
-from tests.helpers import SmallNet, small_net_problem
+from tests.helpers import SmallNet, small_net_batches, small_net_problem
 
 
 def cross_entropy(logits, labels):
@@ -89,7 +92,6 @@ def test_hvp_and_lanczos_on_an_eight_device_mesh(problem):
   """The batch sharded over a ``data`` mesh axis (parameters replicated) gives the same operator."""
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
-  from jax.tree_util import Partial
   _, params, unravel, hessian = problem
   mesh = Mesh(np.asarray(jax.devices()[:8]), ("data",))
   model = SmallNet()
@@ -112,6 +114,91 @@ def test_hvp_and_lanczos_on_an_eight_device_mesh(problem):
   true_values = np.linalg.eigvalsh(hessian)
   np.testing.assert_allclose(top.eigenvalues[0], true_values[np.argmax(np.abs(true_values))],
                              rtol=1e-4)
+
+
+def test_dataset_hvp_is_the_mean_of_the_batch_hvps_and_the_concatenated_batch_s(problem):
+  """Four batches of 8 with a mean loss: the mean of their HVPs is the HVP of the batch of 32."""
+  _, params, unravel, hessian = problem
+  batch_loss, batches = small_net_batches(4)
+  v = unravel(jax.random.normal(jax.random.key(4), (hessian.shape[0],)))
+  expected = hessian @ np.asarray(ravel_pytree(v)[0])
+  mean = np.mean([ravel_pytree(hvp(Partial(batch_loss, b), params, v))[0] for b in batches], 0)
+  np.testing.assert_allclose(mean, expected, rtol=1e-4, atol=1e-5)
+  loss_fn = dataset_loss(batch_loss, batches)
+  linear = linearized_hvp(loss_fn, params)
+  np.testing.assert_allclose(ravel_pytree(linear(v))[0], expected, rtol=1e-4, atol=1e-5)
+  # Under jax.checkpoint the linearisation keeps its inputs (parameters, batches, statistics),
+  # not the batches' activations (3072 numbers here without it).
+  inputs = sum(x.size for x in jax.tree.leaves((loss_fn, params)))
+  assert sum(x.size for x in jax.tree.leaves(linear)) <= inputs + 8
+
+
+def lanczos_nodes(hessian, probe, steps):
+  """Ritz values of ``steps`` Lanczos steps from ``probe`` with full reorthogonalisation, in
+  float64 on the explicit Hessian: the nodes :func:`eigenvalue_density` should find."""
+  basis = [probe / np.linalg.norm(probe)]
+  diagonal, off = [], []
+  for _ in range(steps):
+    w = hessian @ basis[-1]
+    diagonal.append(basis[-1] @ w)
+    for _ in range(2):
+      w = w - np.stack(basis).T @ (np.stack(basis) @ w)
+    off.append(np.linalg.norm(w))
+    basis.append(w / off[-1])
+  return np.linalg.eigvalsh(np.diag(diagonal) + np.diag(off[:-1], 1) + np.diag(off[:-1], -1))
+
+
+def test_dataset_hessian_on_eight_devices_equals_one_device(problem):
+  """Top-1, Hutchinson samples and SLQ nodes of the mean over 2 batches, each batch sharded
+  over 8 devices, against the explicit Hessian of the concatenated batch on 1 device (the same
+  probes)."""
+  from smoothing_jax.parallel import create_mesh, shardings
+  _, params, _, hessian = problem
+  batch_loss, batches = small_net_batches(2)
+  mesh = create_mesh(8)
+  loss_fn = dataset_loss(batch_loss, batches, mesh)
+  assert len(jax.tree.leaves(loss_fn.args[-1])[0].sharding.device_set) == 8
+  params = jax.device_put(params, shardings(mesh)[0])
+  key, n = jax.random.key(5), hessian.shape[0]
+  true_values = np.linalg.eigvalsh(hessian)
+  top = top_eigenvalues(loss_fn, params, max_iters=20, tol=1e-5, rng=key)
+  np.testing.assert_allclose(top.eigenvalues, true_values[np.argmax(np.abs(true_values))],
+                             rtol=1e-4)
+  probes = np.stack([jax.random.rademacher(k, (n,)) for k in jax.random.split(key, 2)])
+  np.testing.assert_allclose(hessian_trace(loss_fn, params, num_samples=2, rng=key)[1],
+                             np.einsum("si,ij,sj->s", probes, hessian, probes), rtol=1e-4)
+  probe = np.asarray(jax.random.rademacher(jax.random.split(key, 1)[0], (n,)), np.float64)
+  nodes = eigenvalue_density(loss_fn, params, num_iters=20, rng=key).nodes[0]
+  np.testing.assert_allclose(nodes, lanczos_nodes(hessian, probe, 20),
+                             atol=1e-4 * np.abs(true_values).max())
+
+
+def block_mask(params, keep):
+  """Which entries of ``ravel_pytree(params)`` belong to the leaves whose path ``keep`` takes."""
+  return np.asarray(ravel_pytree(jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.full(x.shape, keep("/".join(k.key for k in path))), params))[0], bool)
+
+
+def test_restricted_hessian_is_the_block_of_the_explicit_hessian(problem):
+  """The Hessian restricted to ``Dense_1`` (27 of 115 parameters): the SLQ nodes over the whole
+  27-dimensional space are ``eigh`` of that block, and so is its top eigenvalue, also by a
+  predicate (the solvers' programs compiled once: one size of Krylov basis)."""
+  loss_fn, params, _, hessian = problem
+  mask = block_mask(params, lambda path: path.startswith("Dense_1/"))
+  assert mask.sum() == 27
+  values = np.linalg.eigvalsh(hessian[np.ix_(mask, mask)])
+  block_loss, block = restricted_to(loss_fn, params, "Dense_1")
+  assert list(block) == ["Dense_1"] and set(block["Dense_1"]) == {"kernel", "bias"}
+  nodes = eigenvalue_density(block_loss, block, num_iters=27, rng=jax.random.key(6)).nodes[0]
+  np.testing.assert_allclose(np.sort(nodes), values, atol=1e-4 * np.abs(values).max())
+  top = values[np.argmax(np.abs(values))]
+  for by in ("Dense_1", lambda path: path.startswith("Dense_1/")):
+    result = top_eigenvalues(*restricted_to(loss_fn, params, by), max_iters=27, tol=1e-6)
+    np.testing.assert_allclose(result.eigenvalues, [top], rtol=1e-4)
+  # A path matches up to "/" or "_" (as "layer3" a ResNet's stage), not inside a name.
+  assert set(restricted_to(loss_fn, params, "Dense")[1]) == {"Dense_0", "Dense_1"}
+  with pytest.raises(ValueError, match="No parameter path matches 'Dens'"):
+    restricted_to(loss_fn, params, "Dens")
 
 
 @pytest.mark.parametrize("method", ["lanczos", "power"])
