@@ -11,7 +11,7 @@ predictive's own scores):
 
 * MSP, entropy and mutual information score the predictive p̄ = (1/N) Σ_n softmax(f_n), as
   the ensemble literature does (Lakshminarayanan et al. 2017; MI = H(p̄) − mean_n H(p_n) is 0
-  at N = 1).
+  at N = 1); EPKL, the draws' mean pairwise KL divergence, is 0 at N = 1 too.
 * Max-logit, energy and ODIN are offered in two conventions (``combine``): ``"score_mean"``,
   the mean over draws of each draw's own score, and ``"mean"``, the score of the draws' mean
   logits (ODIN: of their mean tempered softmax).  **The default is** ``"score_mean"``: it is
@@ -77,6 +77,24 @@ def mutual_information(logits):
   if probs.shape[0] == 1:
     return jnp.zeros(probs.shape[1:-1], jnp.float32)
   return -(_entropy(jnp.mean(probs, axis=0)) - jnp.mean(_entropy(probs), axis=0))
+
+
+def expected_pairwise_kl(logits):
+  """−EPKL (Malinin et al. 2020, "Ensemble Distribution Distillation"): minus the mean KL
+  divergence between two different draws, ``[N, B, C]`` → ``[B]``,
+
+    EPKL = 1/(N(N−1)) Σ_{i≠j} KL(p_i ‖ p_j) = N/(N−1) · mean_i Σ_c p_ic (log p_ic − L̄_c),
+
+  L̄_c = mean_j log p_jc (the diagonal's KL(p_i ‖ p_i) = 0 is left out, so this is N/(N−1) times
+  the Shifts challenge's plug-in −Σ_c p̄_c L̄_c − mean_i H(p_i), which averages it in).  Like
+  mutual information, exactly 0 for one draw."""
+  log_probs = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32))
+  num_draws = log_probs.shape[0]
+  if num_draws == 1:
+    return jnp.zeros(log_probs.shape[1:-1], jnp.float32)
+  plug_in = jnp.mean(jnp.sum(jnp.exp(log_probs) * (log_probs - jnp.mean(log_probs, axis=0)),
+                             axis=-1), axis=0)
+  return -num_draws / (num_draws - 1) * plug_in
 
 
 def max_logit(logits, combine: str = "score_mean"):

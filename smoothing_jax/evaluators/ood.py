@@ -46,8 +46,10 @@ from smoothing_jax.parallel import sharded_eval_step
 from smoothing_jax.plots import plot_detection_curves
 
 # Every score (``smoothing_jax.ood_scores``), and those fitted on training features.
-SCORES = ("msp", "max_logit", "energy", "entropy", "mutual_information", "odin", "mds", "rmds",
-          "knn", "vim")
+SCORES = ("msp", "max_logit", "energy", "entropy", "mutual_information", "expected_pairwise_kl",
+          "odin", "mds", "rmds", "knn", "vim")
+# Scores of the first n draws' probabilities together (p̄, or the draws' spread about it).
+OF_THE_PREDICTIVE = ("msp", "entropy", "mutual_information", "expected_pairwise_kl")
 FITTED = ("mds", "rmds", "knn", "vim")
 METRICS = ("auroc", "aupr_in", "aupr_out", "fpr95_id_positive", "fpr95_ood_positive")
 STANDARD_PAIRS = {"cifar10": ("svhn_cropped", "cifar100"), "cifar100": ("svhn_cropped", "cifar10")}
@@ -181,7 +183,7 @@ def group_means(rows: list, groups: dict) -> list:
 def _combine_of(score: str, combine: str) -> str:
   """How ``score`` combines draws in a row: ``"predictive"`` (p̄), ``"score_mean"`` or
   ``"mean"``."""
-  if score in ("msp", "entropy", "mutual_information"):
+  if score in OF_THE_PREDICTIVE:
     return "predictive"
   return combine if score in ("max_logit", "energy", "odin") else "score_mean"
 
@@ -228,7 +230,7 @@ def score_table(out: dict, sizes, chosen, fitted: dict, knn_k: int, combine: str
   logits = np.swapaxes(out["logits"], 0, 1)                        # [N, B, C]
   table = {}
   for score in chosen:
-    if score in ("msp", "entropy", "mutual_information"):
+    if score in OF_THE_PREDICTIVE:
       fn = getattr(ood_scores, score)
       table[score] = np.stack([np.asarray(fn(logits[:n])) for n in sizes], axis=1)
       continue
