@@ -194,25 +194,31 @@ def outputs_step(method, odin, variables, batch, key):
   ``(temperature, noise, input std, combine, sizes)``, ODIN's confidences ``odin``: each draw's
   ``[B, N]`` (``"score_mean"``), or at each size ``[B, S]`` (``"mean"``: the first n draws'
   mean, one step each), the same keys in every pass; with the batch's ``mask`` and
-  ``label``."""
-  out = method.sample_outputs(variables, batch["image"], key)
+  ``label``.  With ODIN by ``"score_mean"``, the logits and features are those of the pass its
+  input gradient is taken through (one forward pass for every score, not two)."""
+  temperature, noise, std, combine, sizes = odin or (None,) * 5
+  settings = {"input_std": std, "temperature": temperature, "noise": noise, "combine": combine}
+  if odin is not None and combine == "score_mean":  # ODIN's gradient pass is the shared pass
+    draws, logits, features = ood_scores.odin_draws(
+        lambda x: _logits_and_features(method.sample_outputs(variables, x, key)),
+        batch["image"], num_draws=method.num_draws, has_aux=True, **settings)
+    out = {"logits": logits, "features": features}
+  else:
+    out = method.sample_outputs(variables, batch["image"], key)
   result = {"logits": jnp.swapaxes(out["logits"], 0, 1),
             "features": jnp.swapaxes(out["features"], 0, 1),
             "mask": batch["mask"], "label": batch["label"]}
   if odin is not None:
-    temperature, noise, std, combine, sizes = odin
-    settings = {"input_std": std, "temperature": temperature, "noise": noise,
-                "combine": combine}
     if combine == "mean":  # every draw sees the same input: draw it once from the first copy
       draws = jnp.concatenate([ood_scores.odin_draws(
           lambda x, n=n: method.sample_outputs(variables, x[0], key)["logits"][:n],
           batch["image"], num_draws=n, **settings) for n in sizes])
-    else:
-      draws = ood_scores.odin_draws(
-          lambda x: method.sample_outputs(variables, x, key)["logits"], batch["image"],
-          num_draws=out["logits"].shape[0], **settings)
     result["odin"] = jnp.swapaxes(draws, 0, 1)
   return result
+
+
+def _logits_and_features(outputs: dict) -> tuple:
+  return outputs["logits"], outputs["features"]
 
 
 def _nested_means(per_draw, sizes):
