@@ -11,7 +11,7 @@ predictive's own scores):
 
 * MSP, entropy and mutual information score the predictive p̄ = (1/N) Σ_n softmax(f_n), as
   the ensemble literature does (Lakshminarayanan et al. 2017; MI = H(p̄) − mean_n H(p_n) is 0
-  at N = 1).
+  at N = 1); EPKL, the draws' mean pairwise KL divergence, is 0 at N = 1 too.
 * Max-logit, energy and ODIN are offered in two conventions (``combine``): ``"score_mean"``,
   the mean over draws of each draw's own score, and ``"mean"``, the score of the draws' mean
   logits (ODIN: of their mean tempered softmax).  **The default is** ``"score_mean"``: it is
@@ -79,6 +79,24 @@ def mutual_information(logits):
   return -(_entropy(jnp.mean(probs, axis=0)) - jnp.mean(_entropy(probs), axis=0))
 
 
+def expected_pairwise_kl(logits):
+  """−EPKL (Malinin et al. 2020, "Ensemble Distribution Distillation"): minus the mean KL
+  divergence between two different draws, ``[N, B, C]`` → ``[B]``,
+
+    EPKL = 1/(N(N−1)) Σ_{i≠j} KL(p_i ‖ p_j) = N/(N−1) · mean_i Σ_c p_ic (log p_ic − L̄_c),
+
+  L̄_c = mean_j log p_jc (the diagonal's KL(p_i ‖ p_i) = 0 is left out, so this is N/(N−1) times
+  the Shifts challenge's plug-in −Σ_c p̄_c L̄_c − mean_i H(p_i), which averages it in).  Like
+  mutual information, exactly 0 for one draw."""
+  log_probs = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32))
+  num_draws = log_probs.shape[0]
+  if num_draws == 1:
+    return jnp.zeros(log_probs.shape[1:-1], jnp.float32)
+  plug_in = jnp.mean(jnp.sum(jnp.exp(log_probs) * (log_probs - jnp.mean(log_probs, axis=0)),
+                             axis=-1), axis=0)
+  return -num_draws / (num_draws - 1) * plug_in
+
+
 def max_logit(logits, combine: str = "score_mean"):
   """The largest logit (MLS, ``maxlogit_postprocessor.py``); draws by ``combine`` (module
   docstring)."""
@@ -94,7 +112,7 @@ def energy(logits, temperature: float = ENERGY_TEMPERATURE, combine: str = "scor
 
 def odin_draws(logits_fn: Callable, inputs, *, num_draws: int, input_std: Sequence[float],
                temperature: float = ODIN_TEMPERATURE, noise: float = ODIN_NOISE,
-               combine: str = "score_mean"):
+               combine: str = "score_mean", has_aux: bool = False):
   """ODIN (Liang et al. 2018; ``odin_postprocessor.py``): the MSP at temperature T of the input
   moved by ``noise`` against the gradient of the tempered cross-entropy of the predicted class.
 
@@ -112,6 +130,9 @@ def odin_draws(logits_fn: Callable, inputs, *, num_draws: int, input_std: Sequen
   for all, by the gradient of −log p̄_T(ŷ) of the draws' mean tempered softmax, and that
   mean's MSP: ``[1, B]``.  Draws must be the same function
   in both passes (the same keys).
+
+  ``has_aux``: ``logits_fn`` returns ``(logits, aux)``, and this ``(scores, logits, aux)`` of the
+  unmoved inputs: the pass the gradient is taken through, which the caller need not repeat.
   """
   _check_combine(combine)
   std = jnp.asarray(input_std, jnp.float32)
@@ -124,21 +145,24 @@ def odin_draws(logits_fn: Callable, inputs, *, num_draws: int, input_std: Sequen
       return (jax.nn.logsumexp(log_probs, axis=0) - jnp.log(log_probs.shape[0]))[None]
     return log_probs
 
-  def loss(x):
-    logits = logits_fn(x)
-    # The class predicted at T = 1, a constant (OpenOOD's ``output.detach().argmax``).
-    labels = jax.lax.stop_gradient(jnp.argmax(predictive(logits, 1.0), axis=-1))
+  def loss(logits, labels):
     log_probs = predictive(logits, temperature)
     picked = jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
     return -jnp.sum(jnp.mean(picked, axis=-1))  # each predictive's batch mean, summed
 
-  if combine == "mean":  # one input for every draw: the gradient sums over their copies
-    gradient = tile(jax.grad(lambda x: loss(tile(x)))(inputs))
-  else:
-    gradient = jax.grad(loss)(tile(inputs))
+  # "mean": one input for every draw, so the gradient sums over its copies.
+  draws_of = (lambda x: logits_fn(tile(x))) if combine == "mean" else logits_fn
+  logits, pullback, *aux = jax.vjp(draws_of, inputs if combine == "mean" else tile(inputs),
+                                   has_aux=has_aux)
+  # The class predicted at T = 1, a constant (OpenOOD's ``output.detach().argmax``).
+  labels = jnp.argmax(predictive(jax.lax.stop_gradient(logits), 1.0), axis=-1)
+  gradient = pullback(jax.grad(loss)(logits, labels))[0]
   moved = jax.lax.stop_gradient(tile(inputs) - noise * jnp.where(gradient >= 0, 1.0, -1.0) / std)
+  moved_logits = logits_fn(moved)
+  moved_logits = moved_logits[0] if has_aux else moved_logits
   # [N, B] per draw ("score_mean"), [1, B] for the mean predictive.
-  return jnp.max(jnp.exp(predictive(logits_fn(moved), temperature)), axis=-1)
+  scores = jnp.max(jnp.exp(predictive(moved_logits, temperature)), axis=-1)
+  return (scores, logits, aux[0]) if has_aux else scores
 
 
 def odin(logits_fn: Callable, inputs, *, num_draws: int, input_std: Sequence[float],

@@ -1,12 +1,12 @@
 """smoothing_jax.ood_scores against independent statements, on fixed numpy logits and features:
 numpy transcriptions of OpenOOD's postprocessors (Jingkang50/OpenOOD at 3c35632, file and lines
 named in each test), a finite-difference input gradient (ODIN), scikit-learn's
-NearestNeighbors (KNN) and EmpiricalCovariance (MDS, RMDS), and a numpy eigendecomposition
-(ViM)."""
+NearestNeighbors (KNN) and EmpiricalCovariance (MDS, RMDS), a numpy eigendecomposition
+(ViM), and an explicit loop over pairs of draws (EPKL)."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy.special import logsumexp, softmax
+from scipy.special import logsumexp, rel_entr, softmax
 from sklearn.covariance import EmpiricalCovariance
 from sklearn.neighbors import NearestNeighbors
 
@@ -47,6 +47,25 @@ def test_logit_scores_match_openood_on_one_network_and_both_draw_conventions():
   _close(S.energy(LOGITS, combine="mean"), logsumexp(LOGITS.mean(0), axis=-1))
   with pytest.raises(ValueError, match="combine must be one of"):
     S.energy(LOGITS, combine="median")
+
+
+def test_expected_pairwise_kl_is_the_mean_kl_over_pairs_of_different_draws():
+  probs = softmax(LOGITS.astype(np.float64), axis=-1)
+  n = len(probs)
+  pairs = [rel_entr(probs[i], probs[j]).sum(-1) for i in range(n) for j in range(n) if i != j]
+  _close(S.expected_pairwise_kl(LOGITS), -np.mean(pairs, axis=0), rtol=1e-5, atol=1e-6)
+  # Shifts-Project/shifts at f5d7a15, mswml/uncertainty.py l. 35-41 (expected entropy) and
+  # l. 49-58 (epkl = −Σ p̄ · mean log p − expected entropy): the mean over all N² ordered pairs,
+  # its zero diagonal included, so (N − 1)/N of ours.
+  expected_entropy = -(probs * np.log(probs + 1e-10)).sum(-1).mean(0)
+  shifts = -(probs.mean(0) * np.log(probs + 1e-10).mean(0)).sum(-1) - expected_entropy
+  _close(S.expected_pairwise_kl(LOGITS), -shifts * n / (n - 1), rtol=1e-5, atol=1e-6)
+  # Two draws by hand: p = (½, ½), q = (¾, ¼); EPKL = (KL(p‖q) + KL(q‖p)) / 2.
+  two = np.log([[[0.5, 0.5]], [[0.75, 0.25]]]).astype(np.float32)
+  by_hand = (0.5 * np.log(0.5 / 0.75) + 0.5 * np.log(0.5 / 0.25)
+             + 0.75 * np.log(0.75 / 0.5) + 0.25 * np.log(0.25 / 0.5)) / 2
+  _close(S.expected_pairwise_kl(two), [-by_hand], rtol=1e-6)
+  assert np.all(np.asarray(S.expected_pairwise_kl(LOGITS[:1])) == 0)
 
 
 # ODIN on a model whose input gradient numpy can state: draw n is tanh(x · A_n) · W_n.

@@ -46,8 +46,10 @@ from smoothing_jax.parallel import sharded_eval_step
 from smoothing_jax.plots import plot_detection_curves
 
 # Every score (``smoothing_jax.ood_scores``), and those fitted on training features.
-SCORES = ("msp", "max_logit", "energy", "entropy", "mutual_information", "odin", "mds", "rmds",
-          "knn", "vim")
+SCORES = ("msp", "max_logit", "energy", "entropy", "mutual_information", "expected_pairwise_kl",
+          "odin", "mds", "rmds", "knn", "vim")
+# Scores of the first n draws' probabilities together (p̄, or the draws' spread about it).
+OF_THE_PREDICTIVE = ("msp", "entropy", "mutual_information", "expected_pairwise_kl")
 FITTED = ("mds", "rmds", "knn", "vim")
 METRICS = ("auroc", "aupr_in", "aupr_out", "fpr95_id_positive", "fpr95_ood_positive")
 STANDARD_PAIRS = {"cifar10": ("svhn_cropped", "cifar100"), "cifar100": ("svhn_cropped", "cifar10")}
@@ -181,7 +183,7 @@ def group_means(rows: list, groups: dict) -> list:
 def _combine_of(score: str, combine: str) -> str:
   """How ``score`` combines draws in a row: ``"predictive"`` (p̄), ``"score_mean"`` or
   ``"mean"``."""
-  if score in ("msp", "entropy", "mutual_information"):
+  if score in OF_THE_PREDICTIVE:
     return "predictive"
   return combine if score in ("max_logit", "energy", "odin") else "score_mean"
 
@@ -192,25 +194,31 @@ def outputs_step(method, odin, variables, batch, key):
   ``(temperature, noise, input std, combine, sizes)``, ODIN's confidences ``odin``: each draw's
   ``[B, N]`` (``"score_mean"``), or at each size ``[B, S]`` (``"mean"``: the first n draws'
   mean, one step each), the same keys in every pass; with the batch's ``mask`` and
-  ``label``."""
-  out = method.sample_outputs(variables, batch["image"], key)
+  ``label``.  With ODIN by ``"score_mean"``, the logits and features are those of the pass its
+  input gradient is taken through (one forward pass for every score, not two)."""
+  temperature, noise, std, combine, sizes = odin or (None,) * 5
+  settings = {"input_std": std, "temperature": temperature, "noise": noise, "combine": combine}
+  if odin is not None and combine == "score_mean":  # ODIN's gradient pass is the shared pass
+    draws, logits, features = ood_scores.odin_draws(
+        lambda x: _logits_and_features(method.sample_outputs(variables, x, key)),
+        batch["image"], num_draws=method.num_draws, has_aux=True, **settings)
+    out = {"logits": logits, "features": features}
+  else:
+    out = method.sample_outputs(variables, batch["image"], key)
   result = {"logits": jnp.swapaxes(out["logits"], 0, 1),
             "features": jnp.swapaxes(out["features"], 0, 1),
             "mask": batch["mask"], "label": batch["label"]}
   if odin is not None:
-    temperature, noise, std, combine, sizes = odin
-    settings = {"input_std": std, "temperature": temperature, "noise": noise,
-                "combine": combine}
     if combine == "mean":  # every draw sees the same input: draw it once from the first copy
       draws = jnp.concatenate([ood_scores.odin_draws(
           lambda x, n=n: method.sample_outputs(variables, x[0], key)["logits"][:n],
           batch["image"], num_draws=n, **settings) for n in sizes])
-    else:
-      draws = ood_scores.odin_draws(
-          lambda x: method.sample_outputs(variables, x, key)["logits"], batch["image"],
-          num_draws=out["logits"].shape[0], **settings)
     result["odin"] = jnp.swapaxes(draws, 0, 1)
   return result
+
+
+def _logits_and_features(outputs: dict) -> tuple:
+  return outputs["logits"], outputs["features"]
 
 
 def _nested_means(per_draw, sizes):
@@ -228,7 +236,7 @@ def score_table(out: dict, sizes, chosen, fitted: dict, knn_k: int, combine: str
   logits = np.swapaxes(out["logits"], 0, 1)                        # [N, B, C]
   table = {}
   for score in chosen:
-    if score in ("msp", "entropy", "mutual_information"):
+    if score in OF_THE_PREDICTIVE:
       fn = getattr(ood_scores, score)
       table[score] = np.stack([np.asarray(fn(logits[:n])) for n in sizes], axis=1)
       continue
