@@ -71,6 +71,12 @@ def batchensemble_settings(args) -> dict:
           "BatchEnsemble of 4": ("resnet_batchensemble_18", common)}
 
 
+def record(args, rows: list) -> dict:
+  """The results file of ``rows`` under the settings ``args``."""
+  return {"part": args.part, "data": args.data, "train_fraction": args.train_fraction,
+          "epochs": args.epochs, "width": args.width, "lr_scale": args.lr_scale, "rows": rows}
+
+
 def main_(argv=None):
   logging.set_verbosity(logging.INFO)
   show_only_our_info_lines()
@@ -121,9 +127,8 @@ def main_(argv=None):
       rows.append({"method": label, "model": model, "predictions": last["ensemble_size"],
                    "error": 1.0 - last["acc"], "nll": last["nll"], "ece": last["ece"],
                    "seconds": round(time.time() - start)})
-    write(path, {"part": args.part, "data": args.data, "train_fraction": args.train_fraction,
-                 "epochs": args.epochs, "width": args.width, "lr_scale": args.lr_scale,
-                 "rows": rows})
+    write(path, record(args, rows))  # after each run: a crash keeps the rows before it
+  write(path, record(args, rows))  # with the kept rows after the last run
   print("| method | predictions | error (%) | NLL | ECE (%) | wall time (s) |")
   print("|---|---|---|---|---|---|")
   for r in rows:
@@ -135,7 +140,7 @@ def main_(argv=None):
 
 
 def write(path: str, out: dict) -> None:
-  """``out`` as JSON at ``path``, after every setting (a crash keeps the rows before it)."""
+  """``out`` as JSON at ``path``."""
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w") as f:
     json.dump(out, f, indent=1)
