@@ -265,6 +265,7 @@ def test_two_processes_stop_together_and_match_one_process(tmp_path):
   import re
   import signal
   import socket
+  import threading
   import time
 
   import jax
@@ -287,17 +288,29 @@ def test_two_processes_stop_together_and_match_one_process(tmp_path):
   processes = [subprocess.Popen(command + [f"--process_id={i}"], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for i in range(2)]
+  lines = [[], []]  # each process's output, read as it comes
+  readers = [threading.Thread(target=lambda p, out: out.extend(p.stdout), args=(p, out),
+                              daemon=True) for p, out in zip(processes, lines, strict=True)]
+  for reader in readers:
+    reader.start()
   try:
-    deadline = time.time() + 300
-    while not (workdir / "config.json").exists() and time.time() < deadline:
-      assert all(p.poll() is None for p in processes), processes[0].communicate()[0][-3000:]
+    # SIGTERM once process 0 logs its first training metrics (step 5): every step is a collective
+    # of both processes, so both are then past installing their stop-signal handlers.  (A fixed
+    # wait raced with process 1's start under load: the signal killed it before its handler
+    # existed, and process 0 waited for it in a collective until the test timed out.)
+    deadline = time.time() + 200
+    while not any("[5/1000]" in line for line in list(lines[0])):
+      assert time.time() < deadline, "".join(lines[0])[-3000:]
+      assert all(p.poll() is None for p in processes), "".join(lines[0])[-3000:]
       time.sleep(0.2)
-    time.sleep(2.0)  # inside the training loop (its first step is still compiling)
     processes[1].send_signal(signal.SIGTERM)
-    outputs = [p.communicate(timeout=300)[0] for p in processes]
+    for p, reader in zip(processes, readers, strict=True):
+      p.wait(timeout=60)
+      reader.join(timeout=10)
   finally:
     for p in processes:
       p.kill()
+  outputs = ["".join(out) for out in lines]
   stopped = [re.findall(r"Stopped at step (\d+) after SIGTERM", out) for out in outputs]
   assert all(len(s) == 1 for s in stopped), [out[-3000:] for out in outputs]
   step = int(stopped[0][0])
