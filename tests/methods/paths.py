@@ -60,3 +60,14 @@ def assert_paths_agree(paths: dict, tolerance: float = 1e-6) -> None:
   reference = paths["predict"]
   for name, values in paths.items():
     np.testing.assert_allclose(values, reference, rtol=0, atol=tolerance, err_msg=name)
+
+
+def assert_every_evaluator_reports(results: dict, method: str) -> None:
+  """``results`` of :func:`tests.helpers.train_resume_and_evaluate` for a 2-member ``method``:
+  every evaluator at N = 1 and 2, finite corruption errors, VQ-BNN rows and the method's name."""
+  assert [r["ensemble_size"] for r in results["ensemble_sizes"]] == [1, 2]
+  for name in ("calibration", "selective", "ood"):
+    assert {r["ensemble_size"] for r in results[name]} == {1, 2}, name
+  assert np.isfinite(results["corruptions"]["mean_err"])
+  assert {r["method"] for r in results["temporal"]} >= {"single", "temporal"}
+  assert {r["method"] for r in results["ensemble_sizes"]} == {method}

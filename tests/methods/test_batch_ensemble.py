@@ -17,7 +17,7 @@ from smoothing_jax.methods.losses import supervised_loss
 from smoothing_jax.models import get_model
 from smoothing_jax.training import optim
 from tests.helpers import init_variables, override, tiny_config, tiny_run, train_resume_and_evaluate
-from tests.methods.paths import assert_paths_agree, three_paths
+from tests.methods.paths import assert_every_evaluator_reports, assert_paths_agree, three_paths
 
 M = 3
 
@@ -122,13 +122,7 @@ def test_a_batch_ensemble_is_not_trained_as_a_deep_ensemble_of_batch_ensembles()
 
 
 def test_trains_resumes_and_runs_every_evaluator_from_the_command_line(trained):
-  _, _, results = trained
-  assert [r["ensemble_size"] for r in results["ensemble_sizes"]] == [1, 2]
-  for name in ("calibration", "selective", "ood"):
-    assert {r["ensemble_size"] for r in results[name]} == {1, 2}, name
-  assert np.isfinite(results["corruptions"]["mean_err"])
-  assert {r["method"] for r in results["temporal"]} >= {"single", "temporal"}
-  assert {r["method"] for r in results["ensemble_sizes"]} == {"batch_ensemble"}
+  assert_every_evaluator_reports(trained[2], "batch_ensemble")
 
 
 def test_predict_the_evaluators_and_the_training_evaluation_agree(trained, tmp_path):

@@ -23,7 +23,7 @@ from smoothing_jax.methods.packed import PackedEnsemble
 from smoothing_jax.models import get_model
 from smoothing_jax.models.packed import PackedBlock, packed_groups
 from tests.helpers import init_variables, num_params, override, tiny_run, train_resume_and_evaluate
-from tests.methods.paths import assert_paths_agree, three_paths
+from tests.methods.paths import assert_every_evaluator_reports, assert_paths_agree, three_paths
 
 M = 4
 
@@ -244,13 +244,7 @@ def trained(tmp_path_factory):
 
 
 def test_trains_resumes_and_runs_every_evaluator_from_the_command_line(trained):
-  _, _, results = trained
-  assert [r["ensemble_size"] for r in results["ensemble_sizes"]] == [1, 2]
-  for name in ("calibration", "selective", "ood"):
-    assert {r["ensemble_size"] for r in results[name]} == {1, 2}, name
-  assert np.isfinite(results["corruptions"]["mean_err"])
-  assert {r["method"] for r in results["temporal"]} >= {"single", "temporal"}
-  assert {r["method"] for r in results["ensemble_sizes"]} == {"packed_ensemble"}
+  assert_every_evaluator_reports(trained[2], "packed_ensemble")
 
 
 def test_predict_the_evaluators_and_the_training_evaluation_agree(trained, tmp_path):
