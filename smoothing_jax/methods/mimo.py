@@ -30,7 +30,7 @@ from smoothing_jax.models import is_mimo, is_stochastic
 
 def shuffled_rows(num_rows: int, input_repetition_probability: float) -> int:
   """The rows each member shuffles on its own: uncertainty-baselines' ``to_shuffle``, in float32
-  as its ``tf.cast(... tf.float32) * (1. - p)``, truncated by the cast to int32."""
+  as its ``tf.cast(..., tf.float32) * (1.0 - p)``, truncated by the cast to int32."""
   return int(np.float32(num_rows) * np.float32(1.0 - input_repetition_probability))
 
 
