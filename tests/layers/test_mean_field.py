@@ -174,7 +174,7 @@ def _torch_layer_and_params(kind, seed=0):
 def test_ibnn_layer_kl_equals_torch_kl_divergence(kind):
   """Σ KL over the kernel and the bias, against ``torch.distributions.kl_divergence`` of the same
   Normal posteriors and the fixed prior N(1, 0.5²) (the transcription's ``kl``)."""
-  import torch
+  torch = pytest.importorskip("torch")
   layer, params = _torch_layer_and_params(kind)
   prior = torch.distributions.Normal(torch.tensor(1.0), torch.tensor(0.5))
   with torch.no_grad():
@@ -192,7 +192,7 @@ def test_ibnn_layers_outputs_match_the_torch_forward_over_many_draws():
   1,000 calls of the transcribed reference ``forward`` on the same posterior (a Python loop: the
   calls are what costs); in one pass two equal examples give equal outputs in both (one weight
   sample for the whole batch, no Flipout)."""
-  import torch
+  torch = pytest.importorskip("torch")
   num, num_torch = 4000, 1000
   for kind, ours, shape in (("conv", BayesianConv(features=3, kernel_size=3, padding=1,
                                                   use_bias=True), (2, 4, 4, 2)),
