@@ -92,21 +92,20 @@ def test_spectrum_summary_hand_worked():
 
 
 def test_max_eigenvalue_spectrum_on_8_devices_equals_each_batch_alone_on_one(tiny_mcdo, images):
-  """Eight batches on the 8 simulated devices, one each: every batch's eigenvalues, residuals and
-  HVPs are those ``top_eigenvalues`` gives the batch alone on one device, and new batches of the
-  same shapes reuse the compiled programs."""
+  """Eight batches on the 8 simulated devices, one each, in one program per step: every batch's
+  eigenvalues, residuals and HVPs are those ``top_eigenvalues`` gives the batch alone on one
+  device."""
   from smoothing_jax.analysis import hessian
   from smoothing_jax.parallel import create_mesh
   model, variables = tiny_mcdo
   batches = [{"image": (-1)**i * (0.5 + i / 8) * images, "label": (jnp.arange(3) + i) % 5}
              for i in range(8)]
   mesh = create_mesh(8)
+  compiled = [f._cache_size() for f in hessian._per_device(mesh)]
   result = max_eigenvalue_spectrum(model, variables, batches, k=2, max_iters=20,
                                    rng=jax.random.key(1), mesh=mesh)
-  compiled = [f._cache_size() for f in hessian._per_device(mesh)]
-  max_eigenvalue_spectrum(model, variables, [{**b, "image": 2 * b["image"]} for b in batches],
-                          k=2, max_iters=20, mesh=mesh)
-  assert [f._cache_size() for f in hessian._per_device(mesh)] == compiled
+  # One program each (linearisation, start, step) for all the devices and steps.
+  assert [f._cache_size() for f in hessian._per_device(mesh)] == [c + 1 for c in compiled]
   assert result["eigenvalues"].shape == (8, 2) and result["method"] == "lanczos"
   assert result["relative_residuals"].shape == (8, 2) and result["hvps"].shape == (8,)
   for i, batch in enumerate(batches):  # the same loss and keys through top_eigenvalues
