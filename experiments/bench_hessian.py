@@ -29,6 +29,7 @@ import functools
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -99,6 +100,90 @@ def time_ours(loss_fn, params, k, method, tol, max_iters, rng):
       "hvps": int(result.hvps),
       "eigenvalues": np.asarray(result.eigenvalues).tolist(),
       "relative_residuals": result.relative_residuals.tolist(),
+  }
+
+
+def hvp_variants(loss_fn, params, vector, repeats):
+  """Seconds of one HVP by each way of composing JAX's derivatives, on the same vector:
+  forward-over-reverse (``hvp``), the same with ``grad(L)`` linearised once (what the solvers
+  apply), the pullback of ``grad(L)`` taken once (reverse-over-reverse that keeps the gradient's
+  graph, as PyHessian does; H is symmetric), reverse-over-forward (the gradient of the directional
+  derivative) and reverse-over-reverse from scratch (the gradient of ∇L·v)."""
+  linear = linearized_hvp(loss_fn, params)
+
+  def reverse_over_forward(f, p, v):
+    return jax.grad(lambda q: jax.jvp(f, (q,), (v,))[1])(p)
+
+  def reverse_over_reverse(f, p, v):
+    return jax.grad(lambda q: sum(jnp.vdot(g, t) for g, t in zip(
+        jax.tree.leaves(jax.grad(f)(q)), jax.tree.leaves(v), strict=True)))(p)
+
+  pullback = jax.jit(lambda f, p: jax.vjp(jax.grad(f), p)[1])(loss_fn, params)
+  ways = {
+      "jvp_of_grad": lambda: hvp(loss_fn, params, vector),
+      "vjp_of_grad": functools.partial(jax.jit(lambda pull, v: pull(v)[0]), pullback, vector),
+      "linearized": functools.partial(jax.jit(lambda lin, v: lin(v)), linear, vector),
+      "grad_of_jvp": functools.partial(jax.jit(reverse_over_forward), loss_fn, params, vector),
+      "grad_of_grad_dot": functools.partial(jax.jit(reverse_over_reverse), loss_fn, params,
+                                            vector),
+  }
+  return alternating_medians(ways, repeats)
+
+
+def alternating_medians(ways: dict, repeats: int) -> dict:
+  """Median seconds of each ``ways[name]()``, the ways taking turns (``repeats`` rounds after one
+  untimed round that compiles), so a machine shared with other work slows all of them alike."""
+  for way in ways.values():
+    jax.block_until_ready(way())
+  times = {name: [] for name in ways}
+  for _ in range(repeats):
+    for name, way in ways.items():
+      start = time.perf_counter()
+      jax.block_until_ready(way())
+      times[name].append(time.perf_counter() - start)
+  return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def spectrum_on_devices(args) -> dict:
+  """``max_eigenvalue_spectrum`` (top-1 Lanczos, ``--spectrum-batches`` batches of
+  ``--batch-size`` images, ``resnet_dnn_18`` of ``--spectrum-width``) on a mesh of 8 simulated
+  CPU devices against 1, in a child process: the device count is fixed when JAX starts."""
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+  child = subprocess.run([sys.executable, os.path.abspath(__file__), "--spectrum-child",
+                          *sys.argv[1:]], env={**os.environ, "XLA_FLAGS": flags},
+                         capture_output=True, text=True, check=True)
+  return json.loads(child.stdout)
+
+
+def spectrum_child(args) -> dict:
+  """The child of :func:`spectrum_on_devices`: both meshes take turns (``--repeats`` rounds after
+  one that compiles); the same eigenvalues from both, to rounding."""
+  from smoothing_jax.analysis.spectrum import max_eigenvalue_spectrum
+  from smoothing_jax.parallel import create_mesh
+  count = args.spectrum_batches
+  images, labels, source = cifar_batch(args.data, args.batch_size * count)
+  model, variables, _, _ = reference_variables(args.spectrum_width, images)
+  batches = [{"image": images[i::count], "label": labels[i::count]} for i in range(count)]
+  results = {}
+
+  def run(devices):
+    results[devices] = max_eigenvalue_spectrum(
+        model, variables, batches, k=1, weight_decay=0.0, max_iters=args.max_iters, tol=args.tol,
+        rng=jax.random.key(4), mesh=create_mesh(devices))
+    return results[devices]["eigenvalues"]
+
+  seconds = alternating_medians({8: lambda: run(8), 1: lambda: run(1)}, args.repeats)
+  return {
+      "width": args.spectrum_width,
+      "batches": f"{count} batches of {args.batch_size} images from {source}",
+      "seconds_1_device": seconds[1],
+      "seconds_8_devices": seconds[8],
+      "ratio_8_over_1": seconds[8] / seconds[1],
+      "hvps": results[8]["hvps"].tolist(),
+      "max_relative_difference": float(np.max(np.abs(results[8]["eigenvalues"] -
+                                                     results[1]["eigenvalues"]) /
+                                              np.abs(results[1]["eigenvalues"]))),
+      "relative_residuals": results[8]["relative_residuals"].ravel().tolist(),
   }
 
 
@@ -186,7 +271,14 @@ def main(argv=None):
   parser.add_argument("--max-iters", type=int, default=100)
   parser.add_argument("--repeats", type=int, default=3, help="timings of one HVP / gradient")
   parser.add_argument("--seeds", type=int, default=3, help="random starts of the top-1 runs")
+  parser.add_argument("--spectrum-batches", type=int, default=8,
+                      help="batches of the spectrum on 8 devices against 1 (0: skip)")
+  parser.add_argument("--spectrum-width", type=int, default=16)
+  parser.add_argument("--spectrum-child", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.spectrum_child:
+    print(json.dumps(spectrum_child(args)))
+    return
 
   images, labels, source = cifar_batch(args.data, args.batch_size)
   model, variables, net, state_dict = reference_variables(args.width, images)
@@ -195,8 +287,7 @@ def main(argv=None):
 
   grad_fn = jax.jit(jax.grad(lambda p, f: f(p)))
   vector = jax.tree.map(lambda p: jax.random.normal(jax.random.key(3), p.shape), params)
-  linear = linearized_hvp(loss_fn, params)
-  apply = jax.jit(lambda lin, v: lin(v))
+  variants = hvp_variants(loss_fn, params, vector, args.repeats)
   result = {
       "benchmark": "hessian",
       "model": "resnet_dnn_18",
@@ -207,8 +298,9 @@ def main(argv=None):
       "tol": args.tol,
       "max_iters": args.max_iters,
       "gradient_seconds": median_seconds(lambda: grad_fn(params, loss_fn), args.repeats),
-      "hvp_seconds": median_seconds(lambda: hvp(loss_fn, params, vector), args.repeats),
-      "linearized_hvp_seconds": median_seconds(lambda: apply(linear, vector), args.repeats),
+      "hvp_seconds": variants["jvp_of_grad"],
+      "linearized_hvp_seconds": variants["linearized"],
+      "hvp_variants_seconds": variants,
       "pyhessian_hvp_seconds": pyhessian_hvp_seconds(net, images, labels, args.repeats),
   }
 
@@ -225,12 +317,17 @@ def main(argv=None):
                                           residual_of, seed) for seed in seeds]
     median = {name: float(np.median([r["seconds"] for r in rs])) for name, rs in runs.items()}
     for name, rs in runs.items():
+      for r in rs if name.startswith("ours") else ():
+        # The solver's time over its HVPs' alone (linearisation, loop and vectors included).
+        r["seconds_over_hvps"] = r["seconds"] / (r["hvps"] * result["linearized_hvp_seconds"])
       result[f"{name}_top{k}"] = rs if len(rs) > 1 else rs[0]
       result[f"{name}_top{k}_median_seconds"] = median[name]
     if "pyhessian" in runs:
       for method in ("lanczos", "power"):
         result[f"{method}_speedup_vs_pyhessian_top{k}"] = (median["pyhessian"] /
                                                            median[f"ours_{method}"])
+  if args.spectrum_batches:
+    result["spectrum_8_vs_1_devices"] = spectrum_on_devices(args)
   print(json.dumps(result, indent=2))
 
 
