@@ -11,16 +11,24 @@ it reports time (compiled; the linearisation included), HVPs, eigenvalues and
 relative residuals ‖Hv − λv‖/|λ| of:
 
 * ours, ``method="lanczos"``: block Lanczos (block k), stops at a relative residual of ``--tol``;
+  ``seconds_over_hvps``: its time over its HVPs × one linearised HVP, timed right after it;
 * ours, ``method="power"``: PyHessian's rule (relative change < ``--tol``);
-* PyHessian 0.1 ``hessian(...).eigenvalues(maxIter=100, tol=--tol, top_n=k)`` (needs
-  ``pip install pyhessian`` next to torch; omitted without it).  Its residuals are
-  measured with our HVP on its eigenvectors, mapped through the same converter.
+* PyHessian 0.1 ``hessian(...).eigenvalues(maxIter=--max-iters, tol=--tol, top_n=k)`` (needs
+  ``pip install pyhessian`` next to torch; omitted without it), stopped by its own rule;
+* PyHessian at equal accuracy (``pyhessian_at_residual``): the same call with the change
+  tolerances of ``--pyhessian-tols`` in turn (``maxIter=--pyhessian-max-iters``) until every pair
+  has a relative residual ≤ ``--tol``; that run's time is PyHessian's time to the residual (the
+  looser runs before it not counted), against our Lanczos's
+  (``lanczos_speedup_at_equal_residual``).
 
-It also gives the seconds per HVP (ours: full jvp-of-grad and linearised; PyHessian's
-double backward) and one gradient.
+PyHessian's residuals are measured with our HVP on its eigenvectors, mapped through the same
+converter.  It also gives the seconds per HVP (ours: five ways of composing JAX's derivatives;
+PyHessian's double backward), one gradient, and ``max_eigenvalue_spectrum`` of
+``--spectrum-batches`` batches on 8 simulated CPU devices against 1 (``spectrum_8_vs_1_devices``).
 
   python experiments/bench_hessian.py                           # the issue's setting
   python experiments/bench_hessian.py --width 16 --top 1        # quick
+  python experiments/bench_hessian.py --width 16 --spectrum-batches 0 --pyhessian-tols   # no 8 vs 1
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ import functools
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -102,6 +111,96 @@ def time_ours(loss_fn, params, k, method, tol, max_iters, rng):
   }
 
 
+def hvp_variants(loss_fn, params, vector, repeats):
+  """Seconds of one HVP by each way of composing JAX's derivatives, on the same vector:
+  forward-over-reverse (``hvp``), the same with ``grad(L)`` linearised once (what the solvers
+  apply), the pullback of ``grad(L)`` taken once (reverse-over-reverse that keeps the gradient's
+  graph, as PyHessian does; H is symmetric), reverse-over-forward (the gradient of the directional
+  derivative) and reverse-over-reverse from scratch (the gradient of ∇L·v)."""
+  linear = linearized_hvp(loss_fn, params)
+
+  def reverse_over_forward(f, p, v):
+    return jax.grad(lambda q: jax.jvp(f, (q,), (v,))[1])(p)
+
+  def reverse_over_reverse(f, p, v):
+    return jax.grad(lambda q: sum(jnp.vdot(g, t) for g, t in zip(
+        jax.tree.leaves(jax.grad(f)(q)), jax.tree.leaves(v), strict=True)))(p)
+
+  pullback = jax.jit(lambda f, p: jax.vjp(jax.grad(f), p)[1])(loss_fn, params)
+  ways = {
+      "jvp_of_grad": lambda: hvp(loss_fn, params, vector),
+      "vjp_of_grad": functools.partial(jax.jit(lambda pull, v: pull(v)[0]), pullback, vector),
+      "linearized": functools.partial(jax.jit(lambda lin, v: lin(v)), linear, vector),
+      "grad_of_jvp": functools.partial(jax.jit(reverse_over_forward), loss_fn, params, vector),
+      "grad_of_grad_dot": functools.partial(jax.jit(reverse_over_reverse), loss_fn, params,
+                                            vector),
+  }
+  return alternating_medians(ways, repeats)
+
+
+def alternating_medians(ways: dict, repeats: int) -> dict:
+  """Median seconds of each ``ways[name]()``, the ways taking turns (``repeats`` rounds after one
+  untimed round that compiles), so a machine shared with other work slows all of them alike."""
+  for way in ways.values():
+    jax.block_until_ready(way())
+  times = {name: [] for name in ways}
+  for _ in range(repeats):
+    for name, way in ways.items():
+      start = time.perf_counter()
+      jax.block_until_ready(way())
+      times[name].append(time.perf_counter() - start)
+  return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def spectrum_on_devices(data: str, width: int, batches: int, batch_size: int, max_iters: int,
+                        tol: float, repeats: int) -> dict:
+  """``max_eigenvalue_spectrum`` (top-1 Lanczos, ``batches`` batches of ``batch_size`` images,
+  ``resnet_dnn_18`` of ``width``) on a mesh of 8 simulated CPU devices against 1, in a child
+  process on the CPU (the device count is fixed when JAX starts)."""
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+  child = subprocess.run(
+      [sys.executable, os.path.abspath(__file__), "--spectrum-child", "--data", data,
+       "--spectrum-width", str(width), "--spectrum-batches", str(batches), "--batch-size",
+       str(batch_size), "--max-iters", str(max_iters), "--tol", str(tol), "--repeats",
+       str(repeats)],
+      env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+      text=True, check=True)
+  return json.loads(child.stdout)
+
+
+def spectrum_child(args) -> dict:
+  """The child of :func:`spectrum_on_devices`: both meshes take turns (``--repeats`` rounds after
+  one that compiles); the same eigenvalues from both, to rounding."""
+  from smoothing_jax.analysis.spectrum import max_eigenvalue_spectrum
+  from smoothing_jax.parallel import create_mesh
+  count = args.spectrum_batches
+  images, labels, source = cifar_batch(args.data, args.batch_size * count)
+  model, variables, _, _ = reference_variables(args.spectrum_width, images)
+  batches = [{"image": images[i::count], "label": labels[i::count]} for i in range(count)]
+  results = {}
+
+  def run(devices):
+    results[devices] = max_eigenvalue_spectrum(
+        model, variables, batches, k=1, weight_decay=0.0, max_iters=args.max_iters, tol=args.tol,
+        rng=jax.random.key(4), mesh=create_mesh(devices))
+    return results[devices]["eigenvalues"]
+
+  seconds = alternating_medians({8: lambda: run(8), 1: lambda: run(1)}, args.repeats)
+  return {
+      "width": args.spectrum_width,
+      "batches": f"{count} batches of {args.batch_size} images from {source}",
+      "cpu_cores": os.cpu_count(),
+      "seconds_1_device": seconds[1],
+      "seconds_8_devices": seconds[8],
+      "ratio_8_over_1": seconds[8] / seconds[1],
+      "hvps": results[8]["hvps"].tolist(),
+      "max_relative_difference": float(np.max(np.abs(results[8]["eigenvalues"] -
+                                                     results[1]["eigenvalues"]) /
+                                              np.abs(results[1]["eigenvalues"]))),
+      "relative_residuals": results[8]["relative_residuals"].ravel().tolist(),
+  }
+
+
 def has_pyhessian() -> bool:
   return importlib.util.find_spec("pyhessian") is not None
 
@@ -137,6 +236,18 @@ def time_pyhessian(net, images, labels, k, tol, max_iters, residual_of, seed, cu
   ]
   return {"seconds": seconds, "hvps": calls[0], "eigenvalues": [float(e) for e in eigenvalues],
           "relative_residuals": residuals}
+
+
+def pyhessian_to_residual(net, images, labels, k, args, residual_of, seed) -> dict:
+  """PyHessian at equal accuracy: :func:`time_pyhessian` with each change tolerance of
+  ``args.pyhessian_tols`` in turn (``maxIter=args.pyhessian_max_iters``) until every pair's
+  relative residual is ≤ ``args.tol``; the run that got there (``reached``), else the last."""
+  for tol in args.pyhessian_tols:
+    run = time_pyhessian(net, images, labels, k, tol, args.pyhessian_max_iters, residual_of, seed)
+    run.update(change_tol=tol, reached=max(run["relative_residuals"]) <= args.tol)
+    if run["reached"]:
+      break
+  return run
 
 
 def batch_loss(model, variables, images, labels) -> Partial:
@@ -186,7 +297,18 @@ def main(argv=None):
   parser.add_argument("--max-iters", type=int, default=100)
   parser.add_argument("--repeats", type=int, default=3, help="timings of one HVP / gradient")
   parser.add_argument("--seeds", type=int, default=3, help="random starts of the top-1 runs")
+  parser.add_argument("--pyhessian-tols", type=float, nargs="*", default=[1e-4, 1e-5, 1e-6],
+                      help="PyHessian's change tolerances tried in turn for the equal-accuracy "
+                           "runs (none: skip them)")
+  parser.add_argument("--pyhessian-max-iters", type=int, default=1000)
+  parser.add_argument("--spectrum-batches", type=int, default=8,
+                      help="batches of the spectrum on 8 devices against 1 (0: skip)")
+  parser.add_argument("--spectrum-width", type=int, default=16)
+  parser.add_argument("--spectrum-child", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.spectrum_child:
+    print(json.dumps(spectrum_child(args)))
+    return
 
   images, labels, source = cifar_batch(args.data, args.batch_size)
   model, variables, net, state_dict = reference_variables(args.width, images)
@@ -195,8 +317,7 @@ def main(argv=None):
 
   grad_fn = jax.jit(jax.grad(lambda p, f: f(p)))
   vector = jax.tree.map(lambda p: jax.random.normal(jax.random.key(3), p.shape), params)
-  linear = linearized_hvp(loss_fn, params)
-  apply = jax.jit(lambda lin, v: lin(v))
+  variants = hvp_variants(loss_fn, params, vector, args.repeats)
   result = {
       "benchmark": "hessian",
       "model": "resnet_dnn_18",
@@ -207,30 +328,58 @@ def main(argv=None):
       "tol": args.tol,
       "max_iters": args.max_iters,
       "gradient_seconds": median_seconds(lambda: grad_fn(params, loss_fn), args.repeats),
-      "hvp_seconds": median_seconds(lambda: hvp(loss_fn, params, vector), args.repeats),
-      "linearized_hvp_seconds": median_seconds(lambda: apply(linear, vector), args.repeats),
+      "hvp_seconds": variants["jvp_of_grad"],
+      "linearized_hvp_seconds": variants["linearized"],
+      "hvp_variants_seconds": variants,
       "pyhessian_hvp_seconds": pyhessian_hvp_seconds(net, images, labels, args.repeats),
   }
 
+  linear = linearized_hvp(loss_fn, params)
+  one_hvp = functools.partial(jax.jit(lambda lin, v: lin(v)), linear, vector)
   for k in args.top:
     # Both libraries start from a random vector, and the HVPs a run needs depend on it: top-1
     # runs repeat over --seeds starts and compare medians; top-k > 1 (minutes each) runs once.
     seeds = range(args.seeds if k == 1 else 1)
-    runs = {f"ours_{method}": [time_ours(loss_fn, params, k, method, args.tol, args.max_iters,
-                                         jax.random.key(4 + seed)) for seed in seeds]
-            for method in ("lanczos", "power")}
+    runs = {}
+    for method in ("lanczos", "power"):
+      runs[f"ours_{method}"] = []
+      for seed in seeds:
+        run = time_ours(loss_fn, params, k, method, args.tol, args.max_iters,
+                        jax.random.key(4 + seed))
+        # The solve's time over its HVPs' alone, one linearised HVP timed right after it.
+        run["hvp_seconds_after"] = median_seconds(one_hvp, args.repeats)
+        run["seconds_over_hvps"] = run["seconds"] / (run["hvps"] * run["hvp_seconds_after"])
+        runs[f"ours_{method}"].append(run)
     if net is not None and has_pyhessian():
       residual_of = pyhessian_residual(loss_fn, params, state_dict, args.width)
       runs["pyhessian"] = [time_pyhessian(net, images, labels, k, args.tol, args.max_iters,
                                           residual_of, seed) for seed in seeds]
+      if args.pyhessian_tols:
+        runs["pyhessian_at_residual"] = [
+            pyhessian_to_residual(net, images, labels, k, args, residual_of, seed)
+            for seed in seeds]
     median = {name: float(np.median([r["seconds"] for r in rs])) for name, rs in runs.items()}
     for name, rs in runs.items():
       result[f"{name}_top{k}"] = rs if len(rs) > 1 else rs[0]
       result[f"{name}_top{k}_median_seconds"] = median[name]
+    for method in ("lanczos", "power"):
+      result[f"{method}_top{k}_median_seconds_over_hvps"] = float(np.median(
+          [r["seconds_over_hvps"] for r in runs[f"ours_{method}"]]))
     if "pyhessian" in runs:
       for method in ("lanczos", "power"):
         result[f"{method}_speedup_vs_pyhessian_top{k}"] = (median["pyhessian"] /
                                                            median[f"ours_{method}"])
+    if "pyhessian_at_residual" in runs:
+      reached = all(r["reached"] for r in runs["pyhessian_at_residual"])
+      result[f"lanczos_speedup_at_equal_residual_top{k}"] = (
+          median["pyhessian_at_residual"] / median["ours_lanczos"] if reached else None)
+      result[f"max_relative_residual_top{k}"] = {
+          name: float(max(max(r["relative_residuals"]) for r in runs[name]))
+          for name in ("ours_lanczos", "pyhessian", "pyhessian_at_residual")}
+  if args.spectrum_batches:
+    result["spectrum_8_vs_1_devices"] = spectrum_on_devices(
+        args.data, args.spectrum_width, args.spectrum_batches, args.batch_size, args.max_iters,
+        args.tol, args.repeats)
   print(json.dumps(result, indent=2))
 
 

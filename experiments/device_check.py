@@ -20,7 +20,9 @@ Sections, in this order, each in its own try/except (a failure is recorded as
   the end) for 2 epochs, compilation and fixed costs excluded
   (``bench_train.train_loop_images_per_s``);
 * ``hessian``: top-1 and top-5 Lanczos (``bench_hessian.time_ours``) of ``resnet_dnn_18`` at
-  batch 128 against PyHessian on the same weights and batch (the PyTorch transcription's);
+  batch 128 against PyHessian on the same weights and batch (the PyTorch transcription's), and
+  ``max_eigenvalue_spectrum`` of 8 batches on 8 simulated CPU devices against 1
+  (``bench_hessian.spectrum_on_devices``, in a child process on the host's cores);
 * ``landscape``: a 21×21 ``loss_surface`` of the same network on 2,048 images against the same
   grid point by point in PyTorch (weights set under ``torch.no_grad``), BatchNorm in eval mode
   on both sides;
@@ -62,6 +64,7 @@ from bench_hessian import (
   has_pyhessian,
   pyhessian_residual,
   reference_variables,
+  spectrum_on_devices,
   time_ours,
   time_pyhessian,
 )
@@ -79,6 +82,7 @@ FULL = types.SimpleNamespace(
     num_samples=(1, 10, 50), mc_batch=128, repeats=3, ensemble_members=(8,),
     eval_samples=50, eval_batch=500, eval_batches=20,
     hessian_width=64, hessian_batch=128, max_iters=100, seeds=3,
+    spectrum_width=16, spectrum_batch=32,
     grid=21, landscape_images=2048, torch_batch=512,
     ood_width=64, ood_sizes=(1, 2, 5, 10), ood_images=1000, ood_train=2000, ood_batch=500)
 SMOKE = types.SimpleNamespace(
@@ -87,6 +91,7 @@ SMOKE = types.SimpleNamespace(
     num_samples=(1, 2), mc_batch=32, repeats=1, ensemble_members=(2,),
     eval_samples=2, eval_batch=32, eval_batches=2,
     hessian_width=8, hessian_batch=16, max_iters=8, seeds=1,
+    spectrum_width=4, spectrum_batch=8,
     grid=3, landscape_images=64, torch_batch=32,
     ood_width=8, ood_sizes=(1, 2), ood_images=8, ood_train=64, ood_batch=8)
 RECIPE = ("cifar_resnet", "resnet_dnn_18,cifar100")  # SS's CIFAR-100 ResNet-18
@@ -217,6 +222,10 @@ def hessian(s, data: str, device: str) -> dict:
                                               result[f"ours_lanczos_top{k}_median_seconds"])
     log(f"hessian top-{k}: ours {result[f'ours_lanczos_top{k}_median_seconds']:.2f} s, "
         f"PyHessian {result[f'pyhessian_top{k}_median_seconds']:.2f} s")
+  spectrum = spectrum_on_devices(data, s.spectrum_width, 8, s.spectrum_batch, s.max_iters, TOL,
+                                 s.repeats)
+  result["spectrum_8_vs_1_devices"] = spectrum
+  log(f"hessian spectrum of 8 batches: 8 simulated devices / 1 = {spectrum['ratio_8_over_1']:.2f}")
   return result
 
 
@@ -308,6 +317,8 @@ def derived(result: dict) -> dict:
               "ensemble_m8_speedup": best,
               "projected_recipe_minutes": minutes,
               "hessian_top1_speedup": section("hessian").get("speedup_vs_pyhessian_top1"),
+              "hessian_spectrum_8_over_1_devices": section("hessian").get(
+                  "spectrum_8_vs_1_devices", {}).get("ratio_8_over_1"),
               "landscape_speedup": section("landscape").get("speedup"),
               "ood_all_scores_over_msp": section("ood_scores").get("all_over_msp")}
   goals = {}

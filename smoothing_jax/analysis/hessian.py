@@ -6,7 +6,9 @@ so the Hessian H = ∇²L(θ) is a fixed symmetric operator.  ``hvp`` is
 forward-over-reverse: ``jvp(grad(L), θ, v)``.  Iterative methods linearise
 ``grad(L)`` at θ once (``linearized_hvp``) and then apply only the tangent part,
 like PyHessian keeps the gradient's graph; each iteration (a block's HVPs,
-orthogonalisation, norms) is one jitted call.
+orthogonalisation, norms) is one jitted call, and the host reads back only what the stopping
+rule needs.  :func:`top_and_min_eigenvalues_per_device` solves one problem per device of a mesh
+(a batch each: the Hessian spectrum over a dataset) in one program per iteration.
 
 Two eigensolvers (``method``):
 
@@ -38,8 +40,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import scipy.linalg
 from jax.flatten_util import ravel_pytree
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from jax.tree_util import Partial
 
 METHODS = ("lanczos", "power")
@@ -114,7 +118,7 @@ def dataset_loss(batch_loss: Callable, batches: Iterable, mesh: Mesh | None = No
     if size % mesh.shape["data"]:
       raise ValueError(f"A batch of {size} does not split over the mesh's "
                        f"{mesh.shape['data']} devices.")
-    stacked = jax.device_put(stacked, NamedSharding(mesh, PartitionSpec(None, "data")))
+    stacked = jax.device_put(stacked, NamedSharding(mesh, P(None, "data")))
   return Partial(_mean_over_batches, as_pytree(batch_loss), stacked)
 
 
@@ -335,15 +339,13 @@ def _orthonormal_block(basis, rows, w, scale, key):
   return q, r
 
 
-@functools.partial(jax.jit, donate_argnames="basis")
 def _start_block(basis, start):
   """Rows 0..b−1 of ``basis`` ← the orthonormalised rows of ``start`` [b, n]."""
   q, _ = _orthonormal_block(basis, 0, start, 0.0, jax.random.key(0))
   return basis.at[:start.shape[0]].set(q)
 
 
-@functools.partial(jax.jit, donate_argnames="basis")
-def _lanczos_step(linear, params, basis, j, coupling, scale, key):
+def _step(linear, params, basis, j, coupling, scale, key):
   """Block Lanczos step j with blocks of b rows: block j (rows jb..jb+b−1 of ``basis``) is X_j,
   the rows before it the orthonormal X_0..X_{j−1}, the rest zero.
 
@@ -369,6 +371,10 @@ def _lanczos_step(linear, params, basis, j, coupling, scale, key):
   return jax.lax.dynamic_update_slice_in_dim(basis, q, (j + 1) * b, 0), a, r, scale
 
 
+_lanczos_start = jax.jit(_start_block, donate_argnames="basis")
+_lanczos_step = jax.jit(_step, donate_argnames="basis")
+
+
 def _placed_like(params, *arrays):
   """``arrays`` replicated on the mesh of ``params`` when they lie on one (a loaded Run's
   variables): the step's outputs take that mesh, so its first inputs need it too, or step 1
@@ -376,58 +382,115 @@ def _placed_like(params, *arrays):
   sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
   if not isinstance(sharding, jax.sharding.NamedSharding):
     return arrays
-  replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  replicated = NamedSharding(sharding.mesh, P())
   return tuple(jax.device_put(a, replicated) for a in arrays)
 
 
+def _first_block(params, start, rows):
+  """``(basis [rows, n], B_{−1}, scale)`` for :func:`_lanczos` of one problem: the basis holds the
+  orthonormalised rows of ``start`` [b, n], the coupling and the scale are zero."""
+  b, n = start.shape
+  zeros, start, coupling, scale = _placed_like(params, jnp.zeros((rows, n), start.dtype), start,
+                                               jnp.zeros((b, b), start.dtype),
+                                               jnp.zeros((), start.dtype))
+  return _lanczos_start(zeros, start), coupling, scale
+
+
 @jax.jit
-def _ritz_vectors(basis, coefficients):
-  """``coefficients [r, capacity] @ basis [capacity, n]``: Ritz vectors as rows."""
-  return coefficients @ basis
+def _ritz_vectors(basis, coefficients, rows):
+  """``coefficients [r, capacity] @ basis [capacity, n]`` over the first ``rows`` rows only (in
+  chunks of 8, like :func:`_project_out`): Ritz vectors as rows.  The whole basis of
+  ``max_iters`` rows is several times the filled part (4.6 GB at 100 rows of ResNet-18)."""
+
+  def chunk(c, total):
+    block = jax.lax.dynamic_slice_in_dim(basis, c * _BLOCK, _BLOCK)
+    return total + jax.lax.dynamic_slice_in_dim(coefficients, c * _BLOCK, _BLOCK, axis=1) @ block
+
+  total = jnp.zeros((coefficients.shape[0], basis.shape[1]), basis.dtype)
+  return jax.lax.fori_loop(0, (rows + _BLOCK - 1) // _BLOCK, chunk, total)
 
 
-def _block_tridiagonal(diagonal, coupling):
-  """T = XᵀHX [m, m] (float64) from the blocks A_j on its diagonal and B_j below it (B_jᵀ
-  above); the last B_j couples to the next block, outside T."""
-  b = diagonal[0].shape[0]
-  t = np.zeros((b * len(diagonal),) * 2)
-  for j, a in enumerate(diagonal):
-    t[j * b:(j + 1) * b, j * b:(j + 1) * b] = a
-  for j, c in enumerate(coupling[:-1]):
-    t[(j + 1) * b:(j + 2) * b, j * b:(j + 1) * b] = c
-    t[j * b:(j + 1) * b, (j + 1) * b:(j + 2) * b] = c.T
+def _add_block(band, j, a, coupling):
+  """Writes step j's blocks into ``band``, T = XᵀHX in LAPACK's lower band storage (band[i − l, l]
+  = T[i, l] for 0 ≤ i − l ≤ b): A_j on the diagonal and B_{j−1} (``coupling``, upper triangular:
+  the R of a QR) below it, B_{j−1}ᵀ above."""
+  b = a.shape[0]
+  rows, cols = np.tril_indices(b)
+  band[rows - cols, j * b + cols] = a[rows, cols]
+  if j > 0:
+    rows, cols = np.triu_indices(b)
+    band[b + rows - cols, (j - 1) * b + cols] = coupling[rows, cols]
+
+
+def _dense(band, m):
+  """The symmetric [m, m] matrix of the first m columns of a lower ``band``."""
+  t = np.zeros((m, m))
+  for d in range(band.shape[0]):
+    t += np.diag(band[d, :m - d], -d) + (np.diag(band[d, :m - d], d) if d else 0)
   return t
 
 
-def _lanczos(linear, params, start, num_iters, rng, converged=None):
-  """Block Lanczos from the b rows of ``start`` [b, n]: up to ``num_iters`` HVPs in whole blocks
-  (at least one block, at most n HVPs), or fewer once ``converged(θ, residuals)`` holds.
+def _ends(band, m, count, coupling):
+  """The Ritz values at both ends of T's spectrum, the ``count`` smallest and the ``count``
+  largest (among them the ``count`` of largest magnitude), and their residuals: T's selected
+  eigenpairs only (LAPACK sbevx: bisection and inverse iteration), O(m²·b) for the hundreds of
+  steps a tolerance near float32's rounding needs, where a full eigh per step is O(m³)."""
+  b = coupling.shape[0]
+  ranges = [(0, count - 1), (m - count, m - 1)] if 2 * count < m else [(0, m - 1)]
+  pairs = [scipy.linalg.eig_banded(band[:, :m], lower=True, select="i", select_range=r)
+           for r in ranges]
+  theta = np.concatenate([values for values, _ in pairs])
+  vectors = np.concatenate([vectors for _, vectors in pairs], axis=1)
+  return theta, np.linalg.norm(coupling @ vectors[-b:], axis=0)
+
+
+def _capacity(num_iters, b, n):
+  """``(steps, rows)``: the whole blocks of up to ``num_iters`` HVPs (at least one, at most n
+  HVPs) and the basis rows they need, padded to a multiple of the reorthogonalisation chunk."""
+  steps = max(1, min(num_iters, n) // b)
+  return steps, -(-(steps + 1) * b // _BLOCK) * _BLOCK
+
+
+def _lanczos(step, basis, coupling, scale, steps, converged=None, count=1):
+  """Block Lanczos of P problems in lockstep (P = 1: one problem; several: one per device of a
+  mesh, the arrays stacked on a leading axis): ``steps`` calls ``step(basis, j, coupling, scale)
+  -> (basis, A_j, B_j, scale)`` of blocks of b rows, from a ``basis`` whose first b rows hold the
+  orthonormal start block, or fewer once ``converged(θ, residuals)`` holds for every problem.
 
   The residual of Ritz pair j (θⱼ, y = Xsⱼ) is ‖Hy − θⱼy‖ = ‖B sⱼ[−b:]‖ with B the last
-  coupling (exact up to rounding with full reorthogonalisation).  Returns ``(θ [m],
-  S [m, m], B [b, b])``, the eigenpairs of T and B as float64 numpy arrays, and the device
-  basis whose first m rows are X.
+  coupling (exact up to rounding with full reorthogonalisation).  The host checks each problem
+  after each step, where the device must wait for it anyway: a few b×b numbers come back, and
+  ``converged`` sees the ``count`` Ritz pairs at each end of the spectrum (:func:`_ends`, which
+  hold the wanted ones), then, once they pass, every pair of T's full eigh (float64), which
+  decides.  A problem that has converged keeps its step's T while the others go on.  Returns a
+  list of ``(θ [m], S [m, m], B [b, b])`` per problem, the eigenpairs of its T and its last
+  coupling as float64 numpy arrays, and the device basis whose first m rows are X.
   """
-  b, n = start.shape
-  steps = max(1, min(num_iters, n) // b)
-  capacity = -(-(steps + 1) * b // _BLOCK) * _BLOCK
-  zeros, start, coupling, scale = _placed_like(
-      params, jnp.zeros((capacity, n), start.dtype), start, jnp.zeros((b, b), start.dtype),
-      jnp.zeros((), start.dtype))
-  basis = _start_block(zeros, start)
-  diagonal, couplings = [], []
+  b = coupling.shape[-1]
+  pending, bands, done, last = [], None, None, None
   for j in range(steps):
-    basis, a, coupling, scale = _lanczos_step(linear, params, basis, j, coupling, scale, rng)
-    diagonal.append(a)
-    couplings.append(coupling)
-    if converged is not None or j == steps - 1:
-      diagonal = [np.asarray(d, np.float64) for d in diagonal]
-      couplings = [np.asarray(c, np.float64) for c in couplings]
-      theta, vectors = np.linalg.eigh(_block_tridiagonal(diagonal, couplings))
-      residuals = np.linalg.norm(couplings[-1] @ vectors[-b:], axis=0)
-      if converged is not None and converged(theta, residuals):
-        break
-  return theta, vectors, couplings[-1], basis
+    basis, a, coupling, scale = step(basis, j, coupling, scale)
+    pending.append((j, a, coupling))
+    if converged is None and j < steps - 1:
+      continue
+    for i, a, c in pending:  # [P, b, b] per step: P problems (one unstacked problem is P = 1)
+      a, c = (np.asarray(x, np.float64).reshape(-1, b, b) for x in (a, c))
+      if bands is None:
+        bands, done = np.zeros((len(a), b + 1, steps * b)), [None] * len(a)
+      for p in range(len(a)):
+        _add_block(bands[p], i, a[p], last[p] if i else None)
+      last = c
+    pending, m = [], (j + 1) * b
+    for p, result in enumerate(done):
+      if result is not None or (j < steps - 1 and not converged(*_ends(bands[p], m, count,
+                                                                         last[p]))):
+        continue
+      theta, vectors = np.linalg.eigh(_dense(bands[p], m))
+      if j == steps - 1 or converged(theta, np.linalg.norm(last[p] @ vectors[-b:], axis=0)):
+        done[p] = theta, vectors, last[p]
+    if all(result is not None for result in done):
+      break
+  return done, basis
 
 
 def _by_magnitude(theta):
@@ -441,12 +504,15 @@ def _ascending(theta):
 def _ritz_pairs(theta, vectors, coupling, basis, order, count, rank, record):
   """The Eigenpairs of the first ``count`` Ritz values in ``order``, with the certificate:
   residual matrix norm, the next Ritz value in ``order`` and the gap ``rank``(θ_count) −
-  ``rank``(θ_next) to it (``rank``: |θ| for the top, −θ for the minimum)."""
+  ``rank``(θ_next) to it (``rank``: |θ| for the top, −θ for the minimum).  ``basis`` None:
+  without the Ritz vectors (``eigenvectors`` None)."""
   chosen, after = order[:count], order[count:count + 1]
   b, m = coupling.shape[0], len(theta)
-  coefficients = np.zeros((len(chosen), basis.shape[0]), np.float32)
-  coefficients[:, :m] = vectors[:, chosen].T
-  ritz = _ritz_vectors(basis, jnp.asarray(coefficients)).astype(basis.dtype)
+  ritz = None
+  if basis is not None:
+    coefficients = np.zeros((len(chosen), basis.shape[0]), np.float32)
+    coefficients[:, :m] = vectors[:, chosen].T
+    ritz = _ritz_vectors(basis, jnp.asarray(coefficients), m).astype(basis.dtype)
   tails = coupling @ vectors[-b:]  # column j: Hyⱼ − θⱼyⱼ in the next block's coordinates
   residuals = np.linalg.norm(tails, axis=0)
   following = {"next_eigenvalue": float("nan"), "next_residual": float("nan"), "gap": float("nan")}
@@ -459,11 +525,25 @@ def _ritz_pairs(theta, vectors, coupling, basis, order, count, rank, record):
                 residual_bound=float(np.linalg.norm(tails[:, chosen], 2)), **following)
 
 
+def _converged(k, top, negative, tol):
+  """``converged(θ, residuals)``: the wanted Ritz pairs (the k largest |θ| when ``top``, the
+  smallest θ when ``negative``) all have ‖Hy − θy‖ ≤ tol·|θ|."""
+
+  def converged(theta, residuals):
+    wanted = np.concatenate([_by_magnitude(theta)[:k] if top else [],
+                             _ascending(theta)[:1] if negative else []]).astype(int)
+    return (len(theta) >= (k if top else 0) + negative
+            and np.all(residuals[wanted] <= tol * np.abs(theta[wanted])))
+
+  return converged
+
+
 # --- public eigensolvers ---------------------------------------------------------------------
 
 
 def _eigenpairs(values, vectors, unravel, dtype, **record):
-  return Eigenpairs(jnp.asarray(values, dtype), [unravel(v) for v in vectors], **record)
+  return Eigenpairs(jnp.asarray(values, dtype),
+                    None if vectors is None else [unravel(v) for v in vectors], **record)
 
 
 def top_eigenvalues(loss_fn: Callable, params, k: int = 1, max_iters: int = 100, tol: float = 1e-3,
@@ -531,15 +611,11 @@ def top_and_min_eigenvalues(loss_fn: Callable, params, k: int = 1, max_iters: in
   if method == "lanczos":
     start_key, step_key = jax.random.split(top_key)
     start = jax.random.normal(start_key, (block, flat.shape[0]), flat.dtype)
-
-    def converged(theta, residuals):
-      wanted = np.concatenate([_by_magnitude(theta)[:k] if top else [],
-                               _ascending(theta)[:1] if negative else []]).astype(int)
-      return (len(theta) >= (k if top else 0) + negative
-              and np.all(residuals[wanted] <= tol * np.abs(theta[wanted])))
-
-    theta, vectors, coupling, basis = _lanczos(linear, params, start, max_iters, step_key,
-                                               converged)
+    steps, rows = _capacity(max_iters, block, flat.shape[0])
+    step = functools.partial(_lanczos_step, linear, params, key=step_key)
+    [(theta, vectors, coupling)], basis = _lanczos(step, *_first_block(params, start, rows),
+                                                   steps, _converged(k, top, negative, tol),
+                                                   k if top else 1)
     pairs = functools.partial(_ritz_pairs, theta, vectors, coupling, basis, record=record)
     return (pairs(_by_magnitude(theta), k, np.abs) if top else None,
             pairs(_ascending(theta), 1, np.negative) if negative else None)
@@ -559,6 +635,85 @@ def top_and_min_eigenvalues(loss_fn: Callable, params, k: int = 1, max_iters: in
   low = record([shifted + shift], vector[None], iterations=np.asarray([its]),
                residuals=np.asarray([residual]), hvps=hvps + its)
   return (top_pairs if top else None), low
+
+
+# --- one problem per device of a mesh --------------------------------------------------------
+
+
+def _local(tree):
+  return jax.tree.map(lambda x: x[0], tree)
+
+
+def _stacked(tree):
+  return jax.tree.map(lambda x: x[None], tree)
+
+
+@functools.lru_cache(maxsize=16)
+def _per_device(mesh: Mesh):
+  """``(linearize, start, step)``: :func:`_linearize`, :func:`_start_block` and :func:`_step`
+  as programs over ``mesh`` in which each device runs them on its own problem.  Their stacked
+  arguments (a leading axis of ``mesh.size``, sharded on ``data``) hold one problem per device;
+  the parameters and the step index are replicated.  No device waits for another: there is no
+  collective, so the devices' HVPs run side by side."""
+  data, replicated = P("data"), P()
+
+  def sharded(fn, in_specs, donate=()):
+    def body(*args):
+      return _stacked(fn(*(_local(a) if spec == data else a
+                           for a, spec in zip(args, in_specs, strict=True))))
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=data,
+                                 check_vma=False), donate_argnums=donate)
+
+  linearize = sharded(lambda loss_fn, params: jax.linearize(jax.grad(loss_fn), params)[1],
+                      (data, replicated))
+  start = sharded(_start_block, (data, data), donate=(0,))
+  step = sharded(_step, (data, replicated, data, replicated, data, data, data), donate=(2,))
+  return linearize, start, step
+
+
+def top_and_min_eigenvalues_per_device(loss_fns: Partial, params, mesh: Mesh, rngs: jax.Array,
+                                       k: int = 1, max_iters: int = 100, tol: float = 1e-3, *,
+                                       negative: bool = True, block_size: int | None = None):
+  """:func:`top_and_min_eigenvalues` by Lanczos of ``mesh.size`` problems at once, problem i on
+  device i: ``loss_fns`` is a ``Partial`` whose bound arrays are stacked on a leading axis of
+  ``mesh.size`` (problem i binds the arrays ``[i]``; e.g. one batch per device), ``rngs`` [P]
+  their keys.  Each device linearises its own loss and runs its own Krylov space; the host
+  checks every problem after each step and stops when all have converged.
+
+  Returns one ``(top-k eigenpairs, [λ_min] eigenpair or None)`` per problem, without the
+  eigenvectors (``eigenvectors`` None), each equal to ``top_and_min_eigenvalues(loss_fn_i,
+  params, k, max_iters, tol, rngs[i], negative=negative)`` up to rounding.
+  """
+  _check_args(k, max_iters, tol, "lanczos", block_size)
+  flat, unravel = ravel_pytree(params)
+  n, block = flat.shape[0], k if block_size is None else block_size
+  if max(k, block) > n:
+    raise ValueError(f"k={k} or block_size={block} exceeds the number of parameters ({n}).")
+  linearize, start_block, step = _per_device(mesh)
+  stacked, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+  params = jax.device_put(params, replicated)
+  # Each problem's start block and step key as top_and_min_eigenvalues draws them.
+  keys = [jax.random.split(jax.random.split(rng)[0]) for rng in rngs]
+  start = jnp.stack([jax.random.normal(start_key, (block, n), flat.dtype)
+                     for start_key, _ in keys])
+  step_keys = jnp.stack([step_key for _, step_key in keys])
+  steps, rows = _capacity(max_iters, block, n)
+  count = mesh.size
+  basis = jnp.zeros((count, rows, n), flat.dtype, device=stacked)  # each device its own rows
+  start, coupling, scale, step_keys = jax.device_put(
+      (start, jnp.zeros((count, block, block), flat.dtype), jnp.zeros((count,), flat.dtype),
+       step_keys), stacked)
+  linear = linearize(jax.device_put(loss_fns, stacked), params)
+  results, _ = _lanczos(
+      lambda basis, j, coupling, scale: step(linear, params, basis, j, coupling, scale, step_keys),
+      start_block(basis, start), coupling, scale, steps, _converged(k, True, negative, tol), k)
+  record = functools.partial(_eigenpairs, unravel=unravel, dtype=flat.dtype, method="lanczos")
+  return [(_ritz_pairs(theta, vectors, coupling, None, _by_magnitude(theta), k, np.abs,
+                       record=record),
+           _ritz_pairs(theta, vectors, coupling, None, _ascending(theta), 1, np.negative,
+                       record=record) if negative else None)
+          for theta, vectors, coupling in results]
 
 
 # --- trace and density -----------------------------------------------------------------------
@@ -634,10 +789,12 @@ def eigenvalue_density(loss_fn: Callable, params, num_iters: int = 100, num_runs
   """
   linear = linearized_hvp(loss_fn, params)
   flat, _ = ravel_pytree(params)
+  steps, rows = _capacity(num_iters, 1, flat.shape[0])
   nodes, weights = [], []
   for key in jax.random.split(jax.random.key(0) if rng is None else rng, num_runs):
     probe = jax.random.rademacher(key, (1, flat.shape[0]), flat.dtype)
-    theta, vectors, _, _ = _lanczos(linear, params, probe, num_iters, key)
+    step = functools.partial(_lanczos_step, linear, params, key=key)
+    [(theta, vectors, _)], _ = _lanczos(step, *_first_block(params, probe, rows), steps)
     nodes.append(theta)
     weights.append(vectors[0] ** 2)
   return SpectralDensity(np.stack(nodes), np.stack(weights))

@@ -17,11 +17,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
 from jax.tree_util import Partial
 
-from smoothing_jax.analysis.hessian import top_and_min_eigenvalues
+from smoothing_jax.analysis.hessian import (
+  top_and_min_eigenvalues,
+  top_and_min_eigenvalues_per_device,
+)
 from smoothing_jax.inference import sample_rngs
 from smoothing_jax.methods import as_method
+from smoothing_jax.parallel import create_mesh
 
 REGULARIZERS = ("half_squared_l2", "sum_of_l2_norms")
 
@@ -69,9 +74,18 @@ def max_eigenvalue_spectrum(model,
                             rng: jax.Array | None = None,
                             negative: bool = False,
                             method: str = "lanczos",
-                            regularizer: str = "half_squared_l2") -> dict:
+                            regularizer: str = "half_squared_l2",
+                            mesh: Mesh | None = None) -> dict:
   """Top-``k`` (largest-magnitude) eigenvalues for every batch ``{"image", "label"}``; the
   linearisation and the solver step compile once for all batches.
+
+  With Lanczos (the default) the batches are spread over the devices of ``mesh`` (default: every
+  device, :func:`smoothing_jax.parallel.create_mesh`): each device linearises and solves its own
+  batch, ``mesh.size`` batches at a time in one program per Lanczos step
+  (:func:`~smoothing_jax.analysis.hessian.top_and_min_eigenvalues_per_device`), and every batch
+  gets the eigenvalues it would get alone on one device.  A group of batches ends at a batch of
+  another shape; a group short of ``mesh.size`` batches (the last) runs on its first devices,
+  compiled once more.  ``method="power"`` solves one batch after another.
 
   Returns ``{"eigenvalues": [num_batches, k], "max_eigenvalues": [num_batches],
   "relative_residuals": [num_batches, k], "hvps": [num_batches], "method", **summary}``
@@ -82,18 +96,24 @@ def max_eigenvalue_spectrum(model,
   ``regularizer``: the weight-decay term R of the objective (:func:`regularization`).
   """
   rng = jax.random.key(0) if rng is None else rng
-  top, low = [], []
   regularization(jnp.zeros(()), regularizer)  # an unknown name fails before any work
   static_loss = functools.partial(training_loss, model, weight_decay,  # compiled once
                                   regularizer=regularizer)
-  for i, batch in enumerate(batches):
-    dropout_key, solver_key = jax.random.split(jax.random.fold_in(rng, i))
-    loss_fn = Partial(static_loss, variables.get("batch_stats", {}), dropout_key,
-                      jnp.asarray(batch["image"]), jnp.asarray(batch["label"]))
-    pairs, lowest = top_and_min_eigenvalues(loss_fn, variables["params"], k, max_iters, tol,
-                                            solver_key, method, negative=negative)
-    top.append(pairs)
-    low.append(lowest)
+
+  def problems():
+    for i, batch in enumerate(batches):
+      dropout_key, solver_key = jax.random.split(jax.random.fold_in(rng, i))
+      yield Partial(static_loss, variables.get("batch_stats", {}), dropout_key,
+                    jnp.asarray(batch["image"]), jnp.asarray(batch["label"])), solver_key
+
+  if method == "lanczos":
+    mesh = create_mesh() if mesh is None else mesh
+    pairs = _per_device_groups(problems(), variables["params"], mesh, k, max_iters, tol,
+                               negative)
+  else:
+    pairs = [top_and_min_eigenvalues(loss_fn, variables["params"], k, max_iters, tol, key, method,
+                                     negative=negative) for loss_fn, key in problems()]
+  top, low = [p for p, _ in pairs], [lowest for _, lowest in pairs]
   eigenvalues = np.stack([np.asarray(p.eigenvalues) for p in top])
   out = {
       "eigenvalues": eigenvalues,
@@ -110,6 +130,36 @@ def max_eigenvalue_spectrum(model,
     if method == "power":
       out["hvps"] = np.asarray([p.hvps for p in low])
   return out
+
+
+def _per_device_groups(problems, params, mesh, k, max_iters, tol, negative) -> list:
+  """``top_and_min_eigenvalues_per_device`` over ``(loss_fn, key)`` problems in groups of
+  ``mesh.size`` of one shape (stacked bound arrays), a shorter group on its first devices."""
+  results, group = [], []
+
+  def signature(loss_fn):
+    return [(x.shape, x.dtype) for x in jax.tree.leaves(loss_fn)]
+
+  def solve():
+    # A short group on as many devices: no copies to compute (simulated CPU devices share the
+    # cores), at one more compilation for the remainder of a spectrum.
+    devices = mesh if len(group) == mesh.size else Mesh(mesh.devices.ravel()[:len(group)],
+                                                        ("data",))
+    loss_fns = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(f for f, _ in group))
+    keys = jnp.stack([key for _, key in group])
+    results.extend(top_and_min_eigenvalues_per_device(loss_fns, params, devices, keys, k,
+                                                      max_iters, tol, negative=negative))
+    group.clear()
+
+  for problem in problems:
+    if group and signature(problem[0]) != signature(group[0][0]):
+      solve()
+    group.append(problem)
+    if len(group) == mesh.size:
+      solve()
+  if group:
+    solve()
+  return results
 
 
 def spectrum_caption(spectra: dict) -> str:

@@ -1,6 +1,8 @@
 """smoothing_jax.analysis: Fourier Δlog-amplitude against an explicit DFT; spectra, feature
 maps, landscapes, robustness, frequency noise, perturbations; lesions and token maps on a micro
 ViT.  The Hessian solvers themselves: tests/analysis/test_hessian.py."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,27 +91,32 @@ def test_spectrum_summary_hand_worked():
   assert summary["negative_fraction"] == pytest.approx(2 / 6)
 
 
-def test_max_eigenvalue_spectrum_per_batch_compiles_its_solver_once(tiny_mcdo, images):
+def test_max_eigenvalue_spectrum_on_8_devices_equals_each_batch_alone_on_one(tiny_mcdo, images):
+  """Eight batches on the 8 simulated devices, one each, in one program per step: every batch's
+  eigenvalues, residuals and HVPs are those ``top_eigenvalues`` gives the batch alone on one
+  device."""
   from smoothing_jax.analysis import hessian
+  from smoothing_jax.parallel import create_mesh
   model, variables = tiny_mcdo
-  batches = [{"image": s * images, "label": jnp.array(labels)}
-             for s, labels in ((1, [0, 1, 2]), (-1, [3, 4, 0]), (0.5, [1, 1, 2]))]
-  compiled = hessian._lanczos_step._cache_size(), hessian._linearize._cache_size()
+  batches = [{"image": (-1)**i * (0.5 + i / 8) * images, "label": (jnp.arange(3) + i) % 5}
+             for i in range(8)]
+  mesh = create_mesh(8)
+  compiled = [f._cache_size() for f in hessian._per_device(mesh)]
   result = max_eigenvalue_spectrum(model, variables, batches, k=2, max_iters=20,
-                                   rng=jax.random.key(1))
-  # One compilation each for three batches: new batches of the same shape reuse them.
-  assert (hessian._lanczos_step._cache_size(), hessian._linearize._cache_size()) == (
-      compiled[0] + 1, compiled[1] + 1)
-  assert result["eigenvalues"].shape == (3, 2) and result["method"] == "lanczos"
-  assert result["relative_residuals"].shape == (3, 2) and result["hvps"].shape == (3,)
-  # Batch 0 by hand: the same loss (same dropout key derivation) through top_eigenvalues.
-  dropout_key, solver_key = jax.random.split(jax.random.fold_in(jax.random.key(1), 0))
-  loss = lambda p: training_loss(model, 5e-4, variables["batch_stats"], dropout_key,  # noqa: E731
-                                 batches[0]["image"], batches[0]["label"], p)
-  expected = top_eigenvalues(loss, variables["params"], 2, 20, 1e-3, solver_key)
-  np.testing.assert_allclose(result["eigenvalues"][0], expected.eigenvalues, rtol=1e-4)
-  np.testing.assert_allclose(result["relative_residuals"][0], expected.relative_residuals,
-                             rtol=1e-2, atol=1e-6)
+                                   rng=jax.random.key(1), mesh=mesh)
+  # One program each (linearisation, start, step) for all the devices and steps.
+  assert [f._cache_size() for f in hessian._per_device(mesh)] == [c + 1 for c in compiled]
+  assert result["eigenvalues"].shape == (8, 2) and result["method"] == "lanczos"
+  assert result["relative_residuals"].shape == (8, 2) and result["hvps"].shape == (8,)
+  for i, batch in enumerate(batches):  # the same loss and keys through top_eigenvalues
+    dropout_key, solver_key = jax.random.split(jax.random.fold_in(jax.random.key(1), i))
+    loss = functools.partial(training_loss, model, 5e-4, variables["batch_stats"], dropout_key,
+                             batch["image"], batch["label"])
+    expected = top_eigenvalues(loss, variables["params"], 2, 20, 1e-3, solver_key)
+    np.testing.assert_allclose(result["eigenvalues"][i], expected.eigenvalues, rtol=1e-4)
+    np.testing.assert_allclose(result["relative_residuals"][i], expected.relative_residuals,
+                               rtol=1e-2, atol=1e-6)
+    assert result["hvps"][i] == expected.hvps
   caption = spectrum_caption({"a": result})
   assert caption.startswith("Lanczos; relative residuals")
   assert f"{np.max(result['relative_residuals']):.1e}" in caption
