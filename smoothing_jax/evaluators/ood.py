@@ -26,6 +26,7 @@ naming both.  Writes ``ood.{json,csv}`` and ``ood_<set>.png`` (ROC and precision
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import json
@@ -42,6 +43,7 @@ from smoothing_jax.data import CORRUPTIONS, corruption_dataset
 from smoothing_jax.data.datasets import BASES, check_available, parse_dataset
 from smoothing_jax.evaluators.common import gather, predictive, write_results
 from smoothing_jax.experiment import workdir as workdir_lib
+from smoothing_jax.inference import default_chunk_size
 from smoothing_jax.parallel import sharded_eval_step
 from smoothing_jax.plots import plot_detection_curves
 
@@ -197,6 +199,8 @@ def outputs_step(method, odin, variables, batch, key):
   ``label``.  With ODIN by ``"score_mean"``, the logits and features are those of the pass its
   input gradient is taken through (one forward pass for every score, not two)."""
   temperature, noise, std, combine, sizes = odin or (None,) * 5
+  if odin is not None:
+    method = _vmapped_draws(method)
   settings = {"input_std": std, "temperature": temperature, "noise": noise, "combine": combine}
   if odin is not None and combine == "score_mean":  # ODIN's gradient pass is the shared pass
     draws, logits, features = ood_scores.odin_draws(
@@ -215,6 +219,16 @@ def outputs_step(method, odin, variables, batch, key):
           batch["image"], num_draws=n, **settings) for n in sizes])
     result["odin"] = jnp.swapaxes(draws, 0, 1)
   return result
+
+
+def _vmapped_draws(method):
+  """``method`` evaluating its draws in one vmap where it would loop over them one by one
+  (``chunk_size`` unset on CPU, ``inference.default_chunk_size``): ODIN's input gradient through
+  ``lax.map``'s loop costs 8-10x a forward pass on XLA:CPU, through the vmap 1.8x
+  (``experiments/README.md``, ``bench_ood.py``)."""
+  if method.chunk_size is None and default_chunk_size() == 1:
+    return dataclasses.replace(method, chunk_size=method.num_draws)
+  return method
 
 
 def _logits_and_features(outputs: dict) -> tuple:
