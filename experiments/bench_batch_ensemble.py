@@ -17,11 +17,16 @@ uncertainty-baselines' WRN-28-10 on TPUs).  One JSON object on stdout.
 
   python experiments/bench_batch_ensemble.py --width 16 --members 4   # CPU (minutes)
   python experiments/bench_batch_ensemble.py                          # GPU: full width
+
+The JSON's ``smoothing_jax`` is the package the run imported: a script under ``experiments/``
+imports the installed one, which for an editable install shared by several checkouts (git
+worktrees on one venv) is another checkout's code; run those with ``PYTHONPATH=.``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -29,7 +34,9 @@ import time
 import jax
 import numpy as np
 from bench_train import recipe_config
+from timing import alternate, round_ratios
 
+import smoothing_jax
 from smoothing_jax.methods import resolve
 from smoothing_jax.models import get_model
 from smoothing_jax.parallel import create_mesh, shard_batch, shardings
@@ -88,26 +95,12 @@ def predict_call(config, method, images):
   return lambda: method.sample_log_probs(variables, images, None)
 
 
-def alternate(calls: dict, repeats: int) -> dict:
-  """Each call of ``calls`` once per round, ``repeats`` rounds after one untimed call each:
-  ``{name: [seconds per round]}``."""
-  for call in calls.values():
-    jax.block_until_ready(call())
-  times = {name: [] for name in calls}
-  for _ in range(repeats):
-    for name, call in calls.items():
-      start = time.perf_counter()
-      jax.block_until_ready(call())
-      times[name].append(time.perf_counter() - start)
-  return times
-
-
 def summary(times: dict, batch_size: int, members: int) -> dict:
   """Median seconds and images/s of each, and the median per-round BatchEnsemble / deep
   ensemble ratio."""
   out = {name: {"seconds": statistics.median(t),
                 "images_per_s": batch_size / statistics.median(t)} for name, t in times.items()}
-  ratios = [b / d for b, d in zip(times["batch_ensemble"], times["deep_ensemble"], strict=True)]
+  ratios = round_ratios(times["batch_ensemble"], times["deep_ensemble"])
   return {**out, "members": members, "batch_size": batch_size,
           "batch_ensemble_vs_deep_ensemble": statistics.median(ratios),
           "ratios_per_round": [round(r, 3) for r in ratios]}
@@ -130,7 +123,9 @@ def main(argv=None):
   device = jax.devices()[0]
   result = {"benchmark": "batch_ensemble", "device_kind": device.device_kind,
             "backend": jax.default_backend(), "num_devices": jax.device_count(),
-            "jax": jax.__version__, "width": args.width, "members": args.members}
+            "jax": jax.__version__, "width": args.width, "members": args.members,
+            # the code timed: an editable install shared by several checkouts imports its own
+            "smoothing_jax": os.path.dirname(smoothing_jax.__file__)}
 
   images = np.asarray(jax.random.normal(jax.random.key(1), (args.batch_size, 32, 32, 3)))
   batch = shard_batch({"image": images, "label": np.arange(args.batch_size) % 10}, data)
