@@ -114,6 +114,7 @@ def main(argv=None):
   parser.add_argument("--batch_size", type=int, default=128)
   parser.add_argument("--eval_batch_size", type=int, default=128)
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--skip_train", action="store_true")
   parser.add_argument("--skip_predict", action="store_true")
   args = parser.parse_args(argv)
   mesh = create_mesh()
@@ -127,16 +128,17 @@ def main(argv=None):
             # the code timed: an editable install shared by several checkouts imports its own
             "smoothing_jax": os.path.dirname(smoothing_jax.__file__)}
 
-  images = np.asarray(jax.random.normal(jax.random.key(1), (args.batch_size, 32, 32, 3)))
-  batch = shard_batch({"image": images, "label": np.arange(args.batch_size) % 10}, data)
-  calls, compile_seconds = {}, {}
-  for name, (config, method) in methods.items():
-    calls[name], compile_seconds[name] = train_call(config, method, batch, mesh)
-    log(f"{name}: {method.describe()}, train step compiled in {compile_seconds[name]:.1f} s")
-  result["train"] = {**summary(alternate(calls, args.repeats), args.batch_size, args.members),
-                     "compile_seconds": compile_seconds}
-  calls.clear()  # frees the train states
-  log(json.dumps(result["train"]))
+  if not args.skip_train:
+    images = np.asarray(jax.random.normal(jax.random.key(1), (args.batch_size, 32, 32, 3)))
+    batch = shard_batch({"image": images, "label": np.arange(args.batch_size) % 10}, data)
+    calls, compile_seconds = {}, {}
+    for name, (config, method) in methods.items():
+      calls[name], compile_seconds[name] = train_call(config, method, batch, mesh)
+      log(f"{name}: {method.describe()}, train step compiled in {compile_seconds[name]:.1f} s")
+    result["train"] = {**summary(alternate(calls, args.repeats), args.batch_size, args.members),
+                       "compile_seconds": compile_seconds}
+    calls.clear()  # frees the train states
+    log(json.dumps(result["train"]))
 
   if not args.skip_predict:
     eval_images = jax.random.normal(jax.random.key(2), (args.eval_batch_size, 32, 32, 3))
