@@ -4,11 +4,13 @@ trained one after another, in the same run: images/s per member.
 * ``bare_step``: for each M, M sequential calls of the single-model jitted SGD step against one
   call of the ensemble step (``deep_ensemble.ensemble_train_step``) in each strategy it offers:
   ``unrolled`` (vmap size 1), ``vmapped`` (M) and ``chunked`` (2, for M ≥ 4); every member sees
-  the same batch (host-made, on the devices), as the issue's table.  Median of ``--repeats`` after
-  one compiling call, whose time is reported as ``compile_seconds``.
-* ``train_loop``: the real loop (``train.train_and_evaluate`` on a synthetic CIFAR-shaped set,
-  device-resident data, each member its own batches) with ``deep_ensemble.members`` M against M = 1,
-  compilation and fixed costs excluded (``bench_train.train_loop_images_per_s``); M single runs one
+  the same batch (host-made, on the devices), as the issue's table.  The calls alternate, one of
+  each per round, ``--repeats`` rounds after one compiling call each (``first_call_seconds``);
+  the ratios are medians of the per-round ratios.
+* ``train_loop``: the real loop (``train.train`` on a synthetic CIFAR-shaped set, device-resident
+  data, each member its own batches) with ``deep_ensemble.members`` M against M = 1, the loops
+  alternated over ``--loop_rounds`` rounds, each timed between its metric summaries
+  (:func:`loop_seconds_per_step`: no compilation, evaluation or checkpoint); M single runs one
   after another train at the single run's rate.
 
 One JSON object on stdout, the ratios ``*_vs_sequential`` against the sequential steps of the same
@@ -23,6 +25,7 @@ import argparse
 import functools
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -30,14 +33,17 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_train import recipe_config, train_loop_images_per_s, use_persistent_compilation_cache
-from timing import median_seconds
+from bench_train import recipe_config, use_persistent_compilation_cache
+from timing import alternate, round_ratios
 
+from smoothing_jax.experiment.run import Run
 from smoothing_jax.methods import resolve
 from smoothing_jax.methods.deep_ensemble import DeepEnsemble, ensemble_train_step
 from smoothing_jax.methods.losses import supervised_loss
 from smoothing_jax.models import get_model
 from smoothing_jax.parallel import create_mesh, shard_batch, shardings
+from smoothing_jax.training import train
+from smoothing_jax.training.callbacks import Callback
 from smoothing_jax.training.optim import create_learning_rate_schedule
 from smoothing_jax.training.steps import create_train_state, state_initializer, train_step
 
@@ -73,7 +79,8 @@ def strategies(members: int) -> dict:
 
 
 def bare_step_rows(width, batch_size: int, members_list, repeats: int) -> list:
-  """Per M: the sequential single-model steps and each strategy's one-job step (see module)."""
+  """Per M: the sequential single-model steps and each strategy's one-job step (see module),
+  alternated (:func:`timing.alternate`)."""
   config = _config(width)
   model = get_model(MODEL, 10, **({"width": width} if width else {}))
   mesh = create_mesh()
@@ -96,11 +103,8 @@ def bare_step_rows(width, batch_size: int, members_list, repeats: int) -> list:
         states[m], _ = single_fn(states[m], batch, rng)
       return states[-1].params
 
-    compile_seconds = _timed_first_call(sequential)
-    seconds = median_seconds(sequential, repeats)
-    row = {"members": members, "batch_size": batch_size, "width": width,
-           "sequential": {"seconds_per_step": seconds, "first_call_seconds": compile_seconds,
-                          "images_per_s_per_member": batch_size * members / seconds}}
+    calls = {"sequential": sequential}
+    first_call = {"sequential": _timed_first_call(sequential)}
     for name, vmap_size in strategies(members).items():
       ensemble = DeepEnsemble.wrap(resolve(config, model), config, size=members)
       init_one = state_initializer(config, ensemble.base, (32, 32, 3), schedule)
@@ -115,21 +119,60 @@ def bare_step_rows(width, batch_size: int, members_list, repeats: int) -> list:
         holder[0], _ = fn(holder[0], batch, rngs)
         return holder[0].params
 
-      first = _timed_first_call(one_job)
-      t = median_seconds(one_job, repeats)
-      row[name] = {"vmap_size": vmap_size, "seconds_per_step": t, "first_call_seconds": first,
+      calls[name] = one_job
+      first_call[name] = _timed_first_call(one_job)
+    times = alternate(calls, repeats)
+    calls.clear()  # frees this M's states before the next M's
+    seconds = statistics.median(times["sequential"])
+    row = {"members": members, "batch_size": batch_size, "width": width,
+           "sequential": {"seconds_per_step": seconds,
+                          "first_call_seconds": first_call["sequential"],
+                          "images_per_s_per_member": batch_size * members / seconds}}
+    for name, vmap_size in strategies(members).items():
+      t = statistics.median(times[name])
+      row[name] = {"vmap_size": vmap_size, "seconds_per_step": t,
+                   "first_call_seconds": first_call[name],
                    "images_per_s_per_member": batch_size * members / t,
-                   "vs_sequential": seconds / t}
-      holder.clear()  # frees this strategy's state before the next one's
+                   "vs_sequential": statistics.median(round_ratios(times["sequential"],
+                                                                   times[name]))}
     log(json.dumps(row))
     rows.append(row)
   return rows
 
 
-def train_loop_rows(width, batch_size: int, members_list, steps: int, train_images: int) -> list:
-  """The real training loop with ``deep_ensemble.members`` M (unrolled, each member its own batches)
-  against M = 1: images/s per member."""
-  rows, single = [], None
+class StepClock(Callback):
+  """The host's time at each step of the loop (``on_step``, just after the step is dispatched)."""
+
+  def __init__(self):
+    self.times = {}
+
+  def on_step(self, step: int, state) -> None:
+    self.times[step] = time.perf_counter()
+
+
+def loop_seconds_per_step(config) -> float:
+  """Seconds per step of ``train.train`` (the real loop) on ``config``, between the steps after
+  its first and its last metric summaries (every ``config.log_every_steps``): each summary waits
+  for the steps before it, so the interval holds exactly the steps between them, with their data,
+  metrics and summaries, and no compilation, evaluation or checkpoint."""
+  clock = StepClock()
+  with tempfile.TemporaryDirectory(prefix="bench_ensemble_loop_") as workdir:
+    with Run.from_config(config, workdir) as run:
+      train.train(run, callbacks=[clock])
+  every = config.log_every_steps
+  first, last = every + 1, (config.num_train_steps - 1) // every * every + 1
+  if last <= first:
+    raise ValueError(f"{config.num_train_steps} steps hold fewer than two summaries after the "
+                     f"first (log_every_steps {every}).")
+  return (clock.times[last] - clock.times[first]) / (last - first)
+
+
+def train_loop_rows(width, batch_size: int, members_list, steps: int, train_images: int,
+                    rounds: int) -> list:
+  """The real training loop with ``deep_ensemble.members`` M (unrolled, each member its own
+  batches) against M = 1, the loops alternated over ``rounds`` (each M once a round): images/s
+  per member, and the per-round ratios against M = 1."""
+  configs = {}
   for members in members_list:
     config = _config(width)
     config.input.dataset = f"synthetic:{train_images}x32x32x3:10"
@@ -140,11 +183,20 @@ def train_loop_rows(width, batch_size: int, members_list, steps: int, train_imag
     config.log_every_steps = max(1, steps // 4)
     config.deep_ensemble.members = members
     config.num_train_steps = steps
-    loop = train_loop_images_per_s(config, log)
-    per_member = loop["images_per_s"] * members
-    single = single or per_member  # members_list starts at 1
-    rows.append({"members": members, **loop, "images_per_s_per_member": per_member,
-                 "vs_sequential": per_member / single})
+    configs[members] = config
+  times = {members: [] for members in members_list}
+  for r in range(rounds):
+    for members, config in configs.items():
+      times[members].append(loop_seconds_per_step(config))
+      log(f"round {r}: M = {members}, {times[members][-1]:.3f} s per step")
+  rows = []
+  for members in members_list:
+    per_member = batch_size * members / statistics.median(times[members])
+    ratios = [members * r for r in round_ratios(times[1], times[members])]
+    rows.append({"members": members, "batch_size": batch_size, "steps": steps,
+                 "seconds_per_step": times[members], "images_per_s_per_member": per_member,
+                 "vs_sequential": statistics.median(ratios),
+                 "vs_sequential_per_round": [round(r, 3) for r in ratios]})
     log(json.dumps(rows[-1]))
   return rows
 
@@ -158,6 +210,8 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--loop_steps", type=int, default=20)
   parser.add_argument("--train_images", type=int, default=5000)
+  parser.add_argument("--loop_rounds", type=int, default=3)
+  parser.add_argument("--skip_bare", action="store_true")
   parser.add_argument("--skip_loop", action="store_true")
   args = parser.parse_args(argv)
   members = sorted(set(args.members) | {1})
@@ -168,11 +222,12 @@ def main(argv=None):
   device = jax.devices()[0]
   result = {"benchmark": "ensemble", "model": MODEL, "device_kind": device.device_kind,
             "backend": jax.default_backend(), "num_devices": jax.device_count(),
-            "jax": jax.__version__,
-            "bare_step": bare_step_rows(args.width, args.batch_size, members, args.repeats)}
+            "jax": jax.__version__}
+  if not args.skip_bare:
+    result["bare_step"] = bare_step_rows(args.width, args.batch_size, members, args.repeats)
   if not args.skip_loop:
     result["train_loop"] = train_loop_rows(args.width, args.batch_size, members,
-                                           args.loop_steps, args.train_images)
+                                           args.loop_steps, args.train_images, args.loop_rounds)
   shutil.rmtree(cache_dir, ignore_errors=True)
   print(json.dumps(result, indent=2))
   return result

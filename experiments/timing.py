@@ -1,4 +1,4 @@
-"""Timing helper shared by the benchmark scripts."""
+"""Timing helpers shared by the benchmark scripts."""
 import statistics
 import time
 
@@ -15,3 +15,23 @@ def median_seconds(fn, repeats: int) -> float:
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - start)
   return statistics.median(times)
+
+
+def alternate(calls: dict, repeats: int) -> dict:
+  """Each call of ``calls`` once per round, ``repeats`` rounds after one untimed call each:
+  ``{name: [seconds per round]}``.  Other work on the machine then slows every call alike, and
+  the per-round ratios stay comparable."""
+  for call in calls.values():
+    jax.block_until_ready(call())
+  times = {name: [] for name in calls}
+  for _ in range(repeats):
+    for name, call in calls.items():
+      start = time.perf_counter()
+      jax.block_until_ready(call())
+      times[name].append(time.perf_counter() - start)
+  return times
+
+
+def round_ratios(numerators, denominators) -> list:
+  """The per-round ratios ``numerators[i] / denominators[i]`` of two :func:`alternate` times."""
+  return [a / b for a, b in zip(numerators, denominators, strict=True)]

@@ -1,6 +1,7 @@
 """BatchEnsemble's layers against M explicit numpy layers, the fast-weight initialisation and the
 models' sizes (the method: tests/methods/test_batch_ensemble.py)."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -61,6 +62,31 @@ def test_conv_equals_m_numpy_convolutions_with_kernels_w_times_s_r(stride):
     kernel = params["kernel"] * np.outer(params["fast_in"][m], params["fast_out"][m])
     expected = _numpy_conv(x[b], kernel, stride, 1) + params["bias"][m]
     np.testing.assert_allclose(out[b], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_training_rule_is_m_convolutions_as_the_rows_members_give():
+  # members None with B a multiple of M: member m's rows (every M-th) through W ∘ (s_m r_mᵀ),
+  # one convolution per member; the same function as the explicit members' x ∘ s, W, ∘ r, to
+  # float rounding, and so its gradients.
+  rng = np.random.default_rng(2)
+  params = {"kernel": rng.normal(size=(3, 3, 2, 4)).astype(np.float32),
+            **_fast_weights(rng, 2, 4)}
+  x = rng.normal(size=(6, 5, 5, 2)).astype(np.float32)
+  layer = BatchEnsembleConv(M, features=4, kernel_size=3, stride=2, padding=1)
+
+  def loss(params, x, members):
+    out = layer.apply({"params": params}, x, members)
+    return jnp.sum(jnp.sin(out)), out
+
+  (_, default), grads = jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x, None)
+  (_, explicit), expected = jax.value_and_grad(loss, (0, 1), has_aux=True)(
+      params, x, np.arange(6) % M)
+  np.testing.assert_allclose(default, explicit, rtol=1e-5, atol=1e-5)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  # A batch that is not a multiple of M keeps the rule: row r under member r mod M.
+  np.testing.assert_array_equal(layer.apply({"params": params}, x[:4]),
+                                layer.apply({"params": params}, x[:4], np.arange(4) % M))
 
 
 def test_fast_weights_start_as_uncertainty_baselines_random_sign_init():
