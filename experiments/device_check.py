@@ -29,6 +29,11 @@ Sections, in this order, each in its own try/except (a failure is recorded as
 * ``ood_scores``: ``bench_ood.measure``: the ``ood`` evaluator with every score at every nested N
   (1, 2, 5, 10) against MSP alone, MC-dropout ResNet-18 on random near/far sets; the ratios
   ``all_over_msp`` (the issue's target ≤ 1.5) and ``all_but_odin_over_msp``;
+* ``methods``: ``bench_methods.measure``: every method at M = 4 (ResNet-18, stem width 64, batch
+  128; the iBNN a WRN-28 at widen factor 1) against one network: parameters, training and
+  prediction images/s, XLA's memory analysis of each compiled step and predictive, and the
+  device's running peak bytes in use (the accelerator column of ``experiments/README.md``'s cost
+  table);
 * ``mc_predict`` (last: the least needed): ``bench_accelerator.mc_inference`` (N = 1, 10, 50
   against a loop of single passes, batch 128);
 
@@ -68,6 +73,8 @@ from bench_hessian import (
   time_ours,
   time_pyhessian,
 )
+from bench_methods import compiled_memory
+from bench_methods import measure as methods_cost
 from bench_ood import measure as ood_scores_ratio
 from bench_train import recipe_config, train_loop_images_per_s, use_persistent_compilation_cache
 
@@ -84,7 +91,8 @@ FULL = types.SimpleNamespace(
     hessian_width=64, hessian_batch=128, max_iters=100, seeds=3,
     spectrum_width=16, spectrum_batch=32,
     grid=21, landscape_images=2048, torch_batch=512,
-    ood_width=64, ood_sizes=(1, 2, 5, 10), ood_images=1000, ood_train=2000, ood_batch=500)
+    ood_width=64, ood_sizes=(1, 2, 5, 10), ood_images=1000, ood_train=2000, ood_batch=500,
+    methods_width=64, methods_batch=128, wrn_depth=28)
 SMOKE = types.SimpleNamespace(
     width=8, batch_sizes=(16, 32), steps=2,
     dataset="synthetic:256x32x32x3:10", train_images=256, epochs=1, log_every_steps=5,
@@ -93,7 +101,8 @@ SMOKE = types.SimpleNamespace(
     hessian_width=8, hessian_batch=16, max_iters=8, seeds=1,
     spectrum_width=4, spectrum_batch=8,
     grid=3, landscape_images=64, torch_batch=32,
-    ood_width=8, ood_sizes=(1, 2), ood_images=8, ood_train=64, ood_batch=8)
+    ood_width=8, ood_sizes=(1, 2), ood_images=8, ood_train=64, ood_batch=8,
+    methods_width=4, methods_batch=8, wrn_depth=10)
 RECIPE = ("cifar_resnet", "resnet_dnn_18,cifar100")  # SS's CIFAR-100 ResNet-18
 TOL = 1e-3  # Hessian: relative residual (Lanczos) / relative change (PyHessian)
 GOALS = {"end_to_end_over_bare_step": 0.9, "projected_recipe_minutes": 10.0,
@@ -146,9 +155,7 @@ def mc_evaluation(s) -> dict:
   jax.block_until_ready([compiled(variables, images, jax.random.key(4 + i))
                          for i in range(s.eval_batches)])
   seconds = time.perf_counter() - start
-  memory = compiled.memory_analysis()
-  parts = {f"{name}_bytes": int(getattr(memory, f"{name}_size_in_bytes"))
-           for name in ("temp", "argument", "output", "alias")} if memory else {}
+  parts = compiled_memory(compiled)
   stats = jax.devices()[0].memory_stats() or {}
   return {"model": "resnet_mcdo_smoothing_18", "dtype": "bfloat16", "num_samples": s.eval_samples,
           "batch_size": s.eval_batch, "batches": s.eval_batches, "compile_seconds": compile_seconds,
@@ -391,6 +398,8 @@ def main(argv=None):
       "landscape": lambda: landscape(s, args.data, tdevice),
       "ood_scores": lambda: ood_scores_ratio(s.ood_width, s.ood_sizes, s.ood_images, s.ood_train,
                                              s.ood_batch, s.repeats),
+      "methods": lambda: methods_cost(4, s.methods_width, s.methods_batch, s.repeats,
+                                      s.wrn_depth),
       "mc_predict": lambda: mc_inference(s.width, s.mc_batch, list(s.num_samples), s.repeats),
   }
   errors = []
