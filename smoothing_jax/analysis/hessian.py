@@ -31,6 +31,7 @@ Two losses make other Hessians for the same solvers: ``dataset_loss`` the mean o
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
@@ -160,6 +161,20 @@ def restricted_to(loss_fn: Callable, params, block: str | Callable[[str], bool])
     raise ValueError(f"No parameter path matches {block!r}; the top-level names are "
                      f"{sorted(params)}.")
   return Partial(_with_block, as_pytree(loss_fn), params), selected
+
+
+def stages(params) -> list[str]:
+  """The numbered top-level modules of ``params`` (nested mappings), each a module path for
+  :func:`restricted_to`: the names' word-and-number prefixes ("layer3_1" → "layer3"), in order of
+  word, then number; unnumbered modules (a classifier, an embedding) are not stages.
+
+  A ResNet's or AlterNet's ``["layer0", …, "layer4"]`` ("layer0" the stem), a Swin's or PiT's
+  ``["stage1", …, "stage4"]`` (a stage's down-sampling with it), a ViT's ``["block0", …]``
+  (one stage: its blocks).
+  """
+  numbered = (re.match(r"([A-Za-z]+)(\d+)(?:_|$)", name) for name in params)
+  found = {(m[1], int(m[2])) for m in numbered if m}
+  return [f"{word}{number}" for word, number in sorted(found)]
 
 
 def _flat_matvec(linear, params):
