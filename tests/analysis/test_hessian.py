@@ -195,6 +195,12 @@ def test_restricted_hessian_is_the_block_of_the_explicit_hessian(problem):
   for by in ("Dense_1", lambda path: path.startswith("Dense_1/")):
     result = top_eigenvalues(*restricted_to(loss_fn, params, by), max_iters=27, tol=1e-6)
     np.testing.assert_allclose(result.eigenvalues, [top], rtol=1e-4)
+  # Masked (all 115 parameters, the other 88 frozen by data): the same top-2 eigenvalues.
+  masked_loss, same = restricted_to(loss_fn, params, "Dense_1", masked=True)
+  assert same is params
+  top2 = values[np.argsort(-np.abs(values))[:2]]
+  result = top_eigenvalues(masked_loss, params, k=2, max_iters=40, tol=1e-6)
+  np.testing.assert_allclose(result.eigenvalues, top2, rtol=1e-4)
   # A path matches up to "/" or "_" (as "layer3" a ResNet's stage), not inside a name.
   assert set(restricted_to(loss_fn, params, "Dense")[1]) == {"Dense_0", "Dense_1"}
   with pytest.raises(ValueError, match="No parameter path matches 'Dens'"):
