@@ -33,6 +33,7 @@ Two losses make other Hessians for the same solvers: ``dataset_loss`` the mean o
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
@@ -146,7 +147,12 @@ def _with_block(loss_fn, params, block):
   return loss_fn(_merge(params, block))
 
 
-def restricted_to(loss_fn: Callable, params, block: str | Callable[[str], bool]):
+def _with_mask(loss_fn, anchor, mask, params):
+  return loss_fn(jax.tree.map(lambda a, m, p: a + m * (p - a), anchor, mask, params))
+
+
+def restricted_to(loss_fn: Callable, params, block: str | Callable[[str], bool], *,
+                  masked: bool = False):
   """``(block_loss, block_params)``: the loss as a function of a subset of the parameters, the
   rest held at ``params``; its Hessian is the block H[S, S] of the full one, so every solver
   here takes it as it is: ``top_eigenvalues(*restricted_to(loss_fn, params, "layer3"))``.
@@ -155,6 +161,12 @@ def restricted_to(loss_fn: Callable, params, block: str | Callable[[str], bool])
   starts with it followed by "/", "_" or nothing ("layer3": every block of a ResNet's stage 3;
   "block1_msa": a ViT's MSA block 1), or a predicate on that path.  ``params``: nested mappings
   (Flax's); ``block_params`` the selected leaves in nested dicts, as are the eigenvectors.
+
+  ``masked=True`` returns ``(masked_loss, params)`` instead: every parameter stays an argument and a
+  0/1 mask (data) freezes the others, so the Hessian is P H P (P the block's projection), whose
+  nonzero eigenvalues are H[S, S]'s and whose other eigenvalues are 0.  Blocks of one model then
+  share one compiled solver, where each block's own structure compiles it anew; the top
+  eigenvalues are the block's as long as k does not exceed the block's nonzero ones.
   """
   def in_module(path):
     return path.startswith(block) and path[len(block):][:1] in ("", "/", "_")
@@ -163,7 +175,24 @@ def restricted_to(loss_fn: Callable, params, block: str | Callable[[str], bool])
   if not selected:
     raise ValueError(f"No parameter path matches {block!r}; the top-level names are "
                      f"{sorted(params)}.")
+  if masked:
+    mask = _merge(jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.ones_like, selected))
+    return Partial(_with_mask, as_pytree(loss_fn), params, mask), params
   return Partial(_with_block, as_pytree(loss_fn), params), selected
+
+
+def stages(params) -> list[str]:
+  """The numbered top-level modules of ``params`` (nested mappings), each a module path for
+  :func:`restricted_to`: the names' word-and-number prefixes ("layer3_1" → "layer3"), in order of
+  word, then number; unnumbered modules (a classifier, an embedding) are not stages.
+
+  A ResNet's or AlterNet's ``["layer0", …, "layer4"]`` ("layer0" the stem), a Swin's or PiT's
+  ``["stage1", …, "stage4"]`` (a stage's down-sampling with it), a ViT's ``["block0", …]``
+  (one stage: its blocks).
+  """
+  numbered = (re.match(r"([A-Za-z]+)(\d+)(?:_|$)", name) for name in params)
+  found = {(m[1], int(m[2])) for m in numbered if m}
+  return [f"{word}{number}" for word, number in sorted(found)]
 
 
 def _flat_matvec(linear, params):

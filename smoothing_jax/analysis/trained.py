@@ -6,6 +6,7 @@
 arrays/dicts that the matching ``smoothing_jax.plots`` function (or a notebook) draws:
 
 * ``hessian_spectrum_study``   Hessian max-eigenvalue spectrum (SS Fig. 8, App. A.3)
+* ``stage_hessian_study``      top Hessian eigenvalue restricted to each stage's parameters
 * ``fourier_study``            Δlog-amplitude of feature maps by depth (SS Fig. 6b)
 * ``variance_study``           feature-map variance by depth (SS Fig. 5)
 * ``similarity_study``         mini-batch CKA between every pair of blocks, or of two models
@@ -37,6 +38,7 @@ from jax.tree_util import Partial
 from smoothing_jax import temporal
 from smoothing_jax.analysis.features import feature_variance, fourier_by_depth
 from smoothing_jax.analysis.frequency_noise import accuracy_vs_frequency
+from smoothing_jax.analysis.hessian import restricted_to, stages, top_eigenvalues
 from smoothing_jax.analysis.landscape import loss_surface, random_direction
 from smoothing_jax.analysis.lesion import lesion_accuracy_drops
 from smoothing_jax.analysis.perturbation import perturbation_metrics, sequence_predictions
@@ -155,6 +157,42 @@ def hessian_spectrum_study(trained: Run,
                                  negative=negative,
                                  method=method,
                                  regularizer=regularizer)
+
+
+def stage_hessian_study(trained: Run,
+                        *,
+                        batch_size: int | None = None,
+                        max_iters: int = 100,
+                        tol: float = 1e-3,
+                        seed: int = 0,
+                        regularizer: str = "half_squared_l2") -> dict:
+  """``{stage: {"eigenvalue", "relative_residual", "parameters"}}`` for each stage of the model
+  (``analysis.hessian.stages``): the largest-magnitude eigenvalue of the Hessian of NLL + weight
+  decay · R(θ) restricted to the stage's parameters (``restricted_to``: the block H[S, S], the
+  rest held fixed), by Lanczos on the first training batch.
+
+  The batch, dropout key and solver key are those of ``hessian_spectrum_study``'s first batch at
+  the same ``seed``, so up to the residuals each |λ| is at most that batch's whole-model |λ₁|
+  (Cauchy interlacing).
+  """
+  batch = train_batches(trained, 1, batch_size)[0]
+  dropout_key, solver_key = jax.random.split(jax.random.fold_in(jax.random.key(seed), 0))
+  loss_fn = Partial(
+      functools.partial(training_loss, trained.model, trained.config.weight_decay,
+                        regularizer=regularizer), trained.variables.get("batch_stats", {}),
+      dropout_key, jnp.asarray(batch["image"]), jnp.asarray(batch["label"]))
+  params = trained.variables["params"]
+  out = {}
+  for stage in stages(params):
+    # Masked: every stage's solve reuses one compiled program (a block's own structure would
+    # compile the solver once per stage, most of the study's time on CPU).
+    _, block = restricted_to(loss_fn, params, stage)
+    pairs = top_eigenvalues(*restricted_to(loss_fn, params, stage, masked=True),
+                            max_iters=max_iters, tol=tol, rng=solver_key)
+    out[stage] = {"eigenvalue": float(pairs.eigenvalues[0]),
+                  "relative_residual": float(pairs.relative_residuals[0]),
+                  "parameters": sum(x.size for x in jax.tree.leaves(block))}
+  return out
 
 
 def fourier_study(trained: Run, *, num_images: int = 256, seed: int = 0) -> dict:

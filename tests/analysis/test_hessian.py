@@ -24,7 +24,7 @@ from smoothing_jax.analysis import (
   restricted_to,
   top_eigenvalues,
 )
-from smoothing_jax.analysis.hessian import linearized_hvp, top_and_min_eigenvalues
+from smoothing_jax.analysis.hessian import linearized_hvp, stages, top_and_min_eigenvalues
 from tests.helpers import SmallNet, small_net_batches, small_net_problem
 
 
@@ -195,10 +195,36 @@ def test_restricted_hessian_is_the_block_of_the_explicit_hessian(problem):
   for by in ("Dense_1", lambda path: path.startswith("Dense_1/")):
     result = top_eigenvalues(*restricted_to(loss_fn, params, by), max_iters=27, tol=1e-6)
     np.testing.assert_allclose(result.eigenvalues, [top], rtol=1e-4)
+  # Masked (all 115 parameters, the other 88 frozen by data): the same top-2 eigenvalues.
+  masked_loss, same = restricted_to(loss_fn, params, "Dense_1", masked=True)
+  assert same is params
+  top2 = values[np.argsort(-np.abs(values))[:2]]
+  result = top_eigenvalues(masked_loss, params, k=2, max_iters=40, tol=1e-6)
+  np.testing.assert_allclose(result.eigenvalues, top2, rtol=1e-4)
   # A path matches up to "/" or "_" (as "layer3" a ResNet's stage), not inside a name.
   assert set(restricted_to(loss_fn, params, "Dense")[1]) == {"Dense_0", "Dense_1"}
   with pytest.raises(ValueError, match="No parameter path matches 'Dens'"):
     restricted_to(loss_fn, params, "Dens")
+
+
+def test_stages_are_the_numbered_modules_and_select_their_blocks():
+  """A ResNet's stages are its ``layer{s}`` (the stem ``layer0``; not the classifier), in depth
+  order (``layer10`` after ``layer2``), and each selects all of its blocks in ``restricted_to``;
+  Swin's are its ``stage{s}`` (down-sampling included), a ViT's its blocks."""
+  leaf = {"kernel": np.zeros(2)}
+  resnet = {name: leaf for name in ("classifier_0", "layer0_0", "layer0_1", "layer10_0", "layer1_0",
+                                    "layer2_0", "layer2_1", "smooth1_0")}
+  assert stages(resnet) == ["layer0", "layer1", "layer2", "layer10", "smooth1"]
+  for stage, blocks in (("layer0", {"layer0_0", "layer0_1"}), ("layer1", {"layer1_0"}),
+                        ("layer2", {"layer2_0", "layer2_1"})):
+    assert set(restricted_to(jnp.sum, resnet, stage)[1]) == blocks
+  swin = {name: leaf for name in ("embedding", "head", "stage1_block0_msa", "stage1_block0_mlp",
+                                  "stage2_merge", "stage2_block0_msa")}
+  assert stages(swin) == ["stage1", "stage2"]
+  assert set(restricted_to(jnp.sum, swin, "stage2")[1]) == {"stage2_merge", "stage2_block0_msa"}
+  vit = {name: leaf for name in ("block0_msa", "block0_mlp", "block1_msa", "cls_token",
+                                 "pos_embedding")}
+  assert stages(vit) == ["block0", "block1"]
 
 
 @pytest.mark.parametrize("method", ["lanczos", "power"])
