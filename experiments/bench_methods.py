@@ -55,7 +55,11 @@ from smoothing_jax.methods import resolve  # noqa: E402
 from smoothing_jax.models import get_model  # noqa: E402
 from smoothing_jax.parallel import create_mesh, shard_batch, shardings  # noqa: E402
 from smoothing_jax.training.optim import create_learning_rate_schedule  # noqa: E402
-from smoothing_jax.training.steps import compile_steps, state_initializer, variables_of  # noqa: E402
+from smoothing_jax.training.steps import (  # noqa: E402
+    compile_steps,
+    state_initializer,
+    variables_of,
+)
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                            "bench_methods_cpu.json")

@@ -14,7 +14,7 @@ ViM).  Each variant is ``evaluators.ood.evaluate`` with near/far and ``sizes`` `
 
 ODIN's floor, in the same run: one in-distribution batch's forward pass of every draw
 (``Method.sample_outputs``) against a plain ``jax.vjp`` of it to the input (forward and backward,
-the draws vmapped as ODIN's passes are: ``evaluators.ood._vmapped_draws``), medians of
+the draws vmapped as ODIN's passes are: ``evaluators.ood.vmapped_draws``), medians of
 ``--repeats`` alternated calls.  ODIN adds to the shared pass at least that gradient's backward
 and a second forward pass, i.e. ``vjp_seconds`` per batch, so ``all_over_msp_floor`` = 1 +
 (batches × ``vjp_seconds``) / MSP's median bounds ``all_over_msp`` from below.
@@ -102,7 +102,7 @@ def forward_and_gradient_seconds(run, sizes, repeats: int) -> dict:
   """Medians of ``repeats`` alternated calls: ``forward`` (every draw's outputs on one
   in-distribution batch) and ``vjp`` (the same pass and its input gradient, draws vmapped)."""
   pred = ood.predictive(run, (), sizes)
-  method, batched = pred.method, ood._vmapped_draws(pred.method)
+  method, batched = pred.method, ood.vmapped_draws(pred.method)
   images = jnp.asarray(next(iter(run.eval_batches()))["image"])
   key = jax.random.key(0)
 

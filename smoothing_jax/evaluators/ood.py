@@ -200,7 +200,7 @@ def outputs_step(method, odin, variables, batch, key):
   input gradient is taken through (one forward pass for every score, not two)."""
   temperature, noise, std, combine, sizes = odin or (None,) * 5
   if odin is not None:
-    method = _vmapped_draws(method)
+    method = vmapped_draws(method)
   settings = {"input_std": std, "temperature": temperature, "noise": noise, "combine": combine}
   if odin is not None and combine == "score_mean":  # ODIN's gradient pass is the shared pass
     draws, logits, features = ood_scores.odin_draws(
@@ -221,7 +221,7 @@ def outputs_step(method, odin, variables, batch, key):
   return result
 
 
-def _vmapped_draws(method):
+def vmapped_draws(method):
   """``method`` evaluating its draws in one vmap where it would loop over them one by one
   (``chunk_size`` unset on CPU, ``inference.default_chunk_size``): ODIN's input gradient through
   ``lax.map``'s loop costs 8-10x a forward pass on XLA:CPU, through the vmap 1.8x
