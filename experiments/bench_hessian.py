@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 from jax.tree_util import Partial
-from timing import median_seconds
+from timing import alternate, median_seconds
 
 from smoothing_jax.analysis.hessian import hvp, linearized_hvp, top_eigenvalues
 from smoothing_jax.analysis.spectrum import training_loss
@@ -139,17 +139,8 @@ def hvp_variants(loss_fn, params, vector, repeats):
 
 
 def alternating_medians(ways: dict, repeats: int) -> dict:
-  """Median seconds of each ``ways[name]()``, the ways taking turns (``repeats`` rounds after one
-  untimed round that compiles), so a machine shared with other work slows all of them alike."""
-  for way in ways.values():
-    jax.block_until_ready(way())
-  times = {name: [] for name in ways}
-  for _ in range(repeats):
-    for name, way in ways.items():
-      start = time.perf_counter()
-      jax.block_until_ready(way())
-      times[name].append(time.perf_counter() - start)
-  return {name: float(np.median(t)) for name, t in times.items()}
+  """Median seconds of each ``ways[name]()``, the ways taking turns (``timing.alternate``)."""
+  return {name: float(np.median(t)) for name, t in alternate(ways, repeats).items()}
 
 
 def spectrum_on_devices(data: str, width: int, batches: int, batch_size: int, max_iters: int,
