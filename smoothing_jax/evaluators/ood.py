@@ -259,19 +259,29 @@ def score_table(out: dict, sizes, chosen, fitted: dict, knn_k: int, combine: str
           [np.asarray(getattr(ood_scores, score)(logits[:n], combine="mean")) for n in sizes], 1))
       continue
     if score in ("max_logit", "energy"):
-      per_draw = np.stack([np.asarray(getattr(ood_scores, score)(f[None])) for f in logits], 1)
+      fn = getattr(ood_scores, score)
+      per_draw = np.asarray(jax.vmap(lambda f, fn=fn: fn(f[None]))(logits)).T  # [B, N]
     elif score == "odin":
       per_draw = out["odin"]
     else:
-      options = {"k": knn_k} if score == "knn" else {}
-      per_draw = np.stack([np.asarray(getattr(ood_scores, score)(out["features"][:, d], stats,
-                                                                  **options))
-                           for d, stats in enumerate(fitted[score])], axis=1)
+      per_draw = np.asarray(per_draw_fitted_scores(
+          score, out["features"], jax.tree.map(lambda *a: np.stack(a), *fitted[score]),
+          knn_k if score == "knn" else None)).T
     table[score] = _nested_means(per_draw, sizes)
   probs = np.asarray(jax.nn.softmax(logits), np.float64)
   table["correct"] = np.stack([np.argmax(probs[:n].mean(0), -1) == out["label"] for n in sizes],
                               axis=1)
   return table
+
+
+@functools.partial(jax.jit, static_argnames=("score", "knn_k"))
+def per_draw_fitted_scores(score: str, features, stats, knn_k: int | None = None):
+  """``[N, B]``: the fitted ``score`` of each draw's ``features [B, N, D]`` under that draw's
+  statistics (``stats``: the draws' stacked on a leading axis), one compiled call for all draws
+  (draw by draw, the eager calls' dispatch cost more than the scores on a GPU)."""
+  options = {"k": knn_k} if knn_k is not None else {}
+  return jax.vmap(lambda f, s: getattr(ood_scores, score)(f, s, **options), (1, 0))(features,
+                                                                                     stats)
 
 
 def fit_scores(run, pred, output_dir, seed: int) -> dict:
