@@ -3,19 +3,30 @@ BatchEnsemble): the PyTorch-padded convolution and the search for a kind of laye
 parameter tree."""
 from __future__ import annotations
 
+import functools
+
 import flax
 import jax
 
 
 def conv2d(x, kernel, stride: int = 1, padding: int = 0, groups: int = 1, dtype=None):
   """``nn.Conv2d``'s cross-correlation of ``x [B,H,W,C_in]`` with ``kernel [k,k,C_in/groups,
-  C_out]``: symmetric zero padding, computed in ``dtype`` (None: the inputs')."""
+  C_out]``: symmetric zero padding, computed in ``dtype`` (None: the inputs').
+
+  ``groups`` > 1 is a grouped convolution (``feature_group_count``); on XLA:CPU it is computed as
+  ``groups`` convolutions over the channel blocks, the same sums: there XLA's grouped
+  convolution took 17–60× as long forward and backward as those convolutions (3×3, batch 128,
+  4–8 groups of 8–16 channels), longer than the dense convolution of all the channels."""
   if dtype is not None:
     x, kernel = x.astype(dtype), kernel.astype(dtype)
-  return jax.lax.conv_general_dilated(x, kernel, (stride, stride),
-                                      ((padding, padding), (padding, padding)),
-                                      dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                      feature_group_count=groups)
+  convolve = functools.partial(jax.lax.conv_general_dilated, window_strides=(stride, stride),
+                               padding=((padding, padding), (padding, padding)),
+                               dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  if groups == 1 or jax.default_backend() != "cpu":
+    return convolve(x, kernel, feature_group_count=groups)
+  return jax.numpy.concatenate([convolve(a, k) for a, k in zip(
+      jax.numpy.split(x, groups, axis=-1), jax.numpy.split(kernel, groups, axis=-1),
+      strict=True)], axis=-1)
 
 
 def layers_holding(params, name: str) -> list:

@@ -21,6 +21,7 @@ from smoothing_jax.layers.batch_ensemble import (
   BatchEnsembleConv,
   BatchEnsembleDense,
 )
+from smoothing_jax.layers.grouped_conv import GroupedConv
 from smoothing_jax.layers.mean_field import (
   POSTERIOR_STD_INIT,
   BayesianConv,
@@ -90,7 +91,11 @@ def conv(features,
          dtype=jnp.float32,
          kernel_init=conv_init,
          bias_init=nn.initializers.zeros):
-  """``nn.Conv2d``-equivalent: explicit symmetric zero padding, no bias by default."""
+  """``nn.Conv2d``-equivalent: explicit symmetric zero padding, no bias by default
+  (``groups`` > 1: :class:`~smoothing_jax.layers.grouped_conv.GroupedConv`, the same parameters)."""
+  if groups > 1:
+    return GroupedConv(features, kernel_size, stride, padding, groups, bias, kernel_init,
+                       bias_init, dtype, name=name)
   return nn.Conv(features, (kernel_size, kernel_size), strides=(stride, stride),
                  padding=((padding, padding), (padding, padding)), feature_group_count=groups,
                  use_bias=bias, kernel_init=kernel_init, bias_init=bias_init, dtype=dtype,

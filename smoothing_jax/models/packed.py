@@ -148,8 +148,8 @@ class PackedResNet(nn.Module):
       raise ValueError(f"The head's {features.shape[-1]} features must be divisible by "
                        f"num_estimators = {m}.")
     self.sow("intermediates", "features", features)  # the members' classifier inputs, side by side
-    logits = nn.Conv(self.num_classes * m, (1, 1), feature_group_count=m, dtype=self.dtype,
-                     kernel_init=pytorch_default,
-                     bias_init=pytorch_default_bias(features.shape[-1] // m),
-                     name="linear")(features[:, None, None, :])
+    logits = conv(self.num_classes * m, 1, groups=m, bias=True, dtype=self.dtype,
+                  kernel_init=pytorch_default,
+                  bias_init=pytorch_default_bias(features.shape[-1] // m),
+                  name="linear")(features[:, None, None, :])
     return logits.reshape(-1, self.num_classes)  # [B, (m c)] → [B·M, C]

@@ -292,3 +292,30 @@ def test_dense_bias_noise_is_one_scalar_per_example():
                              out[:, :1] * jnp.ones((4, 3)),
                              rtol=1e-5)
   assert len(set(np.round(np.asarray(out[:, 0]), 5))) == 4
+
+
+@pytest.mark.parametrize("stride,padding,bias", [(1, 1, False), (2, 0, True)])
+def test_grouped_conv_equals_nn_conv_with_feature_group_count(stride, padding, bias):
+  """``GroupedConv`` (one convolution per group on CPU) against flax's ``nn.Conv`` with
+  ``feature_group_count`` (XLA's grouped convolution): the same parameters (names, shapes,
+  initial values), outputs and gradients."""
+  import flax.linen as nn
+
+  from smoothing_jax.layers import GroupedConv
+  x = jnp.asarray(RNG.normal(size=(2, 9, 9, 12)), jnp.float32)
+  ours = GroupedConv(8, 3, stride, padding, groups=4, use_bias=bias,
+                     bias_init=nn.initializers.normal(1.0))
+  flax_conv = nn.Conv(8, (3, 3), strides=(stride, stride),
+                      padding=((padding, padding), (padding, padding)), feature_group_count=4,
+                      use_bias=bias, bias_init=nn.initializers.normal(1.0))
+  variables = ours.init(jax.random.key(0), x)
+  chex.assert_trees_all_equal(variables, flax_conv.init(jax.random.key(0), x))
+
+  def loss(module, v, x):
+    return jnp.sum(jnp.sin(module.apply(v, x)))
+
+  np.testing.assert_allclose(ours.apply(variables, x), flax_conv.apply(variables, x), atol=1e-5)
+  chex.assert_trees_all_close(jax.grad(loss, (1, 2))(ours, variables, x),
+                              jax.grad(loss, (1, 2))(flax_conv, variables, x), atol=1e-5)
+  with pytest.raises(ValueError, match="divisible by 4"):
+    GroupedConv(6, 3, groups=4).init(jax.random.key(0), x)
