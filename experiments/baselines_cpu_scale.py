@@ -10,10 +10,12 @@ NLL and ECE (15 bins) of the whole test split with ``--samples`` predictions per
 ``samples / K`` draws of each component).  A run whose loss turns non-finite is a row of its own
 (``diverged``).
 
-``--part batchensemble``: BatchEnsemble of 4 (``resnet_batchensemble_18``) against a deep ensemble
-of 4 trained as one job (``resnet_dnn_18`` with ``deep_ensemble.members=4``) and a single
-``resnet_dnn_18``, all at ``--width`` on ``configs/cifar_resnet.py`` shortened to ``--epochs``
-after one warm-up epoch (lr × 0.2 at 1/2 and 3/4), with each job's wall time.
+``--part batchensemble``: BatchEnsemble of 4 (``resnet_batchensemble_18``), MIMO of 4
+(``resnet_mimo_18``, uncertainty-baselines' batch repetitions 4) and Packed-Ensembles of 4
+(``resnet_packed_18``, α = 2, γ = 2) against a deep ensemble of 4 trained as one job
+(``resnet_dnn_18`` with ``deep_ensemble.members=4``) and a single ``resnet_dnn_18``, all at
+``--width`` on ``configs/cifar_resnet.py`` shortened to ``--epochs`` after one warm-up epoch
+(lr × 0.2 at 1/2 and 3/4), with each job's wall time.
 
 Writes ``<root>/<part>_cpu_scale.json`` (``--methods`` reruns some settings, keeping the other
 rows of an existing file) and prints the Markdown table.
@@ -68,7 +70,9 @@ def batchensemble_settings(args) -> dict:
             "nesterov": False, "weight_decay": 5e-4, "ensemble_sizes": (1,)}
   return {"single ResNet-18": ("resnet_dnn_18", common),
           "deep ensemble of 4 (one job)": ("resnet_dnn_18", {**common, "deep_ensemble.members": 4}),
-          "BatchEnsemble of 4": ("resnet_batchensemble_18", common)}
+          "BatchEnsemble of 4": ("resnet_batchensemble_18", common),
+          "MIMO of 4": ("resnet_mimo_18", {**common, "model_kwargs.mimo_members": 4}),
+          "Packed-Ensembles of 4": ("resnet_packed_18", common)}
 
 
 def record(args, rows: list) -> dict:

@@ -97,18 +97,22 @@ def compiled_memory(compiled) -> dict:
           for name in ("temp", "argument", "output", "alias")} if memory else {}
 
 
-def compiled_flops(compiled):
-  """XLA's FLOP count of a compiled executable (None where the backend gives none)."""
-  cost = compiled.cost_analysis()
+def program_flops(lowered):
+  """XLA's FLOP count of a lowered program, before the backend's passes (None where none is
+  given): XLA:GPU's count of the compiled executable leaves out the convolutions and matrix
+  products it hands to cuDNN and cuBLAS."""
+  cost = lowered.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   return (cost or {}).get("flops")
 
 
 def compile_timed(fn, *args) -> tuple:
-  """``(compiled executable, seconds it took)`` of ``jit``-ed ``fn`` on ``args``."""
+  """``(compiled executable, seconds its compilation took, FLOPs)`` of ``jit``-ed ``fn`` on
+  ``args``."""
   start = time.perf_counter()
-  compiled = fn.lower(*args).compile()
-  return compiled, time.perf_counter() - start
+  lowered = fn.lower(*args)
+  compiled = lowered.compile()
+  return compiled, time.perf_counter() - start, program_flops(lowered)
 
 
 class Row:
@@ -137,16 +141,16 @@ class Row:
                              data)
     self.key = jax.random.key(2)
     predict = jax.jit(lambda v, x, r: predictive.predict(v, x, rng=r))
-    self.step, step_seconds = compile_timed(step, self.state, self.batch, self.rngs)
-    self.predict, predict_seconds = compile_timed(predict, self.variables, self.batch["image"],
-                                                  self.key)
+    self.step, step_seconds, step_flops = compile_timed(step, self.state, self.batch, self.rngs)
+    self.predict, predict_seconds, predict_flops = compile_timed(
+        predict, self.variables, self.batch["image"], self.key)
     self.info = {
         "model": model_name, "overrides": overrides, "method": method.describe(),
         "baseline": self.baseline, "draws": predictive.num_draws,
         "parameters": int(sum(x.size for x in jax.tree.leaves(self.state.params))),
-        "train": {"compile_seconds": step_seconds, "flops": compiled_flops(self.step),
+        "train": {"compile_seconds": step_seconds, "flops": step_flops,
                   "compiled_memory": compiled_memory(self.step)},
-        "predict": {"compile_seconds": predict_seconds, "flops": compiled_flops(self.predict),
+        "predict": {"compile_seconds": predict_seconds, "flops": predict_flops,
                     "compiled_memory": compiled_memory(self.predict)}}
 
   def train(self):
