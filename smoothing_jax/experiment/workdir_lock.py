@@ -46,7 +46,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from smoothing_jax.experiment.workdir import is_uri, workdir_path
+from smoothing_jax.experiment.workdir import is_uri, workdir_path, write_atomically
 
 LOCK_FILE = "lock.json"
 
@@ -183,7 +183,9 @@ class WorkdirLock:
     record = _holder_record(self.lease_seconds, self._token)
     if since:
       record["since"] = since
-    self.path.write_text(json.dumps(record))
+    # Replaced whole: a reader between a plain write's truncation and its text would find no
+    # holder and take the lock (seen under load with a heartbeat every 0.05 s).
+    write_atomically(self.path, json.dumps(record))
     return record
 
   def _acquire_lease(self) -> None:
