@@ -231,3 +231,20 @@ def test_a_multi_process_job_locks_on_process_0_only(tmp_path, monkeypatch):
     lock.check()
     assert not (tmp_path / LOCK_FILE).exists()
   assert workdir_lock._HELD == {}
+
+
+def test_a_reader_never_finds_a_held_lease_empty(tmp_path):
+  """Every read of a lease renewed every 0.5 ms finds its holder: a heartbeat replaces the file
+  whole (a plain write truncates it first, and a writer reading then would take the lock)."""
+  lock = WorkdirLock(tmp_path, lease=True, settle_seconds=0, heartbeat_seconds=0.0005).acquire()
+  try:
+    deadline, reads, empty = time.time() + 1.0, 0, 0
+    while time.time() < deadline:
+      try:
+        json.loads((tmp_path / LOCK_FILE).read_text())["token"]
+      except (OSError, ValueError, KeyError):
+        empty += 1
+      reads += 1
+  finally:
+    lock.release()
+  assert reads > 1000 and empty == 0, f"{empty} of {reads} reads found no holder"
