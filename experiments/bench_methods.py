@@ -48,7 +48,7 @@ import numpy as np
 # This checkout's smoothing_jax, not an installed copy (before bench_train imports it).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_train import recipe_config  # noqa: E402
+from bench_train import program_flops, recipe_config  # noqa: E402
 from timing import alternate  # noqa: E402
 
 from smoothing_jax.methods import resolve  # noqa: E402
@@ -95,15 +95,6 @@ def compiled_memory(compiled) -> dict:
   memory = compiled.memory_analysis()
   return {f"{name}_bytes": int(getattr(memory, f"{name}_size_in_bytes"))
           for name in ("temp", "argument", "output", "alias")} if memory else {}
-
-
-def program_flops(lowered):
-  """XLA's FLOP count of a lowered program, before the backend's passes (None where none is
-  given): XLA:GPU's count of the compiled executable leaves out the convolutions and matrix
-  products it hands to cuDNN and cuBLAS."""
-  cost = lowered.cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
-  return (cost or {}).get("flops")
 
 
 def compile_timed(fn, *args) -> tuple:

@@ -61,6 +61,15 @@ def recipe_config(recipe: str, arg: str):
   return config_lib.from_file(os.path.normpath(path), arg)
 
 
+def program_flops(lowered):
+  """XLA's FLOP count of a lowered program, before the backend's passes (None where none is
+  given): XLA:GPU's count of the compiled executable leaves out the convolutions and matrix
+  products it hands to cuDNN and cuBLAS (100× too few on an H200)."""
+  cost = lowered.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return (cost or {}).get("flops")
+
+
 def time_train_steps(name, overrides, config, batch, steps):
   fields = {f.name for f in dataclasses.fields(type(get_model(name, 10)))}
   model = get_model(name, 10, **{k: v for k, v in overrides.items() if k in fields})
@@ -75,10 +84,8 @@ def time_train_steps(name, overrides, config, batch, steps):
   step_fn, _ = compile_steps(method, schedule, mesh, 10, loss_fn)
   batch = shard_batch(batch, data)
   rng = jax.random.key(1)
-  # The lowered program's count, before the backend's passes: XLA:GPU's compiled count leaves out
-  # the convolutions and matrix products it hands to cuDNN/cuBLAS (100× too few flops on an H200).
-  flops = step_fn.lower(state, batch, rng).cost_analysis()
-  flops = (flops[0] if isinstance(flops, list) else flops).get("flops", float("nan"))
+  flops = program_flops(step_fn.lower(state, batch, rng))
+  flops = float("nan") if flops is None else flops
   state, metrics = step_fn(state, batch, rng)  # compile + warm up
   jax.block_until_ready(metrics)
   times = []
