@@ -10,8 +10,9 @@ For k = 1 (``--seeds`` random starts each, medians compared) and k = 5 (one star
 it reports time (compiled; the linearisation included), HVPs, eigenvalues and
 relative residuals ‖Hv − λv‖/|λ| of:
 
-* ours, ``method="lanczos"``: block Lanczos (block k), stops at a relative residual of ``--tol``;
-  ``seconds_over_hvps``: its time over its HVPs × one linearised HVP, timed right after it;
+* ours, ``method="lanczos"``: block Lanczos (block k, partial reorthogonalisation), stops at a
+  relative residual of ``--tol``; ``seconds_over_hvps``: its time over its HVPs × one linearised
+  HVP, timed right after it; ``reorthogonalized_blocks``: the blocks it reorthogonalised;
 * ours, ``method="power"``: PyHessian's rule (relative change < ``--tol``);
 * PyHessian 0.1 ``hessian(...).eigenvalues(maxIter=--max-iters, tol=--tol, top_n=k)`` (needs
   ``pip install pyhessian`` next to torch; omitted without it), stopped by its own rule;
@@ -108,6 +109,7 @@ def time_ours(loss_fn, params, k, method, tol, max_iters, rng):
       "hvps": int(result.hvps),
       "eigenvalues": np.asarray(result.eigenvalues).tolist(),
       "relative_residuals": result.relative_residuals.tolist(),
+      "reorthogonalized_blocks": result.reorthogonalized,
   }
 
 
