@@ -19,8 +19,7 @@ Two eigensolvers (``method``):
   A single start vector has one component in each eigenspace, so single-vector Lanczos returns
   a repeated eigenvalue once and, in a cluster, stops with small residuals at the wrong values
   (a residual only says θ is near *some* eigenvalue); a block of b resolves multiplicities up
-  to b.  What a result
-  certifies is in :class:`Eigenpairs`.
+  to b.  What a result certifies is in :class:`Eigenpairs`.
 * ``"power"``: PyHessian's (Yao et al. 2020) power iteration with deflation,
   stopping when the eigenvalue changes by less than ``tol`` relative.  On a
   crowded spectrum (near-equal |λ| at the top) that rule stops early at an
@@ -457,24 +456,22 @@ def _step(linear, params, basis, j, coupling, state, key, full=False):
   def reorthogonalized():
     return _orthonormal_block(basis, rows, _project_out(basis, rows, w), state["scale"], key)
 
-  if full:
-    (q, r), needed = reorthogonalized(), jnp.ones((), bool)
-    omega = state["omega"]
-  else:
-    q, r = _orthonormal_block(basis, rows, w, state["scale"], key)
-    omega = _estimated_orthogonality(state, a, coupling, r)
-    k = jnp.arange(omega.shape[0])[:, None, None]
-    # Non-finite (a breakdown) also fails the test.
-    needed = state["again"] | ~jnp.all(jnp.where(k < j, jnp.abs(omega), 0.0)
-                                       <= jnp.sqrt(jnp.finfo(omega.dtype).eps))
-    q, r = jax.lax.cond(needed, reorthogonalized, lambda: (q, r))
-    rounding = jnp.finfo(omega.dtype).eps * jnp.sqrt(b)
-    omega = jnp.where((k < j) & ~needed, omega, jnp.where(k <= j, rounding, 0.0))
-    omega = jnp.where(k == j + 1, jnp.eye(b, dtype=omega.dtype), omega)
+  if full:  # the estimates go unused
+    q, r = reorthogonalized()
+    state = {**state, "count": state["count"] + 1}
+    return jax.lax.dynamic_update_slice_in_dim(basis, q, rows, 0), a, r, state
+  q, r = _orthonormal_block(basis, rows, w, state["scale"], key)
+  omega = _estimated_orthogonality(state, a, coupling, r)
+  k = jnp.arange(omega.shape[0])[:, None, None]
+  eps = jnp.finfo(omega.dtype).eps
+  # Non-finite (a breakdown) also fails the test.
+  needed = state["again"] | ~jnp.all(jnp.where(k < j, jnp.abs(omega), 0.0) <= jnp.sqrt(eps))
+  q, r = jax.lax.cond(needed, reorthogonalized, lambda: (q, r))
+  omega = jnp.where((k < j) & ~needed, omega, jnp.where(k <= j, eps * jnp.sqrt(b), 0.0))
+  omega = jnp.where(k == j + 1, jnp.eye(b, dtype=omega.dtype), omega)
   state = {**state, "omega": omega, "omega_prev": state["omega"],
            "a": state["a"].at[j].set(a), "b": state["b"].at[j].set(r),
-           "again": needed & ~state["again"] & (not full),
-           "count": state["count"] + needed.astype(jnp.int32)}
+           "again": needed & ~state["again"], "count": state["count"] + needed.astype(jnp.int32)}
   return jax.lax.dynamic_update_slice_in_dim(basis, q, rows, 0), a, r, state
 
 
@@ -498,10 +495,9 @@ def _first_block(params, start, steps, rows):
   steps: the basis holds the orthonormalised rows of ``start`` [b, n], the coupling is zero and
   the state :func:`_orthogonality`'s."""
   b, n = start.shape
+  state, structure = jax.tree.flatten(_orthogonality(steps, b, start.dtype))
   zeros, start, coupling, *state = _placed_like(
-      params, jnp.zeros((rows, n), start.dtype), start, jnp.zeros((b, b), start.dtype),
-      *jax.tree.leaves(_orthogonality(steps, b, start.dtype)))
-  structure = jax.tree.structure(_orthogonality(steps, b, start.dtype))
+      params, jnp.zeros((rows, n), start.dtype), start, jnp.zeros((b, b), start.dtype), *state)
   return _lanczos_start(zeros, start), coupling, jax.tree.unflatten(structure, state)
 
 
