@@ -18,9 +18,9 @@ relative residuals ‖Hv − λv‖/|λ| of:
   ``pip install pyhessian`` next to torch; omitted without it), stopped by its own rule;
 * PyHessian at equal accuracy (``pyhessian_at_residual``): the same call with the change
   tolerances of ``--pyhessian-tols`` in turn (``maxIter=--pyhessian-max-iters``) until every pair
-  has a relative residual ≤ ``--tol``; that run's time is PyHessian's time to the residual (the
-  looser runs before it not counted), against our Lanczos's
-  (``lanczos_speedup_at_equal_residual``).
+  has a relative residual ≤ ``--tol``, then (``--pyhessian-budgets``) without its change rule for
+  a fixed number of HVPs per eigenvalue; that run's time is PyHessian's time to the residual (the
+  runs before it not counted), against our Lanczos's (``lanczos_speedup_at_equal_residual``).
 
 PyHessian's residuals are measured with our HVP on its eigenvectors, mapped through the same
 converter.  It also gives the seconds per HVP (ours: five ways of composing JAX's derivatives;
@@ -233,11 +233,16 @@ def time_pyhessian(net, images, labels, k, tol, max_iters, residual_of, seed, cu
 
 def pyhessian_to_residual(net, images, labels, k, args, residual_of, seed) -> dict:
   """PyHessian at equal accuracy: :func:`time_pyhessian` with each change tolerance of
-  ``args.pyhessian_tols`` in turn (``maxIter=args.pyhessian_max_iters``) until every pair's
-  relative residual is ≤ ``args.tol``; the run that got there (``reached``), else the last."""
-  for tol in args.pyhessian_tols:
-    run = time_pyhessian(net, images, labels, k, tol, args.pyhessian_max_iters, residual_of, seed)
-    run.update(change_tol=tol, reached=max(run["relative_residuals"]) <= args.tol)
+  ``args.pyhessian_tols`` in turn (``maxIter=args.pyhessian_max_iters``), then without its
+  stopping rule (``tol=0``: every one of ``maxIter`` HVPs per eigenvalue) for each budget of
+  ``args.pyhessian_budgets``, until every pair's relative residual is ≤ ``args.tol``; the run
+  that got there (``reached``), else the last."""
+  tries = [(tol, args.pyhessian_max_iters) for tol in args.pyhessian_tols]
+  tries += [(0.0, budget) for budget in args.pyhessian_budgets]
+  for tol, budget in tries:
+    run = time_pyhessian(net, images, labels, k, tol, budget, residual_of, seed)
+    run.update(change_tol=tol, max_iters=budget,
+               reached=max(run["relative_residuals"]) <= args.tol)
     if run["reached"]:
       break
   return run
@@ -294,6 +299,9 @@ def main(argv=None):
                       help="PyHessian's change tolerances tried in turn for the equal-accuracy "
                            "runs (none: skip them)")
   parser.add_argument("--pyhessian-max-iters", type=int, default=1000)
+  parser.add_argument("--pyhessian-budgets", type=int, nargs="*", default=[],
+                      help="then, for the equal-accuracy runs, PyHessian without its change rule "
+                           "(tol 0) for this many HVPs per eigenvalue, each in turn")
   parser.add_argument("--spectrum-batches", type=int, default=8,
                       help="batches of the spectrum on 8 devices against 1 (0: skip)")
   parser.add_argument("--spectrum-width", type=int, default=16)
@@ -347,7 +355,7 @@ def main(argv=None):
       residual_of = pyhessian_residual(loss_fn, params, state_dict, args.width)
       runs["pyhessian"] = [time_pyhessian(net, images, labels, k, args.tol, args.max_iters,
                                           residual_of, seed) for seed in seeds]
-      if args.pyhessian_tols:
+      if args.pyhessian_tols or args.pyhessian_budgets:
         runs["pyhessian_at_residual"] = [
             pyhessian_to_residual(net, images, labels, k, args, residual_of, seed)
             for seed in seeds]

@@ -422,6 +422,26 @@ def test_tiny_mlp_top_k_and_certificate_match_eigh_at_default_settings(k, max_hv
   assert np.max(np.abs(found - true[:k])) <= result.residual_bound**2 / separation
 
 
+@pytest.mark.parametrize("b, blocks", [(1, 3), (2, 19)])
+def test_basis_grows_in_chunks_and_projects_and_combines_like_numpy(b, blocks):
+  """The Krylov basis (chunks of 8 blocks, the last part-filled): projecting a matrix out of it
+  and combining its rows equal numpy on the stacked blocks."""
+  from smoothing_jax.analysis.hessian import _Basis
+  rng = np.random.default_rng(0)
+  n = 64
+  rows = np.linalg.qr(rng.normal(size=(n, b * blocks)))[0].T.astype(np.float32)  # orthonormal
+  basis = _Basis(jnp.asarray(rows[:b]))
+  for i in range(1, blocks):
+    basis.append(jnp.asarray(rows[i * b:(i + 1) * b]))
+  assert len(basis.chunks) == -(-blocks // 8) and basis.count == blocks
+  np.testing.assert_array_equal(basis.last[-1], rows[-b:])
+  w = rng.normal(size=(3, n)).astype(np.float32)
+  np.testing.assert_allclose(basis.project_out(jnp.asarray(w)), w - (w @ rows.T) @ rows,
+                             atol=1e-5)
+  coefficients = rng.normal(size=(2, b * blocks))
+  np.testing.assert_allclose(basis.combination(coefficients), coefficients @ rows, atol=1e-5)
+
+
 def test_partial_reorthogonalization_matches_full_with_fewer_blocks():
   """The default partial reorthogonalisation (Simon's estimates of the basis's loss of
   orthogonality) against full, on a 300-parameter quadratic with λ = 100, 50 and 298 in
