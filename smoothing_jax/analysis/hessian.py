@@ -359,8 +359,8 @@ def _new_chunk(q):
 @jax.jit
 def _minus_projection(w, chunk):
   """``w`` [..., r, n] minus its projection on the orthonormal (or zero) rows of ``chunk``
-  [..., 8b, n]: one classical Gram–Schmidt pass.  ``chunk @ wᵀ``, not ``w @ chunkᵀ``: the
-  latter ran 3.8× as long on XLA:CPU."""
+  [..., 8b, n]: one classical Gram–Schmidt pass.  The coefficients as ``chunk @ wᵀ``, not
+  ``w @ chunkᵀ``: on XLA:CPU (b = 5, 11.2M parameters) 0.38 s against 1.43 s."""
   coefficients = chunk @ _swap(w)  # [..., 8b, r]
   return w - jnp.einsum("...kn,...kr->...rn", chunk, coefficients)
 
