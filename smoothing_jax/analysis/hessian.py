@@ -649,24 +649,22 @@ def _lanczos(step, start, coupling, state, steps, key, converged=None, count=1):
   reorthogonalised per problem ([P] numpy).
   """
   b = coupling.shape[-1]
-  basis, pending, bands, done, last = _Basis(start), [], None, None, None
+  basis, bands, done, last = _Basis(start), None, None, None
   for j in range(steps):
     w, a, q, coupling, needed, state = step(basis.last[-1], basis.last[0], j, coupling, state)
     if np.any(np.asarray(needed)):
       q, coupling, state = _accept(needed, *_reorthogonalized(basis, w, state["scale"], key, j),
                                    q, coupling, state, j)
     basis.append(q)
-    pending.append((j, a, coupling))
+    # [P, b, b]: P problems (one unstacked problem is P = 1)
+    a, c = (np.asarray(x, np.float64).reshape(-1, b, b) for x in (a, coupling))
+    if bands is None:
+      bands, done = np.zeros((len(a), b + 1, steps * b)), [None] * len(a)
+    for p in range(len(a)):
+      _add_block(bands[p], j, a[p], last[p] if j else None)
+    last, m = c, (j + 1) * b
     if converged is None and j < steps - 1:
       continue
-    for i, a, c in pending:  # [P, b, b] per step: P problems (one unstacked problem is P = 1)
-      a, c = (np.asarray(x, np.float64).reshape(-1, b, b) for x in (a, c))
-      if bands is None:
-        bands, done = np.zeros((len(a), b + 1, steps * b)), [None] * len(a)
-      for p in range(len(a)):
-        _add_block(bands[p], i, a[p], last[p] if i else None)
-      last = c
-    pending, m = [], (j + 1) * b
     for p, result in enumerate(done):
       if result is not None or (j < steps - 1 and not converged(*_ends(bands[p], m, count,
                                                                          last[p]))):
