@@ -6,8 +6,8 @@ gives the weights, ``convert.from_torch_state_dict`` loads the same weights into
 model, and both see the same CIFAR-10 batch (``--data``: an npz folder, else random
 images), in eval mode, with plain cross-entropy over all parameters.
 
-For k = 1 (``--seeds`` random starts each, medians compared) and k = 5 (one start)
-it reports time (compiled; the linearisation included), HVPs, eigenvalues and
+For k = 1 (``--seeds`` random starts each, medians compared) and k = 5 (``--seeds-top-k``, one
+by default) it reports time (compiled; the linearisation included), HVPs, eigenvalues and
 relative residuals ‖Hv − λv‖/|λ| of:
 
 * ours, ``method="lanczos"``: block Lanczos (block k, partial reorthogonalisation), stops at a
@@ -30,6 +30,7 @@ PyHessian's double backward), one gradient, and ``max_eigenvalue_spectrum`` of
   python experiments/bench_hessian.py                           # the issue's setting
   python experiments/bench_hessian.py --width 16 --top 1        # quick
   python experiments/bench_hessian.py --width 16 --spectrum-batches 0 --pyhessian-tols   # no 8 vs 1
+  python experiments/bench_hessian.py --top 5 --solvers lanczos --spectrum-batches 0   # overhead
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ from smoothing_jax.models import get_model
 # tests.torch_reference, the PyTorch transcription, is imported from the repository root.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+SOLVERS = ("lanczos", "power", "pyhessian")
 DEFAULT_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "cifar10")
 
 
@@ -98,12 +100,16 @@ def reference_variables(width: int, images):
 
 
 def time_ours(loss_fn, params, k, method, tol, max_iters, rng):
-  # Compile first: the same shapes (max_iters sets the Lanczos basis), stopping at once.
+  # Compile first: the same shapes, stopping at once; for Lanczos once more with full
+  # reorthogonalisation, which compiles the reorthogonalisation a timed solve may need.
   top_eigenvalues(loss_fn, params, k=k, max_iters=max_iters, tol=1e9, rng=rng, method=method)
+  if method == "lanczos":
+    top_eigenvalues(loss_fn, params, k=k, max_iters=max_iters, tol=1e9, rng=rng, method=method,
+                    reorthogonalization="full")
   start = time.perf_counter()
   result = top_eigenvalues(loss_fn, params, k=k, max_iters=max_iters, tol=tol, rng=rng,
                            method=method)
-  jax.block_until_ready(result.eigenvalues)
+  jax.block_until_ready((result.eigenvalues, result.eigenvectors))
   return {
       "seconds": time.perf_counter() - start,
       "hvps": int(result.hvps),
@@ -295,6 +301,11 @@ def main(argv=None):
   parser.add_argument("--max-iters", type=int, default=100)
   parser.add_argument("--repeats", type=int, default=3, help="timings of one HVP / gradient")
   parser.add_argument("--seeds", type=int, default=3, help="random starts of the top-1 runs")
+  parser.add_argument("--seeds-top-k", type=int, default=1,
+                      help="random starts of the top-k runs for k > 1 (minutes each)")
+  parser.add_argument("--solvers", nargs="+", choices=SOLVERS, default=list(SOLVERS),
+                      help="the solvers run for each k (e.g. lanczos alone: its overhead over "
+                           "its HVPs at k = 5 in minutes, without PyHessian's long runs)")
   parser.add_argument("--pyhessian-tols", type=float, nargs="*", default=[1e-4, 1e-5, 1e-6],
                       help="PyHessian's change tolerances tried in turn for the equal-accuracy "
                            "runs (none: skip them)")
@@ -338,11 +349,13 @@ def main(argv=None):
   linear = linearized_hvp(loss_fn, params)
   one_hvp = functools.partial(jax.jit(lambda lin, v: lin(v)), linear, vector)
   for k in args.top:
-    # Both libraries start from a random vector, and the HVPs a run needs depend on it: top-1
-    # runs repeat over --seeds starts and compare medians; top-k > 1 (minutes each) runs once.
-    seeds = range(args.seeds if k == 1 else 1)
+    # Both libraries start from a random vector, and the HVPs a run needs depend on it: runs
+    # repeat over --seeds starts (top-1) or --seeds-top-k (k > 1: minutes each) and compare
+    # medians.
+    seeds = range(args.seeds if k == 1 else args.seeds_top_k)
     runs = {}
-    for method in ("lanczos", "power"):
+    ours = [method for method in ("lanczos", "power") if method in args.solvers]
+    for method in ours:
       runs[f"ours_{method}"] = []
       for seed in seeds:
         run = time_ours(loss_fn, params, k, method, args.tol, args.max_iters,
@@ -351,7 +364,7 @@ def main(argv=None):
         run["hvp_seconds_after"] = median_seconds(one_hvp, args.repeats)
         run["seconds_over_hvps"] = run["seconds"] / (run["hvps"] * run["hvp_seconds_after"])
         runs[f"ours_{method}"].append(run)
-    if net is not None and has_pyhessian():
+    if "pyhessian" in args.solvers and net is not None and has_pyhessian():
       residual_of = pyhessian_residual(loss_fn, params, state_dict, args.width)
       runs["pyhessian"] = [time_pyhessian(net, images, labels, k, args.tol, args.max_iters,
                                           residual_of, seed) for seed in seeds]
@@ -363,14 +376,14 @@ def main(argv=None):
     for name, rs in runs.items():
       result[f"{name}_top{k}"] = rs if len(rs) > 1 else rs[0]
       result[f"{name}_top{k}_median_seconds"] = median[name]
-    for method in ("lanczos", "power"):
+    for method in ours:
       result[f"{method}_top{k}_median_seconds_over_hvps"] = float(np.median(
           [r["seconds_over_hvps"] for r in runs[f"ours_{method}"]]))
     if "pyhessian" in runs:
-      for method in ("lanczos", "power"):
+      for method in ours:
         result[f"{method}_speedup_vs_pyhessian_top{k}"] = (median["pyhessian"] /
                                                            median[f"ours_{method}"])
-    if "pyhessian_at_residual" in runs:
+    if "pyhessian_at_residual" in runs and "ours_lanczos" in runs:
       reached = all(r["reached"] for r in runs["pyhessian_at_residual"])
       result[f"lanczos_speedup_at_equal_residual_top{k}"] = (
           median["pyhessian_at_residual"] / median["ours_lanczos"] if reached else None)

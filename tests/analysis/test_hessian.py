@@ -423,23 +423,46 @@ def test_tiny_mlp_top_k_and_certificate_match_eigh_at_default_settings(k, max_hv
 
 
 @pytest.mark.parametrize("b, blocks", [(1, 3), (2, 19)])
-def test_basis_grows_in_chunks_and_projects_and_combines_like_numpy(b, blocks):
-  """The Krylov basis (chunks of 8 blocks, the last part-filled): projecting a matrix out of it
-  and combining its rows equal numpy on the stacked blocks."""
+def test_basis_projects_and_combines_like_numpy(b, blocks):
+  """The Krylov basis (blocks of b columns): projecting a matrix out of it and combining its
+  columns equal numpy on the stacked blocks."""
   from smoothing_jax.analysis.hessian import _Basis
   rng = np.random.default_rng(0)
   n = 64
-  rows = np.linalg.qr(rng.normal(size=(n, b * blocks)))[0].T.astype(np.float32)  # orthonormal
-  basis = _Basis(jnp.asarray(rows[:b]))
+  columns = np.linalg.qr(rng.normal(size=(n, b * blocks)))[0].astype(np.float32)  # orthonormal
+  basis = _Basis(jnp.asarray(columns[:, :b]))
   for i in range(1, blocks):
-    basis.append(jnp.asarray(rows[i * b:(i + 1) * b]))
-  assert len(basis.chunks) == -(-blocks // 8) and basis.count == blocks
-  np.testing.assert_array_equal(basis.last[-1], rows[-b:])
-  w = rng.normal(size=(3, n)).astype(np.float32)
-  np.testing.assert_allclose(basis.project_out(jnp.asarray(w)), w - (w @ rows.T) @ rows,
+    basis.append(jnp.asarray(columns[:, i * b:(i + 1) * b]))
+  assert len(basis.blocks) == blocks
+  np.testing.assert_array_equal(basis.last[-1], columns[:, -b:])
+  w = rng.normal(size=(n, 3)).astype(np.float32)
+  np.testing.assert_allclose(basis.project_out(jnp.asarray(w)), w - columns @ (columns.T @ w),
                              atol=1e-5)
   coefficients = rng.normal(size=(2, b * blocks))
-  np.testing.assert_allclose(basis.combination(coefficients), coefficients @ rows, atol=1e-5)
+  np.testing.assert_allclose(basis.combination(coefficients), coefficients @ columns.T,
+                             atol=1e-5)
+
+
+def test_cholesky_qr_equals_numpy_qr_and_flags_what_it_cannot_factor():
+  """CholeskyQR2 (the step's QR) against numpy's Householder QR, signs fixed so R's diagonal is
+  positive: equal on a well-conditioned block; ``ok`` False on a block of condition 1e5 (beyond
+  float32's 1/√ε) and on one with a column at the breakdown level, both of which Gram–Schmidt
+  then factors."""
+  from smoothing_jax.analysis.hessian import _cholesky_qr
+  rng = np.random.default_rng(0)
+  w = rng.normal(size=(500, 4))
+  q, r = np.linalg.qr(w)
+  signs = np.sign(np.diag(r))
+  found_q, found_r, ok = _cholesky_qr(jnp.asarray(w, jnp.float32), 1.0)
+  assert bool(ok)
+  np.testing.assert_allclose(found_q, q * signs, atol=1e-5)
+  np.testing.assert_allclose(found_r, r * signs[:, None], rtol=1e-5, atol=1e-4)
+  ill = w.copy()
+  ill[:, 3] = ill[:, 2] + 1e-5 * rng.normal(size=500)
+  broken = w.copy()
+  broken[:, 1] *= 1e-7
+  for matrix in (ill, broken):
+    assert not bool(_cholesky_qr(jnp.asarray(matrix, jnp.float32), float(np.abs(w).max()))[2])
 
 
 def test_partial_reorthogonalization_matches_full_with_fewer_blocks():
