@@ -446,15 +446,14 @@ def _cholesky_qr(w, scale):
   """
   b = w.shape[1]
   eye = jnp.eye(b, dtype=w.dtype)
-  factors, grams = [], []
+  factors = []
   for _ in range(2):
-    gram = _inner(w, w)
+    gram = _inner(w, w)  # the second: of the first pass's q
     lower = jnp.linalg.cholesky((gram + gram.T) / 2)
     w = _times(w, jax.scipy.linalg.solve_triangular(lower, eye, lower=True).T)
     factors.append(lower.T)
-    grams.append(gram)
   r = factors[1] @ factors[0]
-  ok = (jnp.all(jnp.isfinite(r)) & jnp.all(jnp.abs(grams[1] - eye) <= 0.1)
+  ok = (jnp.all(jnp.isfinite(r)) & jnp.all(jnp.abs(gram - eye) <= 0.1)
         & jnp.all(jnp.diag(factors[0]) > 1e-5 * scale))
   return w, r, ok
 
