@@ -3,6 +3,9 @@
 Modes::
 
   train (default)  train (resuming from ``workdir``), then the evaluators ``config.evals`` names
+  fit              the post-hoc stage of the method (``--config.method=laplace``) on the trained
+                   ``workdir``, stored in ``<workdir>/fits`` (training runs it when its method
+                   has one)
   <evaluator>      one evaluator of ``smoothing_jax.evaluators`` on ``--workdir``, with the
                    options ``config.evals.<evaluator>``:
     ensemble_sizes (alias ``evaluate``)  the ensemble-size table (or of several
@@ -39,10 +42,13 @@ from absl import app, flags, logging  # noqa: E402
 
 from smoothing_jax import evaluators  # noqa: E402
 from smoothing_jax.data import DatasetUnavailableError  # noqa: E402
-from smoothing_jax.experiment import checkpoints  # noqa: E402
+from smoothing_jax.experiment import (
+  checkpoints,  # noqa: E402
+  fits,  # noqa: E402
+)
 from smoothing_jax.experiment import config as config_lib  # noqa: E402
 from smoothing_jax.experiment import workdir as workdir_lib  # noqa: E402
-from smoothing_jax.experiment.config_base import with_model  # noqa: E402
+from smoothing_jax.experiment.config_base import with_method, with_model  # noqa: E402
 from smoothing_jax.experiment.run import RECORDED_KEYS, Run, check_config  # noqa: E402
 from smoothing_jax.experiment.workdir_lock import lock_workdir  # noqa: E402
 from smoothing_jax.training.callbacks import Preempted  # noqa: E402
@@ -56,8 +62,9 @@ flags.DEFINE_string("config", None, "Experiment config, <file>.py[:<args>] (ml_c
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and results.")
 flags.DEFINE_string("results_dir", None, "Where the evaluators write their tables and figures "
                     "(default: <workdir>/results), e.g. for a workdir that is read-only.")
-flags.DEFINE_enum("mode", "train", ["train", *evaluators.REGISTRY, *evaluators.ALIASES],
-                  "train, or the evaluator to run on --workdir.")
+flags.DEFINE_enum("mode", "train", ["train", "fit", *evaluators.REGISTRY, *evaluators.ALIASES],
+                  "train; fit (the post-hoc stage of --config.method on the trained --workdir, "
+                  "e.g. laplace); or the evaluator to run on --workdir.")
 # Shorthands for options of the --mode evaluator (config.evals.<mode>.<option>).
 flags.DEFINE_list("ensemble_workdirs", [], "Workdirs of deep-ensemble members: the first is "
                   "evaluated, the others join it (config.evals.<mode>.members).")
@@ -153,7 +160,8 @@ def resolve_config(mode: str, workdir: str, config_arg=None, overrides=()):
   (an evaluation mode; a ``config_arg`` file there must name the recorded model, and its keys that
   differ apply as overrides), then ``overrides`` (``(key, text)`` pairs) on top, with every
   evaluator option of ``config.evals``, the mode's and those of the evaluators ``overrides`` set
-  options of declared; a ``model`` override applies first (``config_base.with_model``)."""
+  options of declared; a ``model`` override applies first (``config_base.with_model``), then a
+  ``method`` override (``config_base.with_method``)."""
   recorded = None
   if mode != "train" and checkpoints.has_run(workdir):
     recorded = workdir_lib.read_config(workdir)[0]
@@ -190,11 +198,17 @@ def resolve_config(mode: str, workdir: str, config_arg=None, overrides=()):
                        f"of {model} instead.")
     # First the model, so that the other overrides set its options, not the config file's model's.
     config = with_model(config, model)
+  method = dict(overrides).get("method")
+  if method is not None and method != config.method:
+    # Then the method, whose settings block replaces the previous method's (an evaluation may
+    # score the recorded run by another method, e.g. a Laplace fit of a deterministic run).
+    config = with_method(config, method)
   # An option of any registered evaluator adds that evaluator (with its options declared), so
   # that a config without it can run it after training; an unregistered name fails, listing them.
   enabled = tuple(key.split(".")[1] for key, _ in overrides
                   if key.startswith("evals.") and key.count(".") >= 2)
-  config = evaluators.declare_options(config, enabled + (() if mode == "train" else (mode,)))
+  config = evaluators.declare_options(config, enabled + (() if mode in ("train", "fit")
+                                                         else (mode,)))
   config = config_lib.with_overrides(
       config, {key: parse_value(config, key, text) for key, text in overrides})
   if recorded is not None:
@@ -301,7 +315,8 @@ def run(config, workdir: str, mode: str = "train", *, evaluated_workdir=None, re
   one evaluator (of ``evaluated_workdir``, default ``workdir``), each with its ``config.evals``
   options, writing into ``results_dir`` (default ``<workdir>/results``; checked writable before
   anything is computed); prints each evaluator's summary and returns ``{name: result}``."""
-  names = evaluators.names_after_training(config) if mode == "train" else (mode,)
+  names = (evaluators.names_after_training(config) if mode == "train" else
+           () if mode == "fit" else (mode,))
   for name in (n for alias in names for n in evaluators.expand(alias)):
     evaluators.options_of(config, name)  # a bad option fails before anything runs
   if mode == "train":  # a refused config leaves no workdir, lock or TensorBoard file behind
@@ -329,6 +344,10 @@ def _run(config, workdir, mode, names, evaluated_workdir, results_dir) -> dict:
   with opened as the_run:
     if mode == "train":
       train(the_run)
+    elif mode == "fit":
+      the_run.fit()
+      name = the_run.method.fit_name
+      print(f"Fitted {name}: {fits.fit_dir(evaluated_workdir, name)}/{the_run.step}")
     for name, (result, summary) in evaluators.run_evaluators(names, the_run,
                                                               results_dir).items():
       print(f"\n{summary}")

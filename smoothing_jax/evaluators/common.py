@@ -97,14 +97,16 @@ def predictive(run, members: Sequence[str] = (), sizes: Sequence[int] | None = N
   iBNN's K·S draws, every member of an ensemble), or the deep ensemble of the run and the
   workdirs ``members`` (sizes 1..M: the first N members; ``DeepEnsemble.wrap``, which refuses
   what cannot be a member)."""
-  method, variables, checkpoints = run.method, run.variables, []
-  if members:
-    method = DeepEnsemble.wrap(method, size=len(members) + 1)
-    loaded = [load_variables(w, run.mesh) for w in members]  # each its newest intact step
-    variables = stack_variables([variables] + [v for _, v in loaded])
-    checkpoints = [str(workdir_lib.checkpoint_dir(w) / str(step))
-                   for w, (step, _) in zip(members, loaded, strict=True)]
+  if not members:
+    method, nested = run.method.nested(tuple(sizes or run.config.ensemble_sizes))
+    return Predictive(method, run.prediction_variables(method), nested, scored(run))
+  method = DeepEnsemble.wrap(run.method, size=len(members) + 1)
+  loaded = [load_variables(w, run.mesh) for w in members]  # each its newest intact step
+  variables = stack_variables([run.variables] + [v for _, v in loaded])
+  checkpoints = [str(workdir_lib.checkpoint_dir(w) / str(step))
+                 for w, (step, _) in zip(members, loaded, strict=True)]
   method, nested = method.nested(tuple(sizes or run.config.ensemble_sizes))
+  variables = method.prediction_variables(variables, run.train_eval_batches)
   return Predictive(method, variables, nested, scored(run, checkpoints))
 
 

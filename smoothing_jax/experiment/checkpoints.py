@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging as std_logging
 import sys
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -196,5 +197,15 @@ def load_variables(workdir, mesh) -> tuple:
         manager, lambda step: abstract_tree(manager.item_metadata(step).tree, replicated))
   if restored is None:
     raise FileNotFoundError(f"No checkpoint in {checkpoint_dir(workdir)}.")
-  step, tree = restored
-  return step, {"params": tree["params"], "batch_stats": tree["batch_stats"]}
+  return restored[0], variables_of_tree(restored[1])
+
+
+def variables_of_tree(tree) -> dict:
+  """The variables of a restored train state (``TrainState`` or the dict orbax restores without
+  a target): ``{"params", "batch_stats", **method_state}`` (a checkpoint written before methods
+  had state of their own holds none)."""
+  if not isinstance(tree, Mapping):
+    tree = {"params": tree.params, "batch_stats": tree.batch_stats,
+            "method_state": tree.method_state}
+  return {"params": tree["params"], "batch_stats": tree["batch_stats"],
+          **(tree.get("method_state") or {})}

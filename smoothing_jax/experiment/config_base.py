@@ -11,7 +11,7 @@ from absl import logging
 from ml_collections.config_dict import placeholder
 
 from smoothing_jax import methods
-from smoothing_jax.models import model_options
+from smoothing_jax.models import get_model, implied_method, model_options
 
 # Recipe keys: None in ``base_config()``; each recipe sets those its optimiser and schedule read.
 RECIPE_KEYS = ("model", "input.dataset", "optimizer", "input.batch_size", "base_batch_size",
@@ -31,10 +31,11 @@ def base_config() -> ml_collections.ConfigDict:
   logging, evaluation, checkpoints) hold neutral defaults, and every optional feature (class
   balancing, gradient clipping, label smoothing, Mixup/CutMix, RandAugment) is off;
   ``init_from`` ("": off) names a workdir or torch checkpoint file whose variables training
-  fine-tunes and an evaluation without checkpoints uses; the iBNN block holds the method's
-  defaults, read only by models with node noise.  The recipe keys (``RECIPE_KEYS`` and
-  ``RECIPE_KEYS_OF``: model name, dataset, batch, optimiser and learning-rate schedule) are None:
-  a recipe's ``get_config()`` sets them and ends with ``finalize`` (``check_recipe``, then lock).
+  fine-tunes and an evaluation without checkpoints uses; every method's settings block is here
+  at its defaults until ``finalize`` keeps the chosen method's.  The recipe keys
+  (``RECIPE_KEYS`` and ``RECIPE_KEYS_OF``: model name, dataset, batch, optimiser and
+  learning-rate schedule) are None: a recipe's ``get_config()`` sets them and ends with
+  ``finalize``.
   """
   config = ml_collections.ConfigDict()
   # Model: a registry name (set by the recipe) plus module options; None means the family's
@@ -110,10 +111,12 @@ def base_config() -> ml_collections.ConfigDict:
   config.mixup_alpha = 0.0          # Mixup Beta(α, α) (on device, in the train step)
   config.cutmix_alpha = 0.0         # CutMix Beta(α, α)
   config.mixup_switch_prob = 0.5    # P(CutMix) when both are on
-  # Each method's settings, ``config.<method name>`` (``Method.settings``: iBNN's ELBO and
-  # posterior optimiser, BNN-VI's prior and annealing, BatchEnsemble's fast-weight rate and decay,
-  # the deep ensemble's members; their defaults and meanings are in smoothing_jax/methods/).
-  for name, method in methods.REGISTRY.items():
+  # The uncertainty method (``smoothing_jax.methods.REGISTRY``; None: the one ``model`` is built
+  # for), and its settings block ``config.<method>`` (``Method.settings``): a recipe may set any
+  # method's block here, and ``finalize`` keeps the chosen method's alone (``declare_method``).
+  # The deep ensemble composes with every method: its block (``members``, ...) is always there.
+  config.method = placeholder(str)
+  for name, method in (*methods.REGISTRY.items(), ("deep_ensemble", methods.DeepEnsemble)):
     if method.settings:
       config[name] = ml_collections.ConfigDict(copy.deepcopy(method.settings))
   # Logging, evaluation and checkpoints.
@@ -174,6 +177,58 @@ def declare_model_options(config: ml_collections.ConfigDict) -> ml_collections.C
   return config
 
 
+def chosen_method(model: str, model_kwargs, method: str | None) -> str | None:
+  """The method a config of ``model`` (with the set ``model_kwargs``) trains: ``method``, or the
+  one the model is built for (``models.implied_method``); None for a model that cannot be
+  built (training names the problem)."""
+  if method:
+    return method
+  try:
+    built = get_model(model, 2, **{k: v for k, v in dict(model_kwargs or {}).items()
+                                   if v is not None})
+  except (ValueError, TypeError):
+    return None
+  return implied_method(built)
+
+
+def blocks_of_others(chosen: str | None) -> list:
+  """The settings blocks of the registered methods other than ``chosen`` (a config drops them)."""
+  return [name for name, method in methods.REGISTRY.items()
+          if method.settings and name != chosen]
+
+
+def declare_method(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """``config`` holding the settings block of its method alone (:func:`chosen_method`): the
+  other methods' blocks dropped, the chosen one's added at its defaults where missing (an info
+  line says so), so that ``--config.<method>.<key>=…`` sets only the chosen method's keys; a
+  method name not registered is left for ``methods.resolve`` to refuse."""
+  chosen = chosen_method(config.model, config.model_kwargs, config.method)
+  with config.unlocked():
+    for name in blocks_of_others(chosen):
+      if name in config:
+        del config[name]
+    method = methods.REGISTRY.get(chosen)
+    if method is not None and method.settings and chosen not in config:
+      logging.info("Method %s: its settings (config.%s) at their defaults.", chosen, chosen)
+      config[chosen] = ml_collections.ConfigDict(copy.deepcopy(method.settings))
+  return config
+
+
+def with_method(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
+  """A copy of ``config`` training method ``name`` (``--config.method=<name>``), holding that
+  method's settings block instead of the previous one's (:func:`declare_method`); ValueError
+  (one line) for a name not in ``methods.REGISTRY``, with the closest."""
+  if name not in methods.REGISTRY:
+    close = difflib.get_close_matches(name, methods.REGISTRY, n=1)
+    hint = f"Did you mean {close[0]!r}? " if close else ""
+    raise ValueError(f"--config.method={name}: unknown method. {hint}Methods: "
+                     f"{', '.join(methods.REGISTRY)}.")
+  config = copy.deepcopy(config)
+  with config.unlocked():
+    config.method = name
+  return declare_method(config)
+
+
 def with_model(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
   """A copy of ``config`` for model ``name`` (``--config.model=<name>``): its ``model_kwargs``
   are that model's options (:func:`declare_model_options`), keeping the values ``config`` set for
@@ -191,13 +246,14 @@ def with_model(config: ml_collections.ConfigDict, name: str) -> ml_collections.C
     config.model_kwargs = ml_collections.ConfigDict(
         {k: v for k, v in set_values.items() if k in options})
     declare_model_options(config)
-  return config
+  return declare_method(config)
 
 
 def finalize(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The end of every ``get_config()``: ``check_recipe``, declare the model's options, then lock
-  (the CLI sets existing keys only)."""
-  declare_model_options(check_recipe(config)).lock()
+  """The end of every ``get_config()``: ``check_recipe``, declare the model's options, keep the
+  settings block of the chosen method alone (:func:`declare_method`), then lock (the CLI sets
+  existing keys only)."""
+  declare_method(declare_model_options(check_recipe(config))).lock()
   return config
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,10 +24,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 from jax.sharding import Mesh
 
 from smoothing_jax.data import Pipeline, create_pipeline
-from smoothing_jax.experiment import checkpoints, init_from
+from smoothing_jax.experiment import checkpoints, fits, init_from
 from smoothing_jax.experiment import spec as spec_lib
 from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.experiment.config import check_key, with_overrides
@@ -224,9 +226,7 @@ class Run:
         raise FileNotFoundError(f"No checkpoint in {workdir_lib.checkpoint_dir(self.workdir)}.")
       return None
     self.step, tree = restored
-    self.variables = ({"params": tree["params"], "batch_stats": tree["batch_stats"]}
-                      if isinstance(tree, Mapping) else
-                      {"params": tree.params, "batch_stats": tree.batch_stats})
+    self.variables = checkpoints.variables_of_tree(tree)
     return tree
 
   @property
@@ -257,6 +257,50 @@ class Run:
     """The uncertainty method of this run's model and config (``methods.resolve``): its
     predictive, objective, optimiser rules and train state."""
     return resolve(self.config, self.model)
+
+  # A method's post-hoc stage and the variables its predictive takes.
+  def fit(self) -> dict:
+    """The post-hoc stage of the run's method (``Method.fit``) on the training split at the
+    latest checkpoint step, stored in ``<workdir>/fits/<fit name>/<step>`` under the workdir's
+    lock (``experiment.fits``); a fit already stored for this step is read, not redone.  Returns
+    the fitted collections.  ValueError (one line) for a method without one."""
+    method = self.method
+    name = method.fit_name
+    if name is None:
+      raise ValueError(f"Method {method.describe()} has no post-hoc stage: --mode=fit is for "
+                       "methods that fit after training (e.g. --config.method=laplace).")
+    if fits.has_fit(self.workdir, name, self.step):
+      logging.info("%s: the fit of step %d is in %s already.", name, self.step,
+                   fits.fit_dir(self.workdir, name))
+    else:
+      with lock_workdir(self.workdir):
+        logging.info("Fitting %s (%s) on the training split at step %d of %s.", name,
+                     method.describe(), self.step, self.workdir)
+        started = time.perf_counter()
+        result = method.fit(self.variables, self.train_eval_batches)
+        if jax.process_index() == 0:
+          fits.save_fit(self.workdir, name, self.step, result)
+        logging.info("Fitted %s in %.1f s: %s/%d.", name, time.perf_counter() - started,
+                     fits.fit_dir(self.workdir, name), self.step)
+    return fits.load_fit(self.workdir, name, self.step, self.mesh)
+
+  def prediction_variables(self, method: Method | None = None):
+    """The variables ``method`` (default the run's) predicts with: the trained ones, joined by
+    its stored fit (:meth:`fit`; FileNotFoundError saying how to make it where there is none),
+    made into what its predictive takes (``Method.prediction_variables``, which may read the
+    training split, e.g. SWAG's BatchNorm statistics per weight sample).  Cached per method:
+    every evaluator of this run shares one preparation."""
+    method = method or self.method
+    cache = self.__dict__.setdefault("_prediction_variables", {})
+    if method not in cache:
+      variables = self.variables
+      if method.fit_name is not None:
+        variables = {**variables, **fits.load_fit(self.workdir, method.fit_name, self.step,
+                                                  self.mesh)}
+      if method.needs_training_data:
+        logging.info("%s: preparing the predictive on the training split.", method.describe())
+      cache[method] = method.prediction_variables(variables, self.train_eval_batches)
+    return cache[method]
 
   # Deep ensembles trained as one job (``config.deep_ensemble.members``;
   # smoothing_jax.methods.deep_ensemble).
@@ -340,10 +384,11 @@ class Run:
     size = -(-min(batch_size, len(images)) // self.mesh.size) * self.mesh.size
     pad = -len(images) % size
     padded = np.concatenate([images, np.zeros((pad,) + images.shape[1:], np.float32)])
-    step = sharded_eval_step(_mean_probs, self.mesh, self.method.with_samples(num_samples))
+    method = self.method.with_samples(num_samples)
+    step = sharded_eval_step(_mean_probs, self.mesh, method)
     batches = ({"image": padded[i:i + size]} for i in range(0, len(padded), size))
-    probs = evaluate_batches(step, self.variables, batches, shardings(self.mesh)[1], rng,
-                             concatenate=True)
+    probs = evaluate_batches(step, self.prediction_variables(method), batches,
+                             shardings(self.mesh)[1], rng, concatenate=True)
     return probs[:len(images)]
 
   def eval_batches(self, dataset: str | None = None):

@@ -22,6 +22,7 @@ import ml_collections
 from etils import epath
 
 from smoothing_jax.experiment.config import MOVED_KEYS
+from smoothing_jax.experiment.config_base import blocks_of_others, chosen_method
 from smoothing_jax.experiment.spec import ModelSpec
 
 CONFIG_FILE = "config.json"
@@ -117,7 +118,8 @@ def upgrade_record(record: dict) -> dict:
   ``{name: {}}`` (every option at its default), ``ood_datasets`` the ``ood`` evaluator's
   ``datasets``, each of ``config.MOVED_KEYS`` moves to its new place, and a deep ensemble
   recorded without ``member_seeds`` (trained when member m was the run of ``seed + m``) records
-  those.  Today's records come back equal."""
+  those; a record without ``method`` (every one before it was a key) gets ``method`` None, and
+  keeps the settings block of its model's method alone.  Today's records come back equal."""
   record = json.loads(json.dumps(record))
   if isinstance(record.get("evals"), list):
     record["evals"] = {name: {} for name in record["evals"]}
@@ -134,6 +136,13 @@ def upgrade_record(record: dict) -> dict:
   ensemble = record.get("deep_ensemble", {})
   if ensemble.get("members", 1) > 1 and "member_seeds" not in ensemble:
     ensemble["member_seeds"] = [record["seed"] + m for m in range(ensemble["members"])]
+  # Recorded before ``method`` was a key, every method's settings block was in every config:
+  # the method is the model's, and the others' blocks go.
+  if "method" not in record:
+    record["method"] = None
+    for name in blocks_of_others(chosen_method(record.get("model"), record.get("model_kwargs"),
+                                               None)):
+      record.pop(name, None)
   return record
 
 

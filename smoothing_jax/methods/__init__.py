@@ -12,50 +12,83 @@ place that decides which a run uses (:func:`resolve`).
 ``bnnvi``               N mean-field weight samples, the ELBO (:mod:`~smoothing_jax.methods.bnnvi`)
 ``ibnn``                S draws of K node-noise components, the ELBO
                         (:mod:`~smoothing_jax.methods.ibnn`)
+``swa``, ``swag``       the mean of the weights collected in training; N samples of their
+                        Gaussian (:mod:`~smoothing_jax.methods.swag`)
+``laplace``             a Gaussian posterior of the last layer fitted after training, probit
+                        or N samples (:mod:`~smoothing_jax.methods.laplace`)
+``checkpoint_ensemble`` the network at the last M epoch ends; M cosine cycles' ends
+``snapshot_ensemble``   (:mod:`~smoothing_jax.methods.snapshot`)
 ======================  ===============================================================
 
-A new method is one file here and one line in :data:`REGISTRY`.
+A run's method is the one ``config.method`` names (default: the one its model is built for), a
+deep ensemble of it where ``config.deep_ensemble.members`` > 1 (:func:`resolve`).  A new method is
+one file here and one line in :data:`REGISTRY`.
 """
 from __future__ import annotations
 
-from smoothing_jax.methods.base import Method
+import difflib
+
+from smoothing_jax.methods.base import Method, setting
 from smoothing_jax.methods.batch_ensemble import BatchEnsemble
 from smoothing_jax.methods.bnnvi import BNNVI
-from smoothing_jax.methods.deep_ensemble import DeepEnsemble
+from smoothing_jax.methods.deep_ensemble import DeepEnsemble, members_of
 from smoothing_jax.methods.deterministic import Deterministic
 from smoothing_jax.methods.ibnn import IBNN
+from smoothing_jax.methods.laplace import LastLayerLaplace
 from smoothing_jax.methods.mc_dropout import MCDropout
 from smoothing_jax.methods.mimo import MIMO
 from smoothing_jax.methods.packed import PackedEnsemble
+from smoothing_jax.methods.snapshot import CheckpointEnsemble, SnapshotEnsemble
+from smoothing_jax.methods.swag import SWA, SWAG
+from smoothing_jax.models import implied_method
 
-__all__ = ["REGISTRY", "Method", "as_method", "resolve"]
+__all__ = ["REGISTRY", "DeepEnsemble", "Method", "as_method", "method_name", "resolve"]
 
-# name → method, asked in this order: the first whose ``matches`` holds is the model's method
-# (``deterministic`` claims any model); then each matching method with ``wraps`` wraps it.
+# name → method: ``config.method`` names one (default: the one the model is built for,
+# ``models.implied_method``).  A deep ensemble is not in it: it composes with any of them
+# (``config.deep_ensemble.members`` > 1), and its settings block is in every config.
 REGISTRY: dict[str, type[Method]] = {
-    "ibnn": IBNN,
-    "bnnvi": BNNVI,
+    "deterministic": Deterministic,
+    "mc_dropout": MCDropout,
     "batch_ensemble": BatchEnsemble,
     "mimo": MIMO,
     "packed_ensemble": PackedEnsemble,
-    "mc_dropout": MCDropout,
-    "deterministic": Deterministic,
-    "deep_ensemble": DeepEnsemble,
+    "bnnvi": BNNVI,
+    "ibnn": IBNN,
+    "swa": SWA,
+    "swag": SWAG,
+    "laplace": LastLayerLaplace,
+    "checkpoint_ensemble": CheckpointEnsemble,
+    "snapshot_ensemble": SnapshotEnsemble,
 }
+
+
+def method_name(config, model) -> str:
+  """The name of the method ``config`` trains and evaluates ``model`` with: ``config.method``,
+  or where unset the one the model is built for; ValueError (one line) for a name not in
+  :data:`REGISTRY`, with the closest and every name."""
+  name = setting(config, "method") or implied_method(model)
+  if name not in REGISTRY:
+    close = difflib.get_close_matches(name, REGISTRY, n=1)
+    hint = f"Did you mean {close[0]!r}? " if close else ""
+    raise ValueError(f"Unknown method {name!r}. {hint}Methods: {', '.join(REGISTRY)}.")
+  return name
 
 
 def resolve(config, model) -> Method:
   """The method that trains and evaluates ``model`` under ``config`` (None: every setting at its
-  default), its configuration checked (one-line ValueError for what it cannot do).
-
-  The one place that reads what decides it: the model's node noise (``num_components``),
-  mean-field weights, ``ensemble_size`` and dropout (through each method's ``matches``), and
-  ``config.deep_ensemble.members``."""
-  bases = [cls for cls in REGISTRY.values() if not cls.wraps]
-  method = next(cls for cls in bases if cls.matches(config, model)).from_config(config, model)
-  for cls in REGISTRY.values():
-    if cls.wraps and cls.matches(config, model):
-      method = cls.wrap(method, config)
+  default), its configuration checked (one-line ValueError for what it cannot do): the one
+  ``config.method`` names (:func:`method_name`), refused in one line where it does not take the
+  model, and a deep ensemble of it where ``config.deep_ensemble.members`` > 1."""
+  name = method_name(config, model)
+  cls = REGISTRY[name]
+  reason = cls.refuses(model)
+  if reason:
+    raise ValueError(f"Method {name} cannot train or evaluate {type(model).__name__} models: "
+                     f"{reason}.")
+  method = cls.from_config(config, model)
+  if members_of(config) > 1:
+    method = DeepEnsemble.wrap(method, config)
   return method.check(config) if config is not None else method
 
 

@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from ml_collections import FieldReference
 
 from smoothing_jax.inference import Prediction, check_rng, log_probs, mean_probs, pass_outputs
 from smoothing_jax.methods import losses
 from smoothing_jax.metrics import UncertaintyMetrics
+from smoothing_jax.models import implied_method
 from smoothing_jax.models.cnn import check_images
 
 
@@ -38,6 +41,25 @@ def setting(config, dotted: str, default=None):
   return default if node is None else node
 
 
+class Clock(NamedTuple):
+  """Where a training step stands: ``step`` (steps done, this one included), ``epoch`` (epochs
+  completed: ``step // steps_per_epoch``) and ``epoch_end`` (whether this step ends one), int32
+  and bool scalars inside the compiled step; and the run's length, ``num_steps`` and
+  ``num_epochs`` (its whole epochs), Python ints: what a method's phases are fractions of."""
+  step: jax.Array
+  epoch: jax.Array
+  epoch_end: jax.Array
+  num_epochs: int
+  num_steps: int
+
+  @classmethod
+  def after(cls, step, steps_per_epoch: int, num_steps: int) -> Clock:
+    """The clock of the step that brings the step counter to ``step`` in a run of
+    ``num_steps``."""
+    return cls(step, step // steps_per_epoch, step % steps_per_epoch == 0,
+               num_steps // steps_per_epoch, num_steps)
+
+
 @dataclasses.dataclass(frozen=True)
 class Method:
   """One uncertainty method on one model (immutable and hashable: a ``jit`` static argument).
@@ -47,28 +69,40 @@ class Method:
   together (``inference.map_in_chunks``; None: the backend's default).
   """
   name: ClassVar[str] = ""
-  wraps: ClassVar[bool] = False  # True: wraps the method of the model (a deep ensemble)
-  # The defaults of ``config.<name>``, the method's settings block (``config_base`` adds it).
+  # The defaults of ``config.<name>``, the method's settings block: a config holds the block of
+  # the method it names (``config.method``) and no other (``config_base.declare_method``).
   settings: ClassVar[dict] = {}
   model: nn.Module
   num_samples: int = 1
   chunk_size: int | None = None
 
-  # --- Which runs hold it (``methods.resolve`` asks the registry in order).
+  # --- Which models it takes (``methods.resolve`` builds the one ``config.method`` names).
   @classmethod
-  def matches(cls, config, model) -> bool:
-    """Whether ``model`` (under ``config``) is trained and evaluated by this method."""
-    raise NotImplementedError
+  def refuses(cls, model) -> str | None:
+    """Why this method cannot train and evaluate ``model`` (one line), or None where it can.
+    Default: the models built for it (``models.implied_method``)."""
+    built_for = implied_method(model)
+    if built_for == cls.name:
+      return None
+    return (f"it takes the models built for it (this one is built for {built_for}; "
+            f"`--config.method={built_for}` or leave method unset)")
+
+  @classmethod
+  def settings_in(cls, config) -> types.SimpleNamespace:
+    """The method's settings: ``config.<name>`` over the defaults :attr:`settings` (a config
+    whose block was declared for another method, e.g. after an override made the model
+    mean-field, holds none: every setting at its default)."""
+    def value(key, default):
+      if isinstance(default, FieldReference):  # a placeholder: its value (None)
+        default = default.get()
+      return setting(config, f"{cls.name}.{key}", default)
+    return types.SimpleNamespace(**{key: value(key, default)
+                                    for key, default in cls.settings.items()})
 
   @classmethod
   def from_config(cls, config, model) -> Method:
     """This method for ``model`` with its settings from ``config`` (None: the defaults)."""
     return cls(model, chunk_size=setting(config, "eval_chunk_size"))
-
-  @classmethod
-  def wrap(cls, base: Method, config=None) -> Method:
-    """A method with ``wraps``: itself around ``base``, the method of the model."""
-    raise NotImplementedError
 
   def describe(self) -> str:
     """The method's name as logs, tables and the docs write it."""
@@ -186,7 +220,70 @@ class Method:
     """``variables`` with what this method takes from the :meth:`warm_start` run's ``loaded``."""
     raise NotImplementedError
 
+  # --- State of its own, hooks and the schedule (one network's: a deep ensemble runs its base
+  # method's per member).
+  def init_state(self, variables: dict) -> dict:
+    """The method's own collections beside ``params`` and ``batch_stats`` (``{name: pytree}``,
+    e.g. SWAG's moments), initialised from one network's fresh ``variables`` (``{"params",
+    "batch_stats"}``): they live in the train
+    state (``TrainState.method_state``), are sharded, saved and restored with it, and join the
+    variables the predictive takes.  Pure: ``vmap`` ed over a deep ensemble's members."""
+    return {}
+
+  def after_step(self, method_state: dict, variables: dict, clock: Clock) -> dict:
+    """The method's collections after the optimiser step of ``clock``, given the network's new
+    ``variables`` (``{"params", "batch_stats"}``), inside the compiled step (no host round
+    trip; an act "at an epoch's end" tests ``clock.epoch_end``).  Pure: a condition on the
+    clock is a ``lax.cond``."""
+    return method_state
+
+  def schedule(self, config, schedule: Callable, *, num_steps: int, steps_per_epoch: int
+               ) -> Callable:
+    """The learning-rate schedule training uses, given the recipe's ``schedule`` (the method may
+    own it or a phase of it, e.g. SWA's constant rate), or ValueError (one line) for a run it
+    cannot train (e.g. too short to collect what it needs)."""
+    return schedule
+
+  # --- A post-hoc stage over the training split, and data at prediction.
+  @property
+  def fit_name(self) -> str | None:
+    """Where the result of :meth:`fit` lives, ``<workdir>/fits/<fit_name>/<step>`` (None: this
+    method has no post-hoc stage)."""
+    return None
+
+  def fit(self, variables, batches: Callable) -> dict:
+    """The post-hoc stage: ``{collection: pytree}`` fitted on the training split after training
+    (``batches()``: a fresh iterator of its padded, masked, unaugmented batches), joined to the
+    variables the predictive takes (``experiment.fits`` stores it, resumably and under the
+    workdir's lock)."""
+    raise NotImplementedError
+
+  def prediction_variables(self, variables, batches: Callable):
+    """The variables the predictive takes, made from the trained (and fitted) ``variables``:
+    default themselves; a method may draw weights and recompute what depends on the training
+    data (SWAG's BatchNorm statistics per sample; ``batches`` as for :meth:`fit`).  The run
+    caches the result per method, so every evaluator shares one preparation."""
+    return variables
+
+  @property
+  def needs_training_data(self) -> bool:
+    """Whether :meth:`prediction_variables` reads the training split."""
+    return False
+
+  @property
+  def prepares_variables(self) -> bool:
+    """Whether the predictive takes variables of its own (a fit, weights collected or drawn)
+    rather than the trained network's: a deep ensemble of it then runs its predictive on each
+    member."""
+    return self.needs_training_data or self.fit_name is not None
+
   # --- The train state and step (one network; a deep ensemble stacks them).
+  @property
+  def per_member(self) -> Method:
+    """The method of one network of the train state, whose state and hooks the step runs (a
+    deep ensemble's base method, run on each member)."""
+    return self
+
   @property
   def members(self) -> int:
     """Train states stacked along a leading axis (1: one network)."""

@@ -29,7 +29,7 @@ from smoothing_jax.inference import (
 )
 from smoothing_jax.layers.batch_ensemble import fast_weight_mask
 from smoothing_jax.methods.base import Method
-from smoothing_jax.models import is_batch_ensemble, is_stochastic
+from smoothing_jax.models import is_stochastic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +40,6 @@ class BatchEnsemble(Method):
   # multiplied rate; weight decay skips the fast weights unless fast_weight_decay says otherwise.
   settings = {"fast_weight_lr_multiplier": 0.5, "fast_weight_decay": 0.0}
 
-  @classmethod
-  def matches(cls, config, model) -> bool:
-    return is_batch_ensemble(model)
 
   @property
   def stochastic(self) -> bool:
@@ -93,11 +90,12 @@ class BatchEnsemble(Method):
       return jax.tree.map(lambda fast: not fast, fast_weight_mask(params))
     return optax.chain(
         optax.add_decayed_weights(config.weight_decay, mask=slow),
-        optax.add_decayed_weights(config.batch_ensemble.fast_weight_decay, mask=fast_weight_mask))
+        optax.add_decayed_weights(self.settings_in(config).fast_weight_decay,
+                                  mask=fast_weight_mask))
 
   def update_scaling(self, config) -> optax.GradientTransformation:
     """The fast weights' and member biases' updates × ``fast_weight_lr_multiplier``: with SGD
     that equals uncertainty-baselines' scaling of their gradients (decay included) before the
     optimiser; after the optimiser it holds for Adam too, which would undo a gradient scale."""
-    return optax.masked(optax.scale(config.batch_ensemble.fast_weight_lr_multiplier),
+    return optax.masked(optax.scale(self.settings_in(config).fast_weight_lr_multiplier),
                         lambda params: fast_weight_mask(params, with_bias=True))

@@ -31,7 +31,6 @@ from smoothing_jax.layers.functional import in_layers_holding
 from smoothing_jax.layers.mean_field import kl_divergence
 from smoothing_jax.methods.ibnn import kl_weight
 from smoothing_jax.methods.mc_dropout import MCDropout
-from smoothing_jax.models import is_mean_field
 
 
 class Objective(NamedTuple):
@@ -89,9 +88,6 @@ class BNNVI(MCDropout):
       "kl_anneal_per_step": False,  # β per step instead (uncertainty-baselines)
   }
 
-  @classmethod
-  def matches(cls, config, model) -> bool:
-    return is_mean_field(model)
 
   def check(self, config) -> BNNVI:
     if config.optimizer == "adamw":
@@ -101,9 +97,9 @@ class BNNVI(MCDropout):
 
   def loss(self, config, *, num_train: int, steps_per_epoch: int, class_weights=None):
     """The cross-entropy of one pass + β·KL/N (:func:`elbo_terms`)."""
-    objective = Objective(config.bnnvi.prior_std, config.bnnvi.prior_mean, num_train,
-                          steps_per_epoch, config.bnnvi.kl_anneal_epochs,
-                          config.bnnvi.kl_anneal_per_step).check()
+    settings = self.settings_in(config)
+    objective = Objective(settings.prior_std, settings.prior_mean, num_train, steps_per_epoch,
+                          settings.kl_anneal_epochs, settings.kl_anneal_per_step).check()
     nll_fn = super().loss(config, num_train=num_train, steps_per_epoch=steps_per_epoch,
                           class_weights=class_weights)
 

@@ -40,7 +40,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from smoothing_jax.data.resident import device_memory_bytes
-from smoothing_jax.inference import ensemble_log_probs, map_in_chunks, member_of, pass_outputs
+from smoothing_jax.inference import (
+  ensemble_log_probs,
+  map_in_chunks,
+  member_of,
+  pass_outputs,
+  stack_variables,
+)
 from smoothing_jax.methods.base import Method, setting
 from smoothing_jax.metrics import UncertaintyMetrics
 
@@ -104,7 +110,6 @@ def member_keys(seeds: Sequence[int], index: int) -> jax.Array:
 class DeepEnsemble(Method):
   """``size`` members of the ``base`` method, their variables stacked along a leading axis."""
   name = "deep_ensemble"
-  wraps = True  # resolved around the base method of the model (``methods.resolve``)
   settings = {
       "members": 1,  # M (1: one model, no ensemble)
       # Every member trains on the batches of ``seed`` (for speed comparisons; members then
@@ -121,10 +126,6 @@ class DeepEnsemble(Method):
   vmap_size: int = 0
 
   @classmethod
-  def matches(cls, config, model) -> bool:
-    return members_of(config) > 1
-
-  @classmethod
   def wrap(cls, base: Method, config=None, size: int | None = None) -> DeepEnsemble:
     """An ensemble of ``size`` (default ``config.deep_ensemble.members``) ``base`` networks."""
     base = base.as_member(config)
@@ -136,28 +137,57 @@ class DeepEnsemble(Method):
   def describe(self) -> str:
     return f"{self.name} of {self.size} {self.base.describe()}"
 
-  # The predictive: one draw of each member.
+  # The predictive: one draw of each member; or, for a base method whose predictive takes
+  # variables of its own (``Method.prepares_variables``: a fit, weights collected or drawn), S
+  # draws of each member's base predictive, N = M·S in sample-major order (the first M draws one
+  # of each member: MultiSWAG, Wilson & Izmailov 2020).
+  @property
+  def _per_member_draws(self) -> bool:
+    return self.base.prepares_variables
+
   @property
   def stochastic(self) -> bool:
     return self.base.stochastic
 
   @property
   def num_draws(self) -> int:
-    return self.size
+    return self.size * (self.base.num_draws if self._per_member_draws else 1)
+
+  def with_samples(self, num_samples: int) -> DeepEnsemble:
+    if not self._per_member_draws:
+      return self
+    return dataclasses.replace(self, base=self.base.with_samples(-(-num_samples // self.size)))
 
   def nested(self, requested: Sequence[int] = ()) -> tuple:
-    return self, tuple(range(1, self.size + 1))
+    if not self._per_member_draws:
+      return self, tuple(range(1, self.size + 1))
+    method = self.with_samples(max(requested or (self.size,)))
+    return method, tuple(sorted({n for n in requested if n <= method.num_draws} |
+                                {method.num_draws}))
 
   def sample_log_probs(self, variables, images, rng):
-    return ensemble_log_probs(self.model, variables, images, rng, self.chunk_size)
+    if not self._per_member_draws:
+      return ensemble_log_probs(self.model, variables, images, rng, self.chunk_size)
+    return self._interleaved(lambda v, key: self.base.sample_log_probs(v, images, key),
+                             variables, rng)
 
   def sample_outputs(self, variables, images, rng):
+    if self._per_member_draws:
+      return self._interleaved(lambda v, key: self.base.sample_outputs(v, images, key),
+                               variables, rng)
     # Member m with key split(rng, M)[m], as ensemble_log_probs; on images[m] where per draw.
     keys = None if rng is None else jax.random.split(rng, self.size)
     per_draw = images.ndim == 5
     return map_in_chunks(
         lambda a: pass_outputs(self.model, a[0], a[2] if per_draw else images, a[1]),
         (variables, keys, images if per_draw else None), self.chunk_size)
+
+  def _interleaved(self, member_draws, variables, rng):
+    """``member_draws(member m's variables, key m) -> [S, ...]`` of every member (key
+    ``split(rng, M)[m]``), as ``[S·M, ...]`` with draw s·M + m member m's draw s."""
+    keys = jax.random.split(rng, self.size)
+    out = jax.lax.map(lambda a: member_draws(*a), (variables, keys))  # [M, S, ...]
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:]), out)
 
   def eval_metrics(self, variables, batch, rng, num_bins: int) -> dict:
     """The ensemble's metrics (the mean of its members' probabilities, ``""``), then each
@@ -169,7 +199,36 @@ class DeepEnsemble(Method):
             **{f"/member_{m}": metrics(p) for m, p in enumerate(probs)}}
 
   def for_training_eval(self) -> DeepEnsemble:
-    return self
+    return dataclasses.replace(self, base=self.base.for_training_eval())
+
+  # The base method's state, hooks, schedule, post-hoc stage and prediction variables, run on
+  # each member.
+  @property
+  def per_member(self) -> Method:
+    return self.base
+
+  def schedule(self, config, schedule, *, num_steps: int, steps_per_epoch: int):
+    return self.base.schedule(config, schedule, num_steps=num_steps,
+                              steps_per_epoch=steps_per_epoch)
+
+  @property
+  def fit_name(self) -> str | None:
+    return self.base.fit_name
+
+  def fit(self, variables, batches):
+    """The base method's fit of each member, stacked."""
+    return stack_variables([self.base.fit(member_of(variables, m), batches)
+                            for m in range(self.size)])
+
+  @property
+  def needs_training_data(self) -> bool:
+    return self.base.needs_training_data
+
+  def prediction_variables(self, variables, batches):
+    if not self._per_member_draws:
+      return variables
+    return stack_variables([self.base.prediction_variables(member_of(variables, m), batches)
+                            for m in range(self.size)])
 
   # What it cannot do.
   def frame_probs(self, variables, frame, rng):

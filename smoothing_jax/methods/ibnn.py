@@ -259,9 +259,6 @@ class IBNN(Method):
       "pretrained_workdir": placeholder(str),
   }
 
-  @classmethod
-  def matches(cls, config, model) -> bool:
-    return is_ibnn(model)
 
   @classmethod
   def from_config(cls, config, model) -> IBNN:
@@ -295,7 +292,7 @@ class IBNN(Method):
     if config.label_smoothing or config.mixup_alpha or config.cutmix_alpha:
       raise ValueError(
           "label_smoothing / mixup_alpha / cutmix_alpha are not supported with the iBNN ELBO.")
-    if config.init_from and config.ibnn.pretrained_workdir:
+    if config.init_from and self.settings_in(config).pretrained_workdir:
       raise ValueError("Set config.init_from or config.ibnn.pretrained_workdir, not both.")
     return self
 
@@ -307,9 +304,10 @@ class IBNN(Method):
 
   def loss(self, config, *, num_train: int, steps_per_epoch: int, class_weights=None):
     """The negative ELBO (:func:`elbo_loss`), its NLL, KL and β joining the metrics."""
-    objective = Objective(self.model.num_components, config.ibnn.num_train_samples,
-                          config.ibnn.prior_mean, config.ibnn.prior_std, num_train,
-                          steps_per_epoch, config.ibnn.kl_anneal_epochs).check()
+    settings = self.settings_in(config)
+    objective = Objective(self.model.num_components, settings.num_train_samples,
+                          settings.prior_mean, settings.prior_std, num_train,
+                          steps_per_epoch, settings.kl_anneal_epochs).check()
 
     def loss_fn(params, batch_stats, batch, rng, step):
       loss, aux = elbo_loss(self.model, objective, params, batch_stats, batch["image"],
@@ -319,11 +317,12 @@ class IBNN(Method):
     return loss_fn
 
   def optimizer(self, config, schedule) -> optax.GradientTransformation:
-    return create_optimizer(schedule, config.ibnn.variational_lr, config.weight_decay,
-                            config.momentum, config.ibnn.freeze_deterministic)
+    settings = self.settings_in(config)
+    return create_optimizer(schedule, settings.variational_lr, config.weight_decay,
+                            config.momentum, settings.freeze_deterministic)
 
   def warm_start(self, config) -> str | None:
-    return config.ibnn.pretrained_workdir or None
+    return self.settings_in(config).pretrained_workdir or None
 
   def load_warm_start(self, variables, loaded):
     """The deterministic weights of ``loaded`` (:func:`load_deterministic`); the posterior stays

@@ -11,7 +11,6 @@ import jax
 
 from smoothing_jax.inference import map_in_chunks, mc_log_probs, pass_outputs
 from smoothing_jax.methods.base import Method, check_num_samples
-from smoothing_jax.models import is_stochastic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,9 +18,6 @@ class MCDropout(Method):
   """``num_samples`` passes with independent dropout masks, in chunks of ``chunk_size``."""
   name = "mc_dropout"
 
-  @classmethod
-  def matches(cls, config, model) -> bool:
-    return is_stochastic(model)
 
   @property
   def stochastic(self) -> bool:

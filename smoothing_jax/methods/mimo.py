@@ -25,7 +25,7 @@ import numpy as np
 from smoothing_jax.inference import log_probs, mean_probs, pass_outputs, sample_rngs
 from smoothing_jax.methods.base import Method, setting
 from smoothing_jax.methods.losses import cross_entropy
-from smoothing_jax.models import is_mimo, is_stochastic
+from smoothing_jax.models import is_stochastic
 
 
 def shuffled_rows(num_rows: int, input_repetition_probability: float) -> int:
@@ -67,9 +67,6 @@ class MIMO(Method):
   batch_repetitions: int = 4
   input_repetition_probability: float = 0.0
 
-  @classmethod
-  def matches(cls, config, model) -> bool:
-    return is_mimo(model)
 
   @classmethod
   def from_config(cls, config, model) -> MIMO:

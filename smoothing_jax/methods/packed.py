@@ -18,7 +18,6 @@ import jax.numpy as jnp
 
 from smoothing_jax.inference import log_probs, mean_probs, sample_rngs
 from smoothing_jax.methods.base import Method
-from smoothing_jax.models.packed import PackedResNet
 
 
 def _members_first(x, m: int):
@@ -31,9 +30,6 @@ class PackedEnsemble(Method):
   """The M = ``model.num_estimators`` members of one packed network."""
   name = "packed_ensemble"
 
-  @classmethod
-  def matches(cls, config, model) -> bool:
-    return isinstance(model, PackedResNet)
 
   @property
   def num_draws(self) -> int:

@@ -206,6 +206,22 @@ def is_stochastic(model: nn.Module) -> bool:
           or is_mean_field(model))
 
 
+def implied_method(model: nn.Module) -> str:
+  """The name of the uncertainty method ``model`` is built for (``smoothing_jax.methods``), what
+  a config's ``method`` defaults to: the model's structure decides it (node noise, mean-field
+  kernels, fast weights, M heads, grouped members), then dropout kept on at evaluation; a model
+  with none of these is one deterministic network.  The checks are disjoint but for the last
+  two (an iBNN model also counts as stochastic), so their order here is not a precedence rule
+  but the one place that states which structure is which method."""
+  structures = (("ibnn", is_ibnn), ("bnnvi", is_mean_field),
+                ("batch_ensemble", is_batch_ensemble), ("mimo", is_mimo),
+                ("packed_ensemble", lambda m: isinstance(m, PackedResNet)))
+  for name, holds in structures:
+    if holds(model):
+      return name
+  return "mc_dropout" if is_stochastic(model) else "deterministic"
+
+
 def _registered(name: str) -> tuple:
   """``(module class, registry options)`` of ``name``; ValueError with the closest names."""
   registry = _registry()

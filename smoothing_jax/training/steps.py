@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 from absl import logging
@@ -16,6 +17,7 @@ from jax.sharding import Mesh
 
 from smoothing_jax.inference import sample_rngs
 from smoothing_jax.methods import Method, as_method
+from smoothing_jax.methods.base import Clock
 from smoothing_jax.methods.losses import supervised_loss
 from smoothing_jax.metrics import label_mask
 from smoothing_jax.parallel import sharded_eval_step, shardings
@@ -23,13 +25,17 @@ from smoothing_jax.training.optim import create_optimizer
 
 
 class TrainState(train_state.TrainState):
+  """Parameters, optimizer state and step (flax's), BatchNorm statistics, and the collections
+  the run's method keeps of its own (``Method.init_state``: ``{name: pytree}``, e.g. SWAG's
+  moments; ``{}`` for most methods)."""
   batch_stats: Any
+  method_state: Any = flax.struct.field(default_factory=dict)
 
 
 def variables_of(state: TrainState) -> dict:
-  """``{"params", "batch_stats"}`` of a train state (what inference and checkpoints' readers
-  use)."""
-  return {"params": state.params, "batch_stats": state.batch_stats}
+  """``{"params", "batch_stats", **method_state}`` of a train state: what the predictive,
+  inference and checkpoints' readers take (``model.apply`` reads the first two)."""
+  return {"params": state.params, "batch_stats": state.batch_stats, **state.method_state}
 
 
 def create_train_state(config, model, rng, image_shape, schedule) -> TrainState:
@@ -46,15 +52,20 @@ def state_initializer(config, method: Method, image_shape, schedule):
   """``init_one(key) -> TrainState`` of one network of ``method`` with its optimizer (what
   ``Method.init_train_state`` initialises, once or for each member)."""
   tx = create_optimizer(config, schedule, method)
-  return functools.partial(init_train_state, method.model, tx, image_shape)
+  return functools.partial(init_train_state, method.model, tx, image_shape,
+                           method.per_member.init_state)
 
 
-def init_train_state(model, tx, image_shape, rng) -> TrainState:
-  """The train state of ``model`` initialised from ``rng`` (pure: under ``jit``, or ``vmap`` over
-  keys for the members of an ensemble)."""
+def init_train_state(model, tx, image_shape, init_method_state, rng) -> TrainState:
+  """The train state of ``model`` initialised from ``rng``, with the method's collections
+  ``init_method_state(variables)`` (pure: under ``jit``, or ``vmap`` over keys for the members of
+  an ensemble)."""
   variables = model.init({"params": rng, **sample_rngs(rng)}, jnp.zeros((1,) + tuple(image_shape)))
   state = TrainState.create(apply_fn=model.apply, params=variables["params"],
-                            batch_stats=variables.get("batch_stats", {}), tx=tx)
+                            batch_stats=variables.get("batch_stats", {}), tx=tx,
+                            method_state=init_method_state(
+                                {"params": variables["params"],
+                                 "batch_stats": variables.get("batch_stats", {})}))
   # A strong int32 step, as a restored checkpoint's: TrainState.create's Python 0 is weakly typed,
   # and a resumed run would compile its train step again for the other type.
   return state.replace(step=jnp.asarray(0, jnp.int32))
@@ -74,10 +85,13 @@ def split_micro_batches(batch, num_micro_batches: int):
   return jax.tree.map(split, batch)
 
 
-def train_step(schedule, loss_fn, state: TrainState, batch, dropout_rng, grad_accum_steps: int = 1):
+def train_step(schedule, loss_fn, state: TrainState, batch, dropout_rng, grad_accum_steps: int = 1,
+               method: Method | None = None, steps_per_epoch: int = 1, num_steps: int = 0):
   """One optimiser step on a (global) batch of ``loss_fn`` (``Method.loss``); the dropout /
   noise key is ``fold_in(dropout_rng, step)``.  Metrics: loss, accuracy (void masked),
-  learning rate and the loss's own (e.g. the ELBO's NLL and KL).
+  learning rate and the loss's own (e.g. the ELBO's NLL and KL).  Then ``method``'s hook
+  (one network's: ``Method.after_step``) updates its collections, knowing the step, the epoch
+  and the run's length (``Clock``: ``steps_per_epoch`` of the training split, ``num_steps``).
 
   ``grad_accum_steps`` = k > 1 splits the batch into k micro-batches
   (:func:`split_micro_batches`, key ``fold_in(key, j)`` for micro-batch j) and applies the mean
@@ -120,6 +134,11 @@ def train_step(schedule, loss_fn, state: TrainState, batch, dropout_rng, grad_ac
     counts = {"correct": totals["correct"], "counted": totals["counted"]}
     totals = {**jax.tree.map(lambda t: t / grad_accum_steps, totals), **counts}
   new_state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
+  if method is not None:
+    clock = Clock.after(new_state.step, steps_per_epoch, num_steps)
+    network = {"params": new_state.params, "batch_stats": new_state.batch_stats}
+    new_state = new_state.replace(method_state=method.after_step(new_state.method_state,
+                                                                 network, clock))
   correct, counted = totals.pop("correct"), totals.pop("counted")
   return new_state, {
       **totals,
@@ -158,7 +177,7 @@ def train_batch_sharding(config, mesh: Mesh):
 
 def compile_steps(method, schedule, mesh: Mesh, num_bins: int, loss_fn=None,
                   grad_accum_steps: int = 1, batch_sharding=None, pipeline=None,
-                  pipelines=None):
+                  pipelines=None, num_steps: int = 0):
   """``(train_step, eval_step)`` of ``method`` (a Flax module: its method) jitted over ``mesh``:
   the training batches on ``batch_sharding`` (default: sharded on ``data``), state replicated
   and donated.  ``loss_fn`` (``Method.loss``) defaults to the plain cross-entropy.
@@ -171,7 +190,8 @@ def compile_steps(method, schedule, mesh: Mesh, num_bins: int, loss_fn=None,
   rng)`` (or a tuple of orders), which gathers and augments the batch of ``state.step`` inside
   the same compiled step (``Method.train_step`` runs the step on each member).
   ``eval_step(variables, batch, rng)`` gives the metrics of the method's training evaluation
-  (``Method.for_training_eval``).
+  (``Method.for_training_eval``).  ``num_steps``: the run's length, which the method's hooks
+  may read (``Method.after_step``).
   """
   method = as_method(method)
   replicated, data_sharding = shardings(mesh)
@@ -179,7 +199,10 @@ def compile_steps(method, schedule, mesh: Mesh, num_bins: int, loss_fn=None,
   pipelines = pipelines or [pipeline]
   shared = len(pipelines) == 1
   loss_fn = loss_fn or supervised_loss(method.model, tile=method.tile)
-  step = functools.partial(train_step, schedule, loss_fn, grad_accum_steps=grad_accum_steps)
+  steps_per_epoch = pipelines[0].steps_per_epoch if pipelines[0] is not None else 1
+  step = functools.partial(train_step, schedule, loss_fn, grad_accum_steps=grad_accum_steps,
+                           method=method.per_member, steps_per_epoch=steps_per_epoch,
+                           num_steps=num_steps)
   # One pipeline: its batch (order); several: a tuple, one per pipeline.
   pick = (lambda inputs, m: inputs) if shared else (lambda inputs, m: inputs[m])  # noqa: E731
   if pipeline is not None and pipeline.resident:

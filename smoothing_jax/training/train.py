@@ -112,12 +112,15 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
         f"({pipeline.num_train}).")
   num_steps = config.num_train_steps if config.num_train_steps > 0 else int(
       (config.warmup_epochs + config.num_epochs) * steps_per_epoch)
-  schedule = create_learning_rate_schedule(config, steps_per_epoch)
+  method = run.method
+  # The method may own the schedule or a phase of it (SWA's constant rate), and refuses a run too
+  # short for it here, before anything is written.
+  schedule = method.schedule(config, create_learning_rate_schedule(config, steps_per_epoch),
+                             num_steps=num_steps, steps_per_epoch=steps_per_epoch)
   preemption = Preemption(config.log_every_steps)
   callbacks = [TrajectoryRecorder.for_run(config, run.workdir, num_steps), preemption,
                *callbacks]
 
-  method = run.method
   eval_rng = jax.random.split(jax.random.key(config.seed), 3)[2]
   init_one = state_initializer(config, method, pipeline.image_shape, schedule)
   state = jax.device_put(method.init_train_state(config, init_one, mesh.devices.flat), replicated)
@@ -140,7 +143,7 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
   shared = len(pipelines) == 1  # the step takes one batch (order), or one per pipeline
   train_step_fn, eval_step_fn = compile_steps(method, schedule, mesh, config.ece_bins, loss_fn,
                                               config.grad_accum_steps, batch_sharding, pipeline,
-                                              pipelines)
+                                              pipelines, num_steps)
 
   writer = MetricWriter(  # other processes log only
       str(workdir_lib.workdir_path(run.workdir)) if jax.process_index() == 0 else None,
@@ -218,6 +221,8 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
     run.manager.wait_until_finished()  # commits any checkpoint still being written
     writer.close()
   run.variables, run.step = variables_of(state), int(state.step)
+  if not stopped_by and run.method.fit_name is not None:  # the method's post-hoc stage
+    run.fit()
   if stopped_by:
     signum = preemption.signum if preemption in stopped_by else None
     reason = f"after {signal.Signals(signum).name}" if signum else "at a callback's request"

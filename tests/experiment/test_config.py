@@ -60,7 +60,9 @@ def test_another_model_brings_its_options_and_keeps_the_set_ones_it_takes(monkey
   assert set(switched.model_kwargs) == set(model_options("wideresnet_ibnn_28_10"))
   assert (switched.model_kwargs.width, switched.model_kwargs.depth) == (16, None)  # width kept
   assert lines == ["Model wideresnet_ibnn_28_10 takes no option groups=2 of "
-                   "resnet_mcdo_smoothing_18: dropped from model_kwargs."]
+                   "resnet_mcdo_smoothing_18: dropped from model_kwargs.",
+                   "Method ibnn: its settings (config.ibnn) at their defaults."]
+  assert "ibnn" in switched and "ibnn" not in config  # the new model's method's block alone
   assert with_overrides(switched, {"model_kwargs.depth": 10}).model_kwargs.depth == 10
   assert config.model == "resnet_mcdo_smoothing_18" and "depth" not in config.model_kwargs
   with pytest.raises(AttributeError):  # locked as the config was

@@ -37,6 +37,8 @@ def test_a_trained_and_evaluated_run_makes_everything_once(tmp_path, monkeypatch
   ``config.evals`` evaluator, on one Run."""
   from smoothing_jax.data import datasets, pipeline
   data = small_npz(tmp_path)
+  # (Made first: a config's finalize builds the module to know its method's settings block.)
+  config = small_npz_config(data, num_train_steps=2)  # evaluates at the last step too
   counts = {name: _Counter(monkeypatch, function) for name, function in (
       ("pipelines", pipeline.create_pipeline), ("splits read", datasets.load_arrays),
       ("models built", get_model), ("meshes", create_mesh))}
@@ -49,7 +51,6 @@ def test_a_trained_and_evaluated_run_makes_everything_once(tmp_path, monkeypatch
 
   monkeypatch.setattr(ocp.CheckpointManager, "__init__", counted_manager)
   workdir = str(tmp_path / "run")
-  config = small_npz_config(data, num_train_steps=2)  # evaluates at the last step too
   results = main.run(config, workdir, "train")
   # Two splits read (train + test); two models: the stand-in that checks the config before any
   # file is written (run.check_config, a module without variables) and the run's.

@@ -18,9 +18,14 @@ SPEC = ModelSpec(4, "cifar", (16, 16, 3), 32)
 FIXTURE_0_1_0 = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures",
                              "config_0_1_0_quickstart.json")
 # Keys of today's quickstart config that 0.1.0 did not record (none yet).
-ADDED_SINCE_0_1_0 = {"deep_ensemble.member_seeds", "bnnvi.kl_anneal_per_step",
-                     "model_kwargs.bnn_reference", "model_kwargs.mimo_members",
-                     "mimo.batch_repetitions", "mimo.input_repetition_probability"}
+# (The settings blocks of other methods are not: a config holds its own method's alone.)
+ADDED_SINCE_0_1_0 = {"deep_ensemble.member_seeds", "model_kwargs.bnn_reference",
+                     "model_kwargs.mimo_members"}
+# A config.json written by main at d63e843 (every method's settings block in every config),
+# of `configs/cifar_resnet.py:resnet_batchensemble_18,cifar10`: made by that commit's code,
+# `config.to_json_best_effort()` plus a model_spec.
+FIXTURE_D63E843 = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures",
+                               "config_d63e843_batchensemble.json")
 
 
 def _flat(config, prefix="") -> dict:
@@ -111,6 +116,26 @@ def test_config_json_of_0_1_0_reads_in_todays_layout(tmp_path):
       k: tuple(v) if isinstance(v, list) else v for k, v in upgraded.items()}
   pipeline = create_pipeline(config.input, config.seed)
   assert pipeline.num_train == spec.num_train_examples == 1437
+
+
+def test_config_json_of_main_before_config_method_keeps_its_methods_block_alone(tmp_path):
+  """A record of d63e843 (before ``config.method``) reads as today's config of the same recipe:
+  ``method`` unset (the model's, BatchEnsemble), its ``batch_ensemble`` block with the recorded
+  values, and no other method's block."""
+  from configs import cifar_resnet
+  from smoothing_jax.methods import resolve
+  from smoothing_jax.models import get_model
+  old = json.load(open(FIXTURE_D63E843))
+  assert {"ibnn", "bnnvi", "mimo", "batch_ensemble"} <= set(old)  # every block, as then
+  (tmp_path / workdir_lib.CONFIG_FILE).write_text(json.dumps(old))
+  config, _ = workdir_lib.read_config(str(tmp_path))
+  assert config.method is None
+  assert {"ibnn", "bnnvi", "mimo"}.isdisjoint(config.keys())
+  assert config.batch_ensemble.to_dict() == old["batch_ensemble"]
+  today = cifar_resnet.get_config("resnet_batchensemble_18,cifar10")
+  assert set(_flat(today)) == set(_flat(config))
+  model = get_model(config.model, 10, width=4)
+  assert resolve(config, model).name == "batch_ensemble"
 
 
 def test_upgrade_record_leaves_a_record_of_today_unchanged():

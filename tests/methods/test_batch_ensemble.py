@@ -12,6 +12,7 @@ import pytest
 
 from configs import cifar_resnet
 from smoothing_jax import methods
+from smoothing_jax.experiment.config_base import with_method
 from smoothing_jax.methods.batch_ensemble import BatchEnsemble
 from smoothing_jax.methods.losses import supervised_loss
 from smoothing_jax.models import get_model
@@ -91,7 +92,8 @@ def test_one_pass_per_frame_is_the_members_mean_whatever_the_batch(tiny_batch_en
 
 def test_fast_weights_learn_at_the_multiplied_rate_without_decay(tiny_batch_ensemble):
   model, variables = tiny_batch_ensemble
-  config = override(tiny_config(), weight_decay=0.1, momentum=0.0, nesterov=False,
+  config = override(with_method(tiny_config(), "batch_ensemble"), weight_decay=0.1, momentum=0.0,
+                    nesterov=False,
                     **{"batch_ensemble.fast_weight_lr_multiplier": 0.5})
   tx = optim.create_optimizer(config, lambda step: 1.0, model)
   params = jax.tree.map(jnp.ones_like, variables["params"])

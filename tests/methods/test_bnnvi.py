@@ -11,6 +11,7 @@ import pytest
 
 from configs import cifar_resnet
 from smoothing_jax import methods
+from smoothing_jax.experiment.config_base import with_method
 from smoothing_jax.inference import sample_rngs
 from smoothing_jax.layers.mean_field import kl_divergence
 from smoothing_jax.methods import bnnvi
@@ -69,7 +70,7 @@ def test_the_predictive_is_the_mean_of_n_weight_samples(mean_field_resnet):
 
 def test_the_elbo_is_mean_nll_plus_annealed_kl_over_n_and_decay_skips_the_posterior(
     mean_field_resnet):
-  config = override(tiny_config(), **{"bnnvi.kl_anneal_epochs": 2})
+  config = override(with_method(tiny_config(), "bnnvi"), **{"bnnvi.kl_anneal_epochs": 2})
   model, variables = mean_field_resnet
   assert is_stochastic(model) and model.weights == "mean_field"
   batch = {"image": jax.random.normal(jax.random.key(2), (4, 16, 16, 3)),

@@ -16,6 +16,7 @@ import pytest
 
 from configs import cifar_resnet
 from smoothing_jax import methods
+from smoothing_jax.experiment.config_base import with_method
 from smoothing_jax.inference import pass_outputs
 from smoothing_jax.methods.mimo import (
   MIMO,
@@ -238,7 +239,10 @@ def test_the_config_takes_uncertainty_baselines_mimo_settings():
   assert (config.weight_decay, config.warmup_epochs + config.num_epochs) == (6e-4, 250)
   assert config.lr_milestones == (99, 199, 224) and config.lr_decay == 0.2
   assert (config.mimo.batch_repetitions, config.mimo.input_repetition_probability) == (4, 0.0)
-  assert tiny_config().mimo.batch_repetitions == 4   # every config holds the block
+  # A config holds its method's block alone (the tiny config is MC dropout's); switching the
+  # method brings the block at its defaults.
+  assert "mimo" not in tiny_config()
+  assert with_method(tiny_config(), "mimo").mimo.batch_repetitions == 4
 
 
 def test_trains_resumes_and_runs_every_evaluator_from_the_command_line(trained):
