@@ -106,7 +106,7 @@ def predictive(run, members: Sequence[str] = (), sizes: Sequence[int] | None = N
   checkpoints = [str(workdir_lib.checkpoint_dir(w) / str(step))
                  for w, (step, _) in zip(members, loaded, strict=True)]
   method, nested = method.nested(tuple(sizes or run.config.ensemble_sizes))
-  variables = method.prediction_variables(variables, run.train_eval_batches)
+  variables = method.prediction_variables(variables, run.prediction_data())
   return Predictive(method, variables, nested, scored(run, checkpoints))
 
 

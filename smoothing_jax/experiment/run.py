@@ -36,6 +36,7 @@ from smoothing_jax.experiment.spec import ModelSpec, build_model, check_model_fi
 from smoothing_jax.experiment.workdir_lock import lock_workdir
 from smoothing_jax.inference import member_of
 from smoothing_jax.methods import Method, resolve
+from smoothing_jax.methods.base import PredictionData
 from smoothing_jax.methods.deep_ensemble import member_seed_settings, seeds_of
 from smoothing_jax.parallel import (
   create_mesh,
@@ -285,22 +286,21 @@ class Run:
     return fits.load_fit(self.workdir, name, self.step, self.mesh)
 
   def prediction_variables(self, method: Method | None = None):
-    """The variables ``method`` (default the run's) predicts with: the trained ones, joined by
-    its stored fit (:meth:`fit`; FileNotFoundError saying how to make it where there is none),
-    made into what its predictive takes (``Method.prediction_variables``, which may read the
-    training split, e.g. SWAG's BatchNorm statistics per weight sample).  Cached per method:
-    every evaluator of this run shares one preparation."""
+    """The variables ``method`` (default the run's) predicts with
+    (``Method.prediction_variables``: the trained ones, joined by its stored fit, or made from
+    them and the training split, e.g. SWAG's weight samples with their BatchNorm statistics).
+    Cached per method: every evaluator of this run shares one preparation."""
     method = method or self.method
     cache = self.__dict__.setdefault("_prediction_variables", {})
     if method not in cache:
-      variables = self.variables
-      if method.fit_name is not None:
-        variables = {**variables, **fits.load_fit(self.workdir, method.fit_name, self.step,
-                                                  self.mesh)}
-      if method.needs_training_data:
-        logging.info("%s: preparing the predictive on the training split.", method.describe())
-      cache[method] = method.prediction_variables(variables, self.train_eval_batches)
+      cache[method] = method.prediction_variables(self.variables, self.prediction_data())
     return cache[method]
+
+  def prediction_data(self) -> PredictionData:
+    """What a predictive may read beside the variables: the training split's batches and this
+    workdir's fits of the current step (FileNotFoundError saying how to make a missing one)."""
+    return PredictionData(self.train_eval_batches,
+                          lambda name: fits.load_fit(self.workdir, name, self.step, self.mesh))
 
   # Deep ensembles trained as one job (``config.deep_ensemble.members``;
   # smoothing_jax.methods.deep_ensemble).

@@ -60,6 +60,14 @@ class Clock(NamedTuple):
                num_steps // steps_per_epoch, num_steps)
 
 
+class PredictionData(NamedTuple):
+  """What a predictive may read beside the trained variables (``Method.prediction_variables``):
+  ``train_batches()``, a fresh iterator of the training split's padded, masked, unaugmented
+  batches, and ``fit(name)``, the stored result of a post-hoc stage (``Method.fit``)."""
+  train_batches: Callable
+  fit: Callable
+
+
 @dataclasses.dataclass(frozen=True)
 class Method:
   """One uncertainty method on one model (immutable and hashable: a ``jit`` static argument).
@@ -258,12 +266,16 @@ class Method:
     workdir's lock)."""
     raise NotImplementedError
 
-  def prediction_variables(self, variables, batches: Callable):
-    """The variables the predictive takes, made from the trained (and fitted) ``variables``:
-    default themselves; a method may draw weights and recompute what depends on the training
-    data (SWAG's BatchNorm statistics per sample; ``batches`` as for :meth:`fit`).  The run
-    caches the result per method, so every evaluator shares one preparation."""
-    return variables
+  def prediction_variables(self, variables, data: PredictionData):
+    """The variables the predictive takes, made from the trained ``variables``: default
+    themselves, joined by the method's stored fit where it has a post-hoc stage
+    (``data.fit``); a method may draw weights and recompute what depends on the training data
+    (SWAG's BatchNorm statistics per sample, from ``data.train_batches``).  The run caches the
+    result per method (``Run.prediction_variables``), so every evaluator shares one
+    preparation."""
+    if self.fit_name is None:
+      return variables
+    return {**variables, **data.fit(self.fit_name)}
 
   @property
   def needs_training_data(self) -> bool:

@@ -224,11 +224,16 @@ class DeepEnsemble(Method):
   def needs_training_data(self) -> bool:
     return self.base.needs_training_data
 
-  def prediction_variables(self, variables, batches):
+  def prediction_variables(self, variables, data):
+    """The base method's prediction variables of each member (its slice of a stacked fit),
+    stacked."""
     if not self._per_member_draws:
       return variables
-    return stack_variables([self.base.prediction_variables(member_of(variables, m), batches)
-                            for m in range(self.size)])
+    fitted = None if self.fit_name is None else data.fit(self.fit_name)
+    return stack_variables([
+        self.base.prediction_variables(member_of(variables, m), data._replace(
+            fit=lambda name, m=m: member_of(fitted, m)))
+        for m in range(self.size)])
 
   # What it cannot do.
   def frame_probs(self, variables, frame, rng):

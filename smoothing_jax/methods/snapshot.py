@@ -122,7 +122,7 @@ class CheckpointEnsemble(Method):
   def nested(self, requested=()) -> tuple:
     return self, tuple(range(1, self.size + 1))
 
-  def prediction_variables(self, variables, batches):
+  def prediction_variables(self, variables, data):
     """The ``size`` snapshots stacked newest first (``{"params", "batch_stats"}`` [M, ...])."""
     if self.name not in variables:
       raise ValueError(f"These variables hold no {self.name} snapshots: the run was not trained "

@@ -34,6 +34,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax import lax
 
 from smoothing_jax.inference import ensemble_log_probs, map_in_chunks, pass_outputs, sample_rngs
@@ -245,6 +246,9 @@ class SWAG(MCDropout):
   N weight samples, each with its BatchNorm statistics recomputed on the training split,
   averaged in probability space (a dropout network: one dropout pass per sample)."""
   name = "swag"
+  # The moments' collection, SWA's and SWAG's alike: a run trained by one evaluates by the other
+  # (SWA of a SWAG run; the diagonal SWAG of an SWA run, which keeps no deviations).
+  collection = "swag"
   # ``swa_gaussian``'s CIFAR settings: collection from epoch 161 of 300 (a fraction here, so any
   # run length works), once per epoch, rank K = 20, sampling scale 0.5; its PreResNet-164 and
   # WRN-28-10 runs' SWA rate 0.05 for an initial 0.1 (``lr_ratio``), on its schedule.
@@ -328,15 +332,15 @@ class SWAG(MCDropout):
 
   def init_state(self, variables) -> dict:
     rank = self.rank if self.covariance == "low_rank" else 0
-    return {self.name: _collection(init_moments(variables["params"], rank))}
+    return {self.collection: _collection(init_moments(variables["params"], rank))}
 
   def after_step(self, method_state, variables, clock):
     start = self.start_epoch(clock.num_epochs)
     due = (clock.epoch_end & (clock.epoch > start)
            & ((clock.epoch - start) % self.collect_every_epochs == 0))
-    moments = _moments(method_state[self.name])
+    moments = _moments(method_state[self.collection])
     moments = lax.cond(due, collect, lambda m, p: m, moments, variables["params"])
-    return {**method_state, self.name: _collection(moments)}
+    return {**method_state, self.collection: _collection(moments)}
 
   def for_training_eval(self) -> Method:
     """The training's evaluation scores the network being trained (no sample yet exists)."""
@@ -352,27 +356,36 @@ class SWAG(MCDropout):
   def needs_training_data(self) -> bool:
     return True
 
+  def moments_of(self, variables) -> Moments:
+    """The collected moments in ``variables``, or ValueError (one line) where there are none."""
+    if self.collection not in variables:
+      raise ValueError(f"These variables hold no SWA/SWAG moments: the run was not trained with "
+                       f"--config.method={self.name}.")
+    return _moments(variables[self.collection])
+
   def weight_samples(self, moments: Moments):
     """``[N, ...]`` parameters: N = ``num_samples`` draws from key ``sample_seed``."""
     return samples_from_key(moments, jax.random.key(self.sample_seed), self.num_samples,
                             self.scale, self.covariance == "diagonal")
 
-  def prediction_variables(self, variables, batches):
+  def prediction_variables(self, variables, data):
     """``{"params", "batch_stats"}`` stacked on the N weight samples, each sample's BatchNorm
     statistics recomputed on the training split (:func:`batch_norm_statistics`)."""
-    if self.name not in variables:
-      raise ValueError(f"These variables hold no {self.name} moments: the run was not trained "
-                       f"with --config.method={self.name}.")
-    moments = _moments(variables[self.name])
+    moments = self.moments_of(variables)
+    if self.covariance == "low_rank" and _rank(moments) < 2:
+      raise ValueError(f"The run kept no deviations (rank {_rank(moments)}: trained with swa or "
+                       "the diagonal swag): evaluate it with --config.swag.covariance=diagonal.")
     if int(moments.count) == 0:
       raise ValueError(f"No model was collected for {self.name} (training stopped before its "
                        "collection began): train the run to its end.")
+    logging.info("%s: %d weight samples, their BatchNorm statistics on the training split.",
+                 self.describe(), self.num_samples)
     dtypes = jax.tree.map(lambda x: x.dtype, variables["params"])
     samples = jax.tree.map(lambda x, d: x.astype(d), jax.jit(self.weight_samples)(moments),
                            dtypes)
     return {"params": samples,
             "batch_stats": batch_norm_statistics(self.model, samples, variables["batch_stats"],
-                                                 batches, self.bn_batches)}
+                                                 data.train_batches, self.bn_batches)}
 
   def sample_log_probs(self, variables, images, rng):
     # Sample n with dropout key split(rng, N)[n] where the network has dropout.
@@ -418,15 +431,12 @@ class SWA(SWAG):
   def nested(self, requested=()) -> tuple:
     return super().nested(requested) if self.dropout else (self, (1,))
 
-  def prediction_variables(self, variables, batches):
+  def prediction_variables(self, variables, data):
     """The SWA weights (one network) with their BatchNorm statistics recomputed."""
-    if self.name not in variables:
-      raise ValueError(f"These variables hold no {self.name} moments: the run was not trained "
-                       f"with --config.method={self.name}.")
-    params = jax.tree.map(lambda m, x: m.astype(x.dtype),
-                          swa_params(_moments(variables[self.name])), variables["params"])
+    params = jax.tree.map(lambda m, x: m.astype(x.dtype), swa_params(self.moments_of(variables)),
+                          variables["params"])
     stats = batch_norm_statistics(self.model, jax.tree.map(lambda x: x[None], params),
-                                  variables["batch_stats"], batches, self.bn_batches)
+                                  variables["batch_stats"], data.train_batches, self.bn_batches)
     return {"params": params, "batch_stats": jax.tree.map(lambda x: x[0], stats)}
 
   def sample_log_probs(self, variables, images, rng):

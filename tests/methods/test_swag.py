@@ -282,3 +282,175 @@ def test_samples_from_key_have_torch_uncertainty_moments():
       np.testing.assert_allclose(leaf_of(one.sq_mean, name),
                                  factor**2 * flax_leaf(name, stats[f"{name}_sq_mean"]), rtol=1e-6,
                                  atol=1e-7)
+
+
+# --- The methods, trained through the door: ``--config.method=swag`` on the small npz run.
+
+@pytest.fixture(scope="module")
+def swag_run(tmp_path_factory):
+  """``(data_dir, workdir)`` of ``small_npz_config`` trained with ``method=swag`` for 16 steps
+  (4 steps an epoch: collections at the ends of epochs 3 and 4, steps 12 and 16; checkpoints every
+  4 steps, all kept), rank 2."""
+  from smoothing_jax.experiment.config_base import with_method
+  from smoothing_jax.training import train
+  from tests.helpers import override, small_npz, small_npz_config
+  root = tmp_path_factory.mktemp("swag")
+  (root / "data").mkdir()
+  data = small_npz(root / "data")
+  config = override(with_method(small_npz_config(data, num_train_steps=16,
+                                                 checkpoint_every_steps=4, keep_checkpoints=5,
+                                                 ensemble_sizes=(1, 3)), "swag"),
+                    **{"swag.rank": 2})
+  train.train_and_evaluate(config, str(root / "run"))
+  return data, str(root / "run"), config
+
+
+def _flat(tree) -> dict:
+  from flax.traverse_util import flatten_dict
+  return {"/".join(k): np.asarray(v, np.float64) for k, v in flatten_dict(tree).items()}
+
+
+def test_training_collects_the_parameters_at_the_epoch_ends_after_the_start(swag_run):
+  """The moments in the trained state are those of the parameters of the step-12 and step-16
+  checkpoints (the ends of epochs 3 and 4 of 4, Maddox's start 161/300 → after epoch 2), computed
+  here in numpy: mean, mean of squares and the deviations from the running mean."""
+  from smoothing_jax.experiment.checkpoints import checkpoint_manager
+  from smoothing_jax.experiment.run import Run
+  _, workdir, _ = swag_run
+  with checkpoint_manager(workdir, read_only=True) as manager:
+    assert manager.all_steps() == [4, 8, 12, 16]
+    params = [_flat(manager.restore(s)["params"]) for s in (12, 16)]
+  moments = Run.from_workdir(workdir).variables["swag"]
+  assert int(moments["count"]) == 2
+  mean, sq_mean = _flat(moments["mean"]), _flat(moments["sq_mean"])
+  deviations = _flat(moments["deviations"])
+  for key, first in params[0].items():
+    second = params[1][key]
+    np.testing.assert_allclose(mean[key], (first + second) / 2, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(sq_mean[key], (first ** 2 + second ** 2) / 2, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(deviations[key][0], 0.0, atol=1e-6)  # θ₁ − θ̄₁
+    np.testing.assert_allclose(deviations[key][1], second - (first + second) / 2, rtol=1e-4,
+                               atol=1e-6)
+
+
+def test_predict_and_the_evaluators_score_one_predictive_of_n_samples(swag_run, tmp_path):
+  """``Run.predict`` and ``ensemble_sizes`` at N = 3 (three weight samples, each with its
+  BatchNorm statistics recomputed) agree; the training's evaluation scores the SGD iterate, so
+  it is not this predictive."""
+  from tests.methods.paths import assert_paths_agree, three_paths
+  _, workdir, _ = swag_run
+  paths = three_paths(workdir, tmp_path, num_samples=3)
+  assert set(paths) == {"predict", "ensemble_sizes"}
+  assert_paths_agree(paths)
+
+
+def test_batch_norm_statistics_are_each_samples_own_on_the_training_batches(swag_run):
+  """A sample's recomputed statistics: the mean over the full training batches of each batch's
+  mean and biased variance at the BatchNorm's input, computed here by capturing those inputs
+  (``nn.intercept_methods``) in a plain evaluation-mode pass."""
+  from smoothing_jax.experiment.run import Run
+  _, workdir, _ = swag_run
+  run = Run.from_workdir(workdir)
+  method = run.method.with_samples(2)
+  prepared = run.prediction_variables(method)
+  batches = [b for b in run.train_eval_batches() if np.all(np.asarray(b["mask"]) > 0)]
+  assert len(batches) == 2
+  sample = jax.tree.map(lambda x: x[1], prepared)
+  inputs = {}
+
+  def capture(next_fun, args, kwargs, context):
+    if isinstance(context.module, nn.BatchNorm):
+      inputs.setdefault("/".join(context.module.scope.path), []).append(np.asarray(args[0]))
+    return next_fun(*args, **kwargs)
+
+  for batch in batches:
+    with nn.intercept_methods(capture):
+      method.model.apply({"params": sample["params"], "batch_stats": sample["batch_stats"]},
+                         batch["image"], train=True, mutable=["batch_stats"])
+  stats = _flat(sample["batch_stats"])
+  assert {f"{path}/{s}" for path in inputs for s in ("mean", "var")} == set(stats)  # every layer
+  for path, xs in inputs.items():
+    axes = tuple(range(xs[0].ndim - 1))
+    mean = np.mean([x.mean(axes) for x in xs], axis=0)
+    var = np.mean([x.var(axes) for x in xs], axis=0)
+    np.testing.assert_allclose(stats[f"{path}/mean"], mean, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(stats[f"{path}/var"], var, rtol=1e-4, atol=1e-5)
+
+
+def test_a_run_resumed_during_the_collection_ends_bit_identical(swag_run, tmp_path):
+  """A copy of the run cut back to its step-12 checkpoint (as a kill after it leaves it: one
+  model collected), rerun, ends with the same parameters and moments, bit for bit."""
+  import shutil
+
+  from smoothing_jax.experiment.run import Run
+  from smoothing_jax.training import train
+  from smoothing_jax.training.steps import variables_of
+  _, workdir, config = swag_run
+  shutil.copytree(workdir, tmp_path / "resumed")
+  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "16")
+  resumed = train.train_and_evaluate(config, str(tmp_path / "resumed"))
+  a, b = _flat(variables_of(resumed)), _flat(Run.from_workdir(workdir).variables)
+  assert a.keys() == b.keys() and any(k.startswith("swag/") for k in a)
+  for key in a:
+    np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_swa_of_the_same_run_is_the_mean_with_its_statistics_and_one_pass(swag_run, tmp_path):
+  """``--config.method=swa`` on the SWAG run: one network, the mean of the moments."""
+  from smoothing_jax.experiment.run import Run
+  _, workdir, _ = swag_run
+  run = Run.from_workdir(workdir, {"method": None})
+  swa_run = Run.from_workdir(workdir, _with_method(run.config, "swa"))
+  assert swa_run.method.name == "swa" and swa_run.method.nested((1, 5)) == (swa_run.method, (1,))
+  prepared = swa_run.prediction_variables()
+  expected = _flat(run.variables["swag"]["mean"])
+  for key, value in _flat(prepared["params"]).items():
+    np.testing.assert_allclose(value, expected[key], rtol=1e-6)
+
+
+def _with_method(config, name):
+  from smoothing_jax.experiment.config_base import with_method
+  return with_method(config, name)
+
+
+def test_a_run_too_short_to_collect_is_refused_in_one_line_before_training(swag_run, tmp_path):
+  """8 steps are 2 epochs: collection would start after epoch 1 and collect one model."""
+  from smoothing_jax import main
+  from tests.helpers import override
+  _, _, config = swag_run
+  short = override(config.copy_and_resolve_references(), num_train_steps=8)
+  with pytest.raises(ValueError, match=r"^swag collects 1 model\(s\) in 2 whole epochs \(from "
+                     r"epoch 1, every 1\) and needs at least 2: train longer or lower "
+                     r"swag.start_fraction\.$"):
+    main.run(short, str(tmp_path / "run"))
+  assert not (tmp_path / "run" / "checkpoints").exists()
+  assert not (tmp_path / "run" / "config.json").exists()
+
+
+def test_multiswag_is_a_deep_ensemble_of_swag_members_with_nothing_written_for_it(swag_run,
+                                                                                tmp_path):
+  """``--config.method=swag --config.deep_ensemble.members=2`` (Wilson & Izmailov 2020): each
+  member collects its own moments in the one compiled job, and the predictive's draws are the
+  members' own SWAG draws, sample-major (draw s·M + m is member m's sample s), each member's
+  equal to that member evaluated alone (``Run.member``)."""
+  from smoothing_jax.experiment.run import Run
+  from smoothing_jax.methods.deep_ensemble import DeepEnsemble
+  from smoothing_jax.training import train
+  from tests.helpers import override
+  _, _, config = swag_run
+  config = override(config.copy_and_resolve_references(), **{"deep_ensemble.members": 2})
+  train.train_and_evaluate(config, str(tmp_path / "run"))
+  run = Run.from_workdir(str(tmp_path / "run"))
+  assert isinstance(run.method, DeepEnsemble) and run.method.per_member.name == "swag"
+  assert run.variables["swag"]["count"].tolist() == [2, 2]
+  method, sizes = run.method.nested((1, 2, 4))
+  assert sizes == (1, 2, 4) and method.num_draws == 4
+  images = jnp.asarray(next(run.eval_batches())["image"])
+  key = jax.random.key(3)
+  draws = np.asarray(method.sample_log_probs(run.prediction_variables(method), images, key))
+  keys = jax.random.split(key, 2)
+  for m in range(2):
+    member = run.member(m)
+    alone = member.method.with_samples(2)
+    own = np.asarray(alone.sample_log_probs(member.prediction_variables(alone), images, keys[m]))
+    np.testing.assert_allclose(draws[m::2], own, rtol=1e-5, atol=1e-5)
