@@ -84,8 +84,8 @@ def resolve(config, model) -> Method:
   cls = REGISTRY[name]
   reason = cls.refuses(model)
   if reason:
-    raise ValueError(f"Method {name} cannot train or evaluate {type(model).__name__} models: "
-                     f"{reason}.")
+    what = setting(config, "model") or f"this {type(model).__name__}"
+    raise ValueError(f"Method {name} cannot train or evaluate {what}: {reason}.")
   method = cls.from_config(config, model)
   if members_of(config) > 1:
     method = DeepEnsemble.wrap(method, config)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -317,3 +318,36 @@ def test_an_ensemble_too_large_for_the_device_is_refused_with_the_estimate():
 
 if __name__ == "__main__":
   print(json.dumps(_members_unlike_their_single_runs(sys.argv[1], sys.argv[2])))
+
+
+def test_a_laplace_ensemble_fits_each_member_and_predicts_by_each_members_posterior(
+    ensemble_run, tmp_path):
+  """``--mode=fit --config.method=laplace`` on the ensemble's workdir: the fit is each member's
+  (equal to that member fitted alone, ``Run.member``), and the predictive's draw m is member m's
+  probit predictive."""
+  import shutil
+
+  from smoothing_jax.experiment.run import Run
+  from smoothing_jax.methods.base import PredictionData
+  _, workdir = ensemble_run
+  copy = str(tmp_path / "ensemble")
+  shutil.copytree(workdir, copy)
+  config = main.resolve_config("fit", copy, None, [("method", "laplace"),
+                                                   ("laplace.structure", "diag")])
+  main.run(config, copy, "fit")
+  run = Run.from_workdir(copy, config)
+  assert run.method.name == "deep_ensemble" and run.method.per_member.name == "laplace"
+  fitted = run.prediction_variables()["laplace"]
+  images = jnp.asarray(next(run.eval_batches())["image"])
+  draws = run.method.sample_log_probs(run.prediction_variables(), images, jax.random.key(0))
+  assert draws.shape[0] == MEMBERS
+  for m in range(MEMBERS):
+    member = run.member(m)
+    alone = member.method.fit(member.variables, member.train_eval_batches)["laplace"]
+    for key, value in alone.items():
+      np.testing.assert_allclose(fitted[key][m], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    own = member.method.sample_log_probs(
+        member.method.prediction_variables(member.variables, PredictionData(
+            member.train_eval_batches, lambda name, alone=alone: {"laplace": alone})),
+        images, None)
+    np.testing.assert_allclose(draws[m], own[0], rtol=1e-5, atol=1e-5)

@@ -174,3 +174,98 @@ def test_flatten_round_trip_and_errors():
     laplace.log_det_posterior_precision(curvature, "kron", jnp.ones(C * (D + 1)))
   with pytest.raises(ValueError, match="scalar or"):
     laplace.posterior_precision({"ggn": jnp.ones(5)}, "diag", jnp.ones(4))
+
+
+# --- The method on a trained workdir: ``--mode=fit --config.method=laplace``, then every
+# evaluator with ``--config.method=laplace``.
+
+def _fit(workdir, *overrides):
+  """``python -m smoothing_jax.main --workdir=<workdir> --mode=fit --config.method=laplace
+  [--config.laplace.<key>=<value> ...]``, through ``main``; returns the config."""
+  from smoothing_jax import main
+  config = main.resolve_config("fit", workdir, None, [("method", "laplace"), *overrides])
+  main.run(config, workdir, "fit")
+  return config
+
+
+@pytest.fixture(scope="module")
+def laplace_workdir(small_npz_run, tmp_path_factory):
+  """A copy of the small npz run (deterministic, 32 training images) with its KFAC Laplace fit
+  (prior precision by marginal likelihood) and a diagonal one of prior precision 2."""
+  import shutil
+  _, workdir, _ = small_npz_run
+  copy = str(tmp_path_factory.mktemp("laplace") / "run")
+  shutil.copytree(workdir, copy)
+  kron = _fit(copy)
+  diag = _fit(copy, ("laplace.structure", "diag"), ("laplace.prior_precision", "2.0"))
+  return copy, kron, diag
+
+
+def test_the_fit_sums_the_ggn_over_the_training_split_alone(laplace_workdir):
+  """The stored diagonal posterior: δ + Σ_n p_nc (1 − p_nc) φ̃_ni² over the 32 training images
+  (their features φ and logits from one evaluation pass, φ̃ = [φ, 1]), in numpy, in torch's order
+  (class-major kernel, then the bias); the mean is the trained last layer."""
+  from smoothing_jax.experiment import fits
+  from smoothing_jax.experiment.run import Run
+  from smoothing_jax.inference import pass_outputs
+  workdir, _, diag = laplace_workdir
+  run = Run.from_workdir(workdir, diag)
+  assert run.method.fit_name == "laplace_diag_prior2"
+  posterior = fits.load_fit(workdir, "laplace_diag_prior2", run.step, run.mesh)["laplace"]
+  images = run.normalize(run.pipeline.train_images)
+  outputs = jax.device_get(pass_outputs(run.model, run.variables, images))
+  phi = np.concatenate([outputs["features"], np.ones((len(images), 1))], axis=1).astype(np.float64)
+  probs = np.asarray(jax.nn.softmax(outputs["logits"].astype(np.float64)))
+  assert len(images) == 32
+  ggn = np.einsum("nc,ni->ci", probs * (1 - probs), phi ** 2)  # [C, D + 1]
+  expected = 2.0 + np.concatenate([ggn[:, :-1].ravel(), ggn[:, -1]])
+  np.testing.assert_allclose(posterior["precision"], expected, rtol=1e-4)
+  kernel, bias = laplace.last_layer(run.model, run.variables["params"])
+  np.testing.assert_array_equal(posterior["mean"], laplace.flatten_last_layer(kernel, bias))
+
+
+def test_predict_and_the_evaluators_score_the_probit_predictive(laplace_workdir, tmp_path):
+  from tests.methods.paths import assert_paths_agree, three_paths
+  workdir, kron, _ = laplace_workdir
+  paths = three_paths(workdir, tmp_path, overrides=kron)
+  paths.pop("training")  # the training's evaluation scores the network before the fit
+  assert_paths_agree(paths)
+
+
+def test_evaluating_without_the_fit_says_how_to_make_it(laplace_workdir, tmp_path):
+  from smoothing_jax.evaluators import ensemble_sizes
+  from smoothing_jax.experiment.run import Run
+  workdir, _, diag = laplace_workdir
+  from tests.helpers import override
+  config = override(diag.copy_and_resolve_references(), **{"laplace.structure": "full"})
+  with pytest.raises(FileNotFoundError, match=r"holds no laplace_full_prior2 fit of step 4 .*: "
+                     r"run `python -m smoothing_jax.main --workdir=.* --mode=fit` with the same "
+                     r"--config.method and settings first\."):
+    ensemble_sizes.evaluate(Run.from_workdir(workdir, config), tmp_path, sizes=(1,))
+
+
+def test_a_fit_killed_midway_leaves_nothing_and_the_rerun_fits_the_same(laplace_workdir,
+                                                                          tmp_path, monkeypatch):
+  """The fit stopped while it is being stored (as a kill would: no result, no partial step), then
+  rerun: the stored posterior equals the one fitted without interruption, bit for bit."""
+  import shutil
+
+  from smoothing_jax.experiment import fits
+  from smoothing_jax.experiment.run import Run
+  workdir, kron, _ = laplace_workdir
+  copy = str(tmp_path / "run")
+  shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("fits"))
+  original = fits.save_fit
+
+  def killed(*args):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(fits, "save_fit", killed)
+  with pytest.raises(KeyboardInterrupt):
+    _fit(copy)
+  run = Run.from_workdir(copy, kron)
+  assert not fits.has_fit(copy, run.method.fit_name, run.step)
+  monkeypatch.setattr(fits, "save_fit", original)
+  _fit(copy)
+  again = fits.load_fit(copy, run.method.fit_name, run.step, run.mesh)
+  first = fits.load_fit(workdir, run.method.fit_name, run.step, run.mesh)
+  jax.tree.map(np.testing.assert_array_equal, again, first)
