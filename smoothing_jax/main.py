@@ -44,8 +44,7 @@ from smoothing_jax import evaluators  # noqa: E402
 from smoothing_jax.data import DatasetUnavailableError  # noqa: E402
 from smoothing_jax.experiment import (
   checkpoints,  # noqa: E402
-  fits,  # noqa: E402
-)
+  )
 from smoothing_jax.experiment import config as config_lib  # noqa: E402
 from smoothing_jax.experiment import workdir as workdir_lib  # noqa: E402
 from smoothing_jax.experiment.config_base import with_method, with_model  # noqa: E402
@@ -345,9 +344,7 @@ def _run(config, workdir, mode, names, evaluated_workdir, results_dir) -> dict:
     if mode == "train":
       train(the_run)
     elif mode == "fit":
-      the_run.fit()
-      name = the_run.method.fit_name
-      print(f"Fitted {name}: {fits.fit_dir(evaluated_workdir, name)}/{the_run.step}")
+      print(f"Fitted {the_run.method.describe()}: {the_run.fit()}")
     for name, (result, summary) in evaluators.run_evaluators(names, the_run,
                                                               results_dir).items():
       print(f"\n{summary}")

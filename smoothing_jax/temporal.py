@@ -178,6 +178,8 @@ def stream_predictions(model: nn.Module | Method,
   shape = (2, frames.shape[1])
   probs = method.frame_probs(variables, last_two, keys[0])
   out = {"single": probs.reshape(shape + probs.shape[1:])}
+  # Branch on the method: the MC row exists only where two draws differ (an MC average of one
+  # deterministic pass would repeat the "single" row under another name).
   if method.stochastic and num_samples > 1:
     pred = method.with_samples(num_samples).predict(variables, last_two, rng=keys[1])
     out["mc"] = pred.mean_probs.reshape(shape + pred.mean_probs.shape[1:])

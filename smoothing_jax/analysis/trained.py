@@ -63,7 +63,7 @@ def load_trained(workdir: str, member: int | None = None) -> Run:
   0.  The analyses take one model: of an ensemble workdir (``config.deep_ensemble.members``),
   its ``member`` (``Run.member``)."""
   run = Run.from_workdir(workdir)
-  # Branches on the method: the analyses study one network's weights and features, which a deep
+  # Branch on the method: the analyses study one network's weights and features, which a deep
   # ensemble has M of; choosing one is the user's call, not a method's.
   if run.ensemble_members > 1:
     if member is None:

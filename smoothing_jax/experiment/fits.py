@@ -1,7 +1,7 @@
 """The results of methods' post-hoc stages (``Method.fit``: e.g. a Laplace posterior fitted on
 the training split after training), one orbax item per checkpoint step they were fitted at::
 
-  <workdir>/fits/<fit name>/<step>/     (``Method.fit_name``, e.g. ``laplace_kron``)
+  <workdir>/fits/<fit name>/<step>/     (the method's ``fit_name``, e.g. ``laplace_kron_marglik``)
 
 orbax writes a step into a temporary folder and renames it when complete, so a fit killed
 midway leaves nothing that reads as a result, and the rerun fits again from the start (the fit

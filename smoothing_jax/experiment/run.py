@@ -260,13 +260,14 @@ class Run:
     return resolve(self.config, self.model)
 
   # A method's post-hoc stage and the variables its predictive takes.
-  def fit(self) -> dict:
+  def fit(self):
     """The post-hoc stage of the run's method (``Method.fit``) on the training split at the
     latest checkpoint step, stored in ``<workdir>/fits/<fit name>/<step>`` under the workdir's
-    lock (``experiment.fits``); a fit already stored for this step is read, not redone.  Returns
-    the fitted collections.  ValueError (one line) for a method without one."""
+    lock (``experiment.fits``); a fit already stored for this step is kept, not redone.  Returns
+    that folder.  ValueError (one line) for a method without one."""
     method = self.method
     name = method.fit_name
+    # Branch on the method: --mode=fit is refused for a method without a post-hoc stage.
     if name is None:
       raise ValueError(f"Method {method.describe()} has no post-hoc stage: --mode=fit is for "
                        "methods that fit after training (e.g. --config.method=laplace).")
@@ -283,7 +284,7 @@ class Run:
           fits.save_fit(self.workdir, name, self.step, result)
         logging.info("Fitted %s in %.1f s: %s/%d.", name, time.perf_counter() - started,
                      fits.fit_dir(self.workdir, name), self.step)
-    return fits.load_fit(self.workdir, name, self.step, self.mesh)
+    return fits.fit_dir(self.workdir, name) / str(self.step)
 
   def prediction_variables(self, method: Method | None = None):
     """The variables ``method`` (default the run's) predicts with
@@ -314,7 +315,9 @@ class Run:
     single run with the member's recorded seed (``deep_ensemble.member_seeds[m]``), its
     variables the ensemble's slice ``m``; what per-model analyses take.  :meth:`write_member`
     writes it out as a workdir."""
-    if not 0 <= m < self.ensemble_members:  # the bounds of the stacked members (a deep ensemble's)
+    # Branch on the method: a member index must lie within the stacked members (M of a deep
+    # ensemble, 1 otherwise), read from the method that stacked them.
+    if not 0 <= m < self.ensemble_members:
       raise ValueError(f"{self.workdir} holds an ensemble of {self.ensemble_members} members; "
                        f"there is no member {m}.")
     config = with_overrides(self.config, {"seed": seeds_of(self.config)[m],

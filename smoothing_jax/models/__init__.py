@@ -210,9 +210,8 @@ def implied_method(model: nn.Module) -> str:
   """The name of the uncertainty method ``model`` is built for (``smoothing_jax.methods``), what
   a config's ``method`` defaults to: the model's structure decides it (node noise, mean-field
   kernels, fast weights, M heads, grouped members), then dropout kept on at evaluation; a model
-  with none of these is one deterministic network.  The checks are disjoint but for the last
-  two (an iBNN model also counts as stochastic), so their order here is not a precedence rule
-  but the one place that states which structure is which method."""
+  with none of these is one deterministic network.  The layer factory knows which structure
+  each model has, so this is the one place outside ``methods/`` that names methods."""
   structures = (("ibnn", is_ibnn), ("bnnvi", is_mean_field),
                 ("batch_ensemble", is_batch_ensemble), ("mimo", is_mimo),
                 ("packed_ensemble", lambda m: isinstance(m, PackedResNet)))

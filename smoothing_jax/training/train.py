@@ -221,7 +221,9 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
     run.manager.wait_until_finished()  # commits any checkpoint still being written
     writer.close()
   run.variables, run.step = variables_of(state), int(state.step)
-  if not stopped_by and run.method.fit_name is not None:  # the method's post-hoc stage
+  # Branch on the method: a method with a post-hoc stage (Laplace) is fitted when training ends,
+  # so that a trained workdir is ready for every evaluator; a stopped run fits when it finishes.
+  if not stopped_by and run.method.fit_name is not None:
     run.fit()
   if stopped_by:
     signum = preemption.signum if preemption in stopped_by else None
