@@ -70,9 +70,8 @@ def get_config(arg: str = ""):
     config.swag.lr_ratio = (0.05 if args.dataset == "cifar100" else 0.01) / 0.1
   if args.runlocal:
     shrink_for_cpu(config)
-    config.num_train_steps = -1  # whole epochs: the collection happens at epoch ends
-    config.num_epochs = 4
-    config.input.train_fraction = 0.01  # 500 images: 15 steps an epoch
+    config.input.train_fraction = 0.01  # 500 images: 15 steps an epoch of 32
+    config.num_train_steps = 60         # 4 epochs: 2 models collected, at the ends of 3 and 4
   if args.uncertainty:
     with_uncertainty_evals(config)
   return finalize(config)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from etils import epath
 
 from smoothing_jax import plots, ranking, temporal
+from smoothing_jax.experiment import fits
 from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.experiment.checkpoints import load_variables
 from smoothing_jax.inference import stack_variables
@@ -106,7 +107,12 @@ def predictive(run, members: Sequence[str] = (), sizes: Sequence[int] | None = N
   checkpoints = [str(workdir_lib.checkpoint_dir(w) / str(step))
                  for w, (step, _) in zip(members, loaded, strict=True)]
   method, nested = method.nested(tuple(sizes or run.config.ensemble_sizes))
-  variables = method.prediction_variables(variables, run.prediction_data())
+  # Each workdir's own fit of its step (a post-hoc stage, e.g. Laplace), stacked as the members.
+  steps = [(run.workdir, run.step)] + [(w, step) for w, (step, _) in zip(members, loaded,
+                                                                          strict=True)]
+  data = run.prediction_data()._replace(fit=lambda name: stack_variables(
+      [fits.load_fit(w, name, step, run.mesh) for w, step in steps]))
+  variables = method.prediction_variables(variables, data)
   return Predictive(method, variables, nested, scored(run, checkpoints))
 
 

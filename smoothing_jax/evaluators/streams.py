@@ -68,7 +68,8 @@ def evaluate(run, output_dir, *, num_samples: int = 0,
       batch["label"][:n], batch["mask"][:n] = labels[start:start + n], 1.0
       yield batch
 
-  totals, examples = evaluate_batches(step, run.variables, clip_batches(), data_sharding,
+  variables = run.prediction_variables(run.method.with_samples(num_samples))
+  totals, examples = evaluate_batches(step, variables, clip_batches(), data_sharding,
                                       jax.random.key(seed))
   examples = jax.device_get(examples)  # the first batch's predictions
   rows = stream_rows(totals, num_samples, run)

@@ -216,17 +216,30 @@ def declare_method(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
 
 def with_method(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
   """A copy of ``config`` training method ``name`` (``--config.method=<name>``), holding that
-  method's settings block instead of the previous one's (:func:`declare_method`); ValueError
-  (one line) for a name not in ``methods.REGISTRY``, with the closest."""
+  method's settings block instead of the previous one's (:func:`declare_method`), which keeps
+  the values the previous block set for the keys both methods take (a recipe's SWAG schedule
+  stays when ``swa`` replaces ``swag``; an info line names them); ValueError (one line) for a
+  name not in ``methods.REGISTRY``, with the closest."""
   if name not in methods.REGISTRY:
     close = difflib.get_close_matches(name, methods.REGISTRY, n=1)
     hint = f"Did you mean {close[0]!r}? " if close else ""
     raise ValueError(f"--config.method={name}: unknown method. {hint}Methods: "
                      f"{', '.join(methods.REGISTRY)}.")
+  previous = chosen_method(config.model, config.model_kwargs, config.method)
+  kept = {}
+  if previous in config and previous != name:
+    kept = {k: v for k, v in config[previous].items()
+            if k in methods.REGISTRY[name].settings and v is not None}
   config = copy.deepcopy(config)
   with config.unlocked():
     config.method = name
-  return declare_method(config)
+  config = declare_method(config)
+  if kept:
+    logging.info("Method %s: keeping %s of config.%s.", name,
+                 ", ".join(f"{k}={v!r}" for k, v in kept.items()), previous)
+    with config.unlocked():
+      config[name].update(kept)
+  return config
 
 
 def with_model(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:

@@ -1,24 +1,27 @@
 """The uncertainty methods, one :class:`~smoothing_jax.methods.base.Method` each, and the one
 place that decides which a run uses (:func:`resolve`).
 
-======================  ===============================================================
-``deterministic``       one pass (:mod:`~smoothing_jax.methods.deterministic`)
-``mc_dropout``          N dropout passes (:mod:`~smoothing_jax.methods.mc_dropout`)
-``deep_ensemble``       M stacked members of a base method, one job
-                        (:mod:`~smoothing_jax.methods.deep_ensemble`)
-``batch_ensemble``      M rank-1 members in one pass (:mod:`~smoothing_jax.methods.batch_ensemble`)
-``mimo``                M inputs and heads, one pass (:mod:`~smoothing_jax.methods.mimo`)
-``packed_ensemble``     M grouped-conv members in one pass (:mod:`~smoothing_jax.methods.packed`)
-``bnnvi``               N mean-field weight samples, the ELBO (:mod:`~smoothing_jax.methods.bnnvi`)
-``ibnn``                S draws of K node-noise components, the ELBO
-                        (:mod:`~smoothing_jax.methods.ibnn`)
-``swa``, ``swag``       the mean of the weights collected in training; N samples of their
-                        Gaussian (:mod:`~smoothing_jax.methods.swag`)
-``laplace``             a Gaussian posterior of the last layer fitted after training, probit
-                        or N samples (:mod:`~smoothing_jax.methods.laplace`)
-``checkpoint_ensemble`` the network at the last M epoch ends; M cosine cycles' ends
-``snapshot_ensemble``   (:mod:`~smoothing_jax.methods.snapshot`)
-======================  ===============================================================
+=========================  ============================================================
+``deterministic``          one pass (:mod:`~smoothing_jax.methods.deterministic`)
+``mc_dropout``             N dropout passes (:mod:`~smoothing_jax.methods.mc_dropout`)
+``deep_ensemble``          M stacked members of any method below, one job
+                           (:mod:`~smoothing_jax.methods.deep_ensemble`)
+``batch_ensemble``         M rank-1 members in one pass
+                           (:mod:`~smoothing_jax.methods.batch_ensemble`)
+``mimo``                   M inputs and heads, one pass (:mod:`~smoothing_jax.methods.mimo`)
+``packed_ensemble``        M grouped-conv members in one pass
+                           (:mod:`~smoothing_jax.methods.packed`)
+``bnnvi``                  N mean-field weight samples, the ELBO
+                           (:mod:`~smoothing_jax.methods.bnnvi`)
+``ibnn``                   S draws of K node-noise components, the ELBO
+                           (:mod:`~smoothing_jax.methods.ibnn`)
+``swa``, ``swag``          the mean of the weights collected in training; N samples of their
+                           Gaussian (:mod:`~smoothing_jax.methods.swag`)
+``laplace``                a Gaussian posterior of the last layer fitted after training,
+                           probit or N samples (:mod:`~smoothing_jax.methods.laplace`)
+``checkpoint_ensemble``,   the network at the last M epoch ends; at the ends of M cosine
+``snapshot_ensemble``      cycles (:mod:`~smoothing_jax.methods.snapshot`)
+=========================  ============================================================
 
 A run's method is the one ``config.method`` names (default: the one its model is built for), a
 deep ensemble of it where ``config.deep_ensemble.members`` > 1 (:func:`resolve`).  A new method is

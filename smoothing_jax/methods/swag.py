@@ -23,6 +23,11 @@ modified from Maddox's ``swa_gaussian``; ``tests/methods/test_swag.py`` checks t
   the same z₂ given to every leaf is Maddox's ``sample_fullrank``, one low-rank draw for the
   whole network;
 * its defaults: s = 1 (``scale``), K = 20 (``max_num_models``), var_clamp = 1e-6.
+
+SWA's mean is SWAG's θ̄, the arithmetic mean of the models collected (Izmailov et al.'s Eq. 2,
+``torch.optim.swa_utils.AveragedModel``'s).  TorchUncertainty's own ``SWA`` class is not followed
+there: it starts its count at 1 and adds 1 at the first collection, weighing the first model
+twice, (2θ₁ + θ₂ + … + θₙ) / (n + 1).
 """
 from __future__ import annotations
 
