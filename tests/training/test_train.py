@@ -87,7 +87,9 @@ def test_ctrl_c_and_sigkill_then_rerun_is_bit_identical(tmp_path):
   """The CLI stopped by Ctrl-C (checkpoint, one line, exit 130, no traceback) and by SIGKILL (at
   any moment), each time started again with the same command, ends with the uninterrupted run's
   parameters.  SIGTERM takes Ctrl-C's path (test_callbacks.py; on the command line,
-  test_main.py's two processes)."""
+  test_main.py's two processes).  The run is SWAG's (``--config.method=swag``: 4 epochs of 8
+  steps, a model collected at the ends of epochs 3 and 4), killed after its step-28 checkpoint,
+  in the middle of the collection: its moments too end bit for bit as the uninterrupted run's."""
   import re
   import subprocess
   import sys
@@ -105,7 +107,7 @@ def test_ctrl_c_and_sigkill_then_rerun_is_bit_identical(tmp_path):
         sys.executable, "-m", "smoothing_jax.main", f"--workdir={workdir}",
         f"--config={root}/configs/cifar_resnet.py:resnet_mcdo_smoothing_18,npz:{data},runlocal",
         "--config.model_kwargs.width=4", "--config.model_kwargs.stage_sizes=(1,)",
-        "--config.input.batch_size=8", "--config.num_train_steps=24",
+        "--config.input.batch_size=8", "--config.num_train_steps=32", "--config.method=swag",
         "--config.checkpoint_every_steps=4", "--config.ensemble_sizes=(1,)",
         "--config.eval_batch_size=16"
     ]
@@ -136,12 +138,13 @@ def test_ctrl_c_and_sigkill_then_rerun_is_bit_identical(tmp_path):
   assert len(stopped) == 1 and re.fullmatch(
       r"Stopped at step \d+ after SIGINT \(checkpoint saved in .*\); rerun the same command to "
       r"resume\.", stopped[0]), stderr[-3000:]
-  code, _ = start_and_signal(12, signal.SIGKILL)  # possibly in the middle of writing a checkpoint
+  code, _ = start_and_signal(28, signal.SIGKILL)  # possibly in the middle of writing a checkpoint
   assert code == -signal.SIGKILL
   subprocess.run(command(tmp_path / "stopped"), check=True, env=env, cwd=root, capture_output=True)
   step_full, full = load_variables(str(tmp_path / "full"), create_mesh())
   step_stopped, stopped = load_variables(str(tmp_path / "stopped"), create_mesh())
-  assert step_full == step_stopped == 24
+  assert step_full == step_stopped == 32
+  assert int(full["swag"]["count"]) == 2
   jax.tree.map(np.testing.assert_array_equal, stopped, full)
 
 
