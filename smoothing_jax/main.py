@@ -40,7 +40,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
-from smoothing_jax import evaluators  # noqa: E402
+from smoothing_jax import evaluators, methods  # noqa: E402
 from smoothing_jax.data import DatasetUnavailableError  # noqa: E402
 from smoothing_jax.experiment import (
   checkpoints,  # noqa: E402
@@ -135,6 +135,11 @@ def parse_value(config, key: str, text: str):
   try:
     config_lib.check_key(config, key)
   except KeyError as error:
+    block = key.split(".")[0]
+    if block in methods.REGISTRY:  # another method's settings: the config holds its own alone
+      raise ValueError(f"--config.{key}: config.{block} is the settings block of method "
+                       f"{block}, and this config trains {config.method or 'its model'}'s "
+                       f"method: add --config.method={block}.") from None
     raise ValueError(f"--config.{key}: {error.args[0]}.") from None
   *parents, leaf = key.split(".")
   node = config

@@ -84,7 +84,9 @@ def test_a_config_holds_its_methods_settings_alone_and_the_command_line_switches
     resolved = main.resolve_config("train", "unused", "configs/quickstart.py", overrides)
     assert resolved.method == "swag" and resolved.swag.rank == 5
     assert registered & set(resolved.keys()) == {"swag"}
-  with pytest.raises(ValueError, match=r"--config.swag.rank: unknown config key 'swag'"):
+  with pytest.raises(ValueError, match=r"^--config.swag.rank: config.swag is the settings block "
+                     r"of method swag, and this config trains its model's method: add "
+                     r"--config.method=swag\.$"):
     main.resolve_config("train", "unused", "configs/quickstart.py", [("swag.rank", "5")])
 
 
