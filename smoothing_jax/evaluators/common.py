@@ -102,7 +102,9 @@ def predictive(run, members: Sequence[str] = (), sizes: Sequence[int] | None = N
     method, nested = run.method.nested(tuple(sizes or run.config.ensemble_sizes))
     return Predictive(method, run.prediction_variables(method), nested, scored(run))
   method = DeepEnsemble.wrap(run.method, size=len(members) + 1)
-  loaded = [load_variables(w, run.mesh) for w in members]  # each its newest intact step
+  # Each its newest intact step, with its method's collections where the run has them.
+  with_state = bool(set(run.variables) - {"params", "batch_stats"})
+  loaded = [load_variables(w, run.mesh, method_state=with_state) for w in members]
   variables = stack_variables([run.variables] + [v for _, v in loaded])
   checkpoints = [str(workdir_lib.checkpoint_dir(w) / str(step))
                  for w, (step, _) in zip(members, loaded, strict=True)]

@@ -186,18 +186,22 @@ def evaluates_init_from(workdir) -> bool:
           bool(read_record(workdir).get("model_spec", {}).get("evaluates_init_from")))
 
 
-def load_variables(workdir, mesh) -> tuple:
+def load_variables(workdir, mesh, method_state: bool = False) -> tuple:
   """``(step, variables)`` of the latest intact checkpoint of ``workdir``, replicated on
   ``mesh`` whatever device count wrote it (corrupted newer steps are skipped with a warning:
-  :func:`restore_latest`).  Raises ``FileNotFoundError`` when there is no checkpoint or none
-  restores."""
+  :func:`restore_latest`): ``{"params", "batch_stats"}``, what another run starts from, and with
+  ``method_state`` the collections of its method too (what its predictive takes).  Raises
+  ``FileNotFoundError`` when there is no checkpoint or none restores."""
   replicated, _ = shardings(mesh)
   with checkpoint_manager(workdir, read_only=True) as manager:
     restored = restore_latest(
         manager, lambda step: abstract_tree(manager.item_metadata(step).tree, replicated))
   if restored is None:
     raise FileNotFoundError(f"No checkpoint in {checkpoint_dir(workdir)}.")
-  return restored[0], variables_of_tree(restored[1])
+  variables = variables_of_tree(restored[1])
+  if not method_state:
+    variables = {"params": variables["params"], "batch_stats": variables["batch_stats"]}
+  return restored[0], variables
 
 
 def variables_of_tree(tree) -> dict:

@@ -137,6 +137,7 @@ class Run:
   variables: dict | None = None
   step: int = 0
   read_only: bool = False  # a restored run never writes checkpoints (nor cleans up others')
+  member_index: int | None = None  # Run.member's: which member of the workdir's ensemble
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, workdir: str, *,
@@ -218,16 +219,28 @@ class Run:
     variables as saved; sets ``variables`` and ``step`` and returns the restored tree, or None
     when there is no checkpoint (FileNotFoundError for a read-only run)."""
     replicated, _ = shardings(self.mesh)
-    restored = checkpoints.restore_latest(
-        self.manager,
-        checkpoints.abstract_tree(target, replicated) if target is not None else
-        lambda step: checkpoints.abstract_tree(self.manager.item_metadata(step).tree, replicated))
+
+    def target_of(step):
+      saved = self.manager.item_metadata(step).tree
+      # As saved: without a target, or a checkpoint written before methods kept state of their
+      # own (its train state has no method_state: the target's fresh one is kept, below).
+      if target is None or (hasattr(target, "method_state") and "method_state" not in saved):
+        return checkpoints.abstract_tree(saved, replicated)
+      return checkpoints.abstract_tree(target, replicated)
+
+    restored = checkpoints.restore_latest(self.manager, target_of)
     if restored is None:
       if self.read_only:
         raise FileNotFoundError(f"No checkpoint in {workdir_lib.checkpoint_dir(self.workdir)}.")
       return None
     self.step, tree = restored
+    if hasattr(target, "method_state") and isinstance(tree, Mapping):
+      # Each saved field into the target's structure (orbax keeps tuples as lists, and the
+      # leaves of a field flatten in the same order either way).
+      tree = target.replace(**{k: jax.tree.unflatten(jax.tree.structure(getattr(target, k)),
+                                                     jax.tree.leaves(v)) for k, v in tree.items()})
     self.variables = checkpoints.variables_of_tree(tree)
+    self.__dict__.pop("_prediction_variables", None)  # prepared from the variables before
     return tree
 
   @property
@@ -280,8 +293,7 @@ class Run:
                      method.describe(), self.step, self.workdir)
         started = time.perf_counter()
         result = method.fit(self.variables, self.train_eval_batches)
-        if jax.process_index() == 0:
-          fits.save_fit(self.workdir, name, self.step, result)
+        fits.save_fit(self.workdir, name, self.step, result)  # every process (orbax's barriers)
         logging.info("Fitted %s in %.1f s: %s/%d.", name, time.perf_counter() - started,
                      fits.fit_dir(self.workdir, name), self.step)
     return fits.fit_dir(self.workdir, name) / str(self.step)
@@ -293,15 +305,19 @@ class Run:
     Cached per method: every evaluator of this run shares one preparation."""
     method = method or self.method
     cache = self.__dict__.setdefault("_prediction_variables", {})
-    if method not in cache:
-      cache[method] = method.prediction_variables(self.variables, self.prediction_data())
-    return cache[method]
+    key = (method, self.step, id(self.variables))  # variables replaced: prepared again
+    if key not in cache:
+      cache[key] = method.prediction_variables(self.variables, self.prediction_data())
+    return cache[key]
 
   def prediction_data(self) -> PredictionData:
     """What a predictive may read beside the variables: the training split's batches and this
-    workdir's fits of the current step (FileNotFoundError saying how to make a missing one)."""
-    return PredictionData(self.train_eval_batches,
-                          lambda name: fits.load_fit(self.workdir, name, self.step, self.mesh))
+    workdir's fits of the current step (FileNotFoundError saying how to make a missing one; of
+    a deep ensemble's member, its slice), and which member this run is (0 for a whole run)."""
+    def fit(name):
+      fitted = fits.load_fit(self.workdir, name, self.step, self.mesh)
+      return fitted if self.member_index is None else member_of(fitted, self.member_index)
+    return PredictionData(self.train_eval_batches, fit, self.member_index or 0)
 
   # Deep ensembles trained as one job (``config.deep_ensemble.members``;
   # smoothing_jax.methods.deep_ensemble).
@@ -325,7 +341,7 @@ class Run:
                                           "deep_ensemble.member_seeds": (),
                                           "input.split_seed": split_seed(self.config)})
     return dataclasses.replace(self, config=config, variables=member_of(self.variables, m),
-                               read_only=True)
+                               read_only=True, member_index=m)
 
   def write_member(self, m: int, workdir: str) -> Run:
     """Write member ``m`` of this ensemble workdir into the empty ``workdir`` as the single run

@@ -140,8 +140,8 @@ def upgrade_record(record: dict) -> dict:
   # the method is the model's, and the others' blocks go.
   if "method" not in record:
     record["method"] = None
-    for name in blocks_of_others(chosen_method(record.get("model"), record.get("model_kwargs"),
-                                               None)):
+    chosen = chosen_method(record.get("model"), record.get("model_kwargs"), None)
+    for name in blocks_of_others(chosen) if chosen else ():  # unknown: every block kept
       record.pop(name, None)
   return record
 

@@ -63,9 +63,12 @@ class Clock(NamedTuple):
 class PredictionData(NamedTuple):
   """What a predictive may read beside the trained variables (``Method.prediction_variables``):
   ``train_batches()``, a fresh iterator of the training split's padded, masked, unaugmented
-  batches, and ``fit(name)``, the stored result of a post-hoc stage (``Method.fit``)."""
+  batches, ``fit(name)``, the stored result of a post-hoc stage (``Method.fit``), and ``member``,
+  which member of a deep ensemble the variables are (what a member's own random draws fold in:
+  members draw independently)."""
   train_batches: Callable
   fit: Callable
+  member: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

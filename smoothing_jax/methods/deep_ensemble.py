@@ -168,13 +168,11 @@ class DeepEnsemble(Method):
   def sample_log_probs(self, variables, images, rng):
     if not self._per_member_draws:
       return ensemble_log_probs(self.model, variables, images, rng, self.chunk_size)
-    return self._interleaved(lambda v, key: self.base.sample_log_probs(v, images, key),
-                             variables, rng)
+    return self._interleaved(self.base.sample_log_probs, variables, images, rng)
 
   def sample_outputs(self, variables, images, rng):
     if self._per_member_draws:
-      return self._interleaved(lambda v, key: self.base.sample_outputs(v, images, key),
-                               variables, rng)
+      return self._interleaved(self.base.sample_outputs, variables, images, rng)
     # Member m with key split(rng, M)[m], as ensemble_log_probs; on images[m] where per draw.
     keys = None if rng is None else jax.random.split(rng, self.size)
     per_draw = images.ndim == 5
@@ -182,11 +180,17 @@ class DeepEnsemble(Method):
         lambda a: pass_outputs(self.model, a[0], a[2] if per_draw else images, a[1]),
         (variables, keys, images if per_draw else None), self.chunk_size)
 
-  def _interleaved(self, member_draws, variables, rng):
-    """``member_draws(member m's variables, key m) -> [S, ...]`` of every member (key
-    ``split(rng, M)[m]``), as ``[S·M, ...]`` with draw s·M + m member m's draw s."""
+  def _interleaved(self, member_draws, variables, images, rng):
+    """``member_draws(member m's variables, images, key m) -> [S, ...]`` of every member (key
+    ``split(rng, M)[m]``), as ``[S·M, ...]`` with draw s·M + m member m's draw s; ``images``
+    ``[B, H, W, 3]``, or ``[S·M, B, H, W, 3]`` with draw s·M + m on its own image, given to
+    member m as its ``[S, ...]``."""
     keys = jax.random.split(rng, self.size)
-    out = jax.lax.map(lambda a: member_draws(*a), (variables, keys))  # [M, S, ...]
+    if images.ndim == 5:  # [S·M, ...] → [M, S, ...]: each member its own draws' images
+      per_member = jnp.swapaxes(images.reshape((-1, self.size) + images.shape[1:]), 0, 1)
+      out = jax.lax.map(lambda a: member_draws(*a), (variables, per_member, keys))
+    else:
+      out = jax.lax.map(lambda a: member_draws(a[0], images, a[1]), (variables, keys))
     return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:]), out)
 
   def eval_metrics(self, variables, batch, rng, num_bins: int) -> dict:
@@ -232,7 +236,7 @@ class DeepEnsemble(Method):
     fitted = None if self.fit_name is None else data.fit(self.fit_name)
     return stack_variables([
         self.base.prediction_variables(member_of(variables, m), data._replace(
-            fit=lambda name, m=m: member_of(fitted, m)))
+            fit=lambda name, m=m: member_of(fitted, m), member=m))
         for m in range(self.size)])
 
   # What it cannot do.

@@ -36,7 +36,7 @@ from flax.traverse_util import flatten_dict
 from smoothing_jax.inference import pass_outputs
 from smoothing_jax.methods.base import Method, check_num_samples, setting
 from smoothing_jax.methods.deterministic import Deterministic
-from smoothing_jax.models import implied_method
+from smoothing_jax.models import implied_method, is_segmentation_model
 from smoothing_jax.variables import classifier_paths
 
 STRUCTURES = ("diag", "kron", "full")
@@ -348,6 +348,8 @@ class LastLayerLaplace(Method):
 
   @classmethod
   def refuses(cls, model) -> str | None:
+    if is_segmentation_model(model):
+      return "it fits a classifier's last dense layer, and a segmentation model has none"
     built_for = implied_method(model)
     if built_for == "deterministic":
       return None
@@ -413,27 +415,33 @@ class LastLayerLaplace(Method):
     return self.with_samples(sizes[-1]), tuple(sizes)
 
   def _logits(self, variables, images, rng):
-    """``(logits [N, B, C], features [B, D])``: the probit-scaled mean logits (N = 1, whose
+    """``(logits [N, B, C], features [N, B, D])`` of ``images`` ``[B, H, W, 3]`` (or
+    ``[N, B, H, W, 3]``, draw n on ``images[n]``): the probit-scaled mean logits (N = 1, whose
     softmax is the probit predictive) or N sampled last layers' (noise from ``rng``)."""
     if self.name not in variables:
       raise ValueError("These variables hold no Laplace posterior: fit it first (--mode=fit "
                        "--config.method=laplace).")
     posterior = variables[self.name]
-    phi = pass_outputs(self.model, variables, images)["features"]
+    features = lambda x: pass_outputs(self.model, variables, x)["features"]  # noqa: E731
+    phi = jax.vmap(features)(images) if images.ndim == 5 else features(images)[None]
     if self.predictive == "probit":
-      mean, cov = logit_moments(posterior, self.structure, phi)
+      mean, cov = logit_moments(posterior, self.structure, phi[0])
       variance = jnp.diagonal(cov, axis1=-2, axis2=-1)
-      return (mean / jnp.sqrt(1.0 + jnp.pi / 8.0 * variance))[None], phi
+      return (mean / jnp.sqrt(1.0 + jnp.pi / 8.0 * variance))[None], phi[:1]
     noise = jax.random.normal(rng, (self.num_samples, posterior["mean"].shape[0]))
-    return sample_logits(posterior, self.structure, phi, noise), phi
+    if phi.shape[0] == 1:
+      return sample_logits(posterior, self.structure, phi[0], noise), jnp.broadcast_to(
+          phi, (self.num_samples,) + phi.shape[1:])
+    logits = jax.vmap(lambda p, z: sample_logits(posterior, self.structure, p, z[None])[0])(
+        phi, noise)
+    return logits, phi
 
   def sample_log_probs(self, variables, images, rng):
     return jax.nn.log_softmax(self._logits(variables, images, rng)[0], axis=-1)
 
   def sample_outputs(self, variables, images, rng):
-    images = images[0] if images.ndim == 5 else images
     logits, phi = self._logits(variables, images, rng)
-    return {"logits": logits, "features": jnp.broadcast_to(phi, logits.shape[:1] + phi.shape)}
+    return {"logits": logits, "features": phi}
 
   def for_training_eval(self) -> Method:
     """The training's evaluation scores the network being trained (no posterior yet)."""

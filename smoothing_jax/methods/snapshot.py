@@ -8,21 +8,24 @@ and resumed with the train state; no checkpoint files are kept for them.  The pr
 mean of the snapshots' probabilities, newest first: N counts snapshots, and the ensemble of N is
 that of the last N (Huang et al.'s Table 3 reports the last m).
 
-Snapshot ensembles' rate, per iteration t = 0, 1, ... of T in M cycles of L = ⌈T / M⌉ (their
-Eq. 2, with their t − 1 our t):
+Snapshot ensembles' rate, per iteration t = 0, 1, ... of T in M cycles (their Eq. 2, with
+their t − 1 our t):
 
-    α(t) = α₀ / 2 · (cos(π · (t mod L) / L) + 1),
+    α(t) = α₀ / 2 · (cos(π · (t − s_c) / (e_c − s_c)) + 1),   c = ⌊t · M / T⌋,
 
-α₀ the recipe's (scaled) rate; snapshot m is taken after iteration (m + 1) · L (the last after
-iteration T).
+cycle c spanning iterations s_c = ⌈c · T / M⌉ to e_c = ⌈(c + 1) · T / M⌉, α₀ the recipe's
+(scaled) rate, and snapshot c taken after iteration e_c.  Where M divides T this is Eq. 2's
+(t mod L) / L with L = T / M; where it does not, Eq. 2's L = ⌈T / M⌉ would leave the last
+cycles short or empty (T = 9, M = 4: cycles of 3, 3, 3 and none), these are as equal as whole
+steps allow (3, 2, 2, 2).
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from smoothing_jax.inference import ensemble_log_probs, map_in_chunks, pass_outputs
@@ -32,11 +35,20 @@ from smoothing_jax.methods.mc_dropout import MCDropout
 from smoothing_jax.models import implied_method, is_stochastic
 
 
+def cycle_bounds(step, num_steps: int, cycles: int) -> tuple:
+  """``(c, s_c, e_c)`` of iteration ``step`` (0-based; integers or int arrays): its cycle and the
+  cycle's first iteration and end (the module's docstring)."""
+  cycle = step * cycles // num_steps
+  return (cycle, -(-cycle * num_steps // cycles), -(-(cycle + 1) * num_steps // cycles))
+
+
 def cosine_restarts(lr: float, num_steps: int, cycles: int):
   """Huang et al.'s Eq. 2 as an optax schedule of the step: ``lr`` at each cycle's start, cosine
-  to 0 over L = ⌈``num_steps`` / ``cycles``⌉ steps, then restarted."""
-  length = math.ceil(num_steps / cycles)
-  return lambda step: lr / 2 * (jnp.cos(jnp.pi * (step % length) / length) + 1)
+  towards 0 over the cycle, then restarted (:func:`cycle_bounds`)."""
+  def schedule(step):
+    _, start, end = cycle_bounds(step, num_steps, cycles)
+    return lr / 2 * (jnp.cos(jnp.pi * (step - start) / (end - start)) + 1)
+  return schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,15 +99,18 @@ class CheckpointEnsemble(Method):
     return due, self.size - 1 - back // self.every_epochs
 
   def init_state(self, variables) -> dict:
-    return {self.name: jax.tree.map(lambda x: jnp.zeros((self.size,) + x.shape, x.dtype),
-                                    variables)}
+    """The M snapshots ``{"params", "batch_stats"}`` stacked, and which slots hold one
+    (``filled`` [M])."""
+    stacked = jax.tree.map(lambda x: jnp.zeros((self.size,) + x.shape, x.dtype), variables)
+    return {self.name: {**stacked, "filled": jnp.zeros((self.size,), bool)}}
 
   def after_step(self, method_state, variables, clock):
     due, slot = self.slot(clock)
 
     def write(snapshots):
-      return jax.tree.map(lambda stack, x: lax.dynamic_update_index_in_dim(stack, x, slot, 0),
-                          snapshots, variables)
+      written = jax.tree.map(lambda stack, x: lax.dynamic_update_index_in_dim(stack, x, slot, 0),
+                             {k: snapshots[k] for k in variables}, variables)
+      return {**written, "filled": snapshots["filled"].at[slot].set(True)}
     return {**method_state, self.name: lax.cond(due, write, lambda s: s, method_state[self.name])}
 
   def for_training_eval(self) -> Method:
@@ -127,7 +142,13 @@ class CheckpointEnsemble(Method):
     if self.name not in variables:
       raise ValueError(f"These variables hold no {self.name} snapshots: the run was not trained "
                        f"with --config.method={self.name}.")
-    return jax.tree.map(lambda x: x[::-1], variables[self.name])
+    snapshots = dict(variables[self.name])
+    filled = np.asarray(snapshots.pop("filled"))
+    if not filled.all():
+      raise ValueError(f"This checkpoint holds {int(filled.sum())} of the {filled.size} snapshots "
+                       f"of its {self.name} (it is from before the end of training): train the "
+                       "run to its end.")
+    return jax.tree.map(lambda x: x[::-1], snapshots)
 
   def sample_log_probs(self, variables, images, rng):
     return ensemble_log_probs(self.model, variables, images, rng if self.dropout else None,
@@ -162,6 +183,5 @@ class SnapshotEnsemble(CheckpointEnsemble):
     return cosine_restarts(lr, num_steps, self.size)
 
   def slot(self, clock: Clock):
-    length = math.ceil(clock.num_steps / self.size)
-    due = (clock.step % length == 0) | (clock.step == clock.num_steps)
-    return due, jnp.minimum(-(-clock.step // length), self.size) - 1
+    cycle, _, end = cycle_bounds(clock.step - 1, clock.num_steps, self.size)
+    return clock.step == end, cycle

@@ -366,12 +366,19 @@ class SWAG(MCDropout):
     if self.collection not in variables:
       raise ValueError(f"These variables hold no SWA/SWAG moments: the run was not trained with "
                        f"--config.method={self.name}.")
-    return _moments(variables[self.collection])
+    moments = _moments(variables[self.collection])
+    if not np.all(np.asarray(moments.count) > 0):  # (a deep ensemble's: every member's)
+      raise ValueError(f"No model was collected for {self.name} yet (this checkpoint is from "
+                       "before the collection began): train the run to its end.")
+    return moments
 
-  def weight_samples(self, moments: Moments):
-    """``[N, ...]`` parameters: N = ``num_samples`` draws from key ``sample_seed``."""
-    return samples_from_key(moments, jax.random.key(self.sample_seed), self.num_samples,
-                            self.scale, self.covariance == "diagonal")
+  def weight_samples(self, moments: Moments, member: int = 0):
+    """``[N, ...]`` parameters: N = ``num_samples`` draws from key ``sample_seed`` (a deep
+    ensemble's member m > 0: that key folded with m, so that members draw independently)."""
+    key = jax.random.key(self.sample_seed)
+    key = jax.random.fold_in(key, member) if member else key
+    return samples_from_key(moments, key, self.num_samples, self.scale,
+                            self.covariance == "diagonal")
 
   def prediction_variables(self, variables, data):
     """``{"params", "batch_stats"}`` stacked on the N weight samples, each sample's BatchNorm
@@ -380,13 +387,11 @@ class SWAG(MCDropout):
     if self.covariance == "low_rank" and _rank(moments) < 2:
       raise ValueError(f"The run kept no deviations (rank {_rank(moments)}: trained with swa or "
                        "the diagonal swag): evaluate it with --config.swag.covariance=diagonal.")
-    if int(moments.count) == 0:
-      raise ValueError(f"No model was collected for {self.name} (training stopped before its "
-                       "collection began): train the run to its end.")
     logging.info("%s: %d weight samples, their BatchNorm statistics on the training split.",
                  self.describe(), self.num_samples)
     dtypes = jax.tree.map(lambda x: x.dtype, variables["params"])
-    samples = jax.tree.map(lambda x, d: x.astype(d), jax.jit(self.weight_samples)(moments),
+    samples = jax.tree.map(lambda x, d: x.astype(d),
+                           jax.jit(self.weight_samples, static_argnums=1)(moments, data.member),
                            dtypes)
     return {"params": samples,
             "batch_stats": batch_norm_statistics(self.model, samples, variables["batch_stats"],

@@ -175,9 +175,31 @@ def train_batch_sharding(config, mesh: Mesh):
   return replicated
 
 
+def steps_in_one_call(one_step, steps_per_call: int, state, arrays, orders, rngs, count):
+  """``count`` (≤ ``steps_per_call``, traced: one program serves every count) steps of
+  ``one_step(state, arrays, orders, rngs) -> (state, metrics)`` in one ``fori_loop``: the state
+  after them, their metrics stacked ``[steps_per_call, ...]`` (rows from ``count`` on are zeros),
+  and the index of the first step whose loss is not finite (``count``: none), one reduction on
+  the device instead of a read per step."""
+  metrics_shape = jax.eval_shape(one_step, state, arrays, orders, rngs)[1]
+  stacked = jax.tree.map(lambda s: jnp.zeros((steps_per_call,) + s.shape, s.dtype),
+                         metrics_shape)
+
+  def body(i, carry):
+    state, stacked = carry
+    state, metrics = one_step(state, arrays, orders, rngs)
+    return state, jax.tree.map(lambda all_, one: jax.lax.dynamic_update_index_in_dim(
+        all_, one, i, 0), stacked, metrics)
+
+  state, stacked = jax.lax.fori_loop(0, count, body, (state, stacked))
+  losses = stacked["loss"].reshape(steps_per_call, -1)
+  bad = ~jnp.all(jnp.isfinite(losses), axis=1) & (jnp.arange(steps_per_call) < count)
+  return state, stacked, jnp.where(jnp.any(bad), jnp.argmax(bad), count)
+
+
 def compile_steps(method, schedule, mesh: Mesh, num_bins: int, loss_fn=None,
                   grad_accum_steps: int = 1, batch_sharding=None, pipeline=None,
-                  pipelines=None, num_steps: int = 0):
+                  pipelines=None, num_steps: int = 0, steps_per_call: int = 1):
   """``(train_step, eval_step)`` of ``method`` (a Flax module: its method) jitted over ``mesh``:
   the training batches on ``batch_sharding`` (default: sharded on ``data``), state replicated
   and donated.  ``loss_fn`` (``Method.loss``) defaults to the plain cross-entropy.
@@ -187,8 +209,10 @@ def compile_steps(method, schedule, mesh: Mesh, num_bins: int, loss_fn=None,
   batch, rng)`` with one pipeline, ``train_step(state, batches, rngs)`` with a tuple, one batch
   per pipeline; for a device-resident ``pipeline``
   (:class:`~smoothing_jax.data.resident.ResidentPipeline`) ``train_step(state, arrays, order,
-  rng)`` (or a tuple of orders), which gathers and augments the batch of ``state.step`` inside
-  the same compiled step (``Method.train_step`` runs the step on each member).
+  rng, count) -> (state, metrics [steps_per_call, ...], first non-finite step)`` (or a tuple of
+  orders): ``count`` ≤ ``steps_per_call`` steps of one epoch in one call
+  (:func:`steps_in_one_call`), each gathering and augmenting the batch of ``state.step``
+  inside the compiled loop (``Method.train_step`` runs the step on each member).
   ``eval_step(variables, batch, rng)`` gives the metrics of the method's training evaluation
   (``Method.for_training_eval``).  ``num_steps``: the run's length, which the method's hooks
   may read (``Method.after_step``).
@@ -210,8 +234,9 @@ def compile_steps(method, schedule, mesh: Mesh, num_bins: int, loss_fn=None,
       member_batch = lambda m: pipelines[m].train_batch(  # noqa: E731
           arrays, pick(orders, m), state.step, batch_sharding)
       return method.train_step(step, state, member_batch, rngs, shared=shared)
-    compiled_train_step = jax.jit(resident_step, in_shardings=(replicated,) * 4,
-                                  out_shardings=(replicated, replicated), donate_argnums=(0,))
+    compiled_train_step = jax.jit(
+        functools.partial(steps_in_one_call, resident_step, steps_per_call),
+        in_shardings=(replicated,) * 5, out_shardings=(replicated,) * 3, donate_argnums=(0,))
   else:
     def streamed_step(state, batches, rngs):
       return method.train_step(step, state, lambda m: pick(batches, m), rngs, shared=shared)

@@ -50,13 +50,14 @@ def initialize_from(run: Run, state: TrainState) -> TrainState:
   (``Method.warm_start``: an iBNN's deterministic weights of ``config.ibnn.pretrained_workdir``,
   its posterior fresh)."""
   config = run.config
+  network = {"params": state.params, "batch_stats": state.batch_stats}  # the method's state stays
   if config.init_from:
-    variables = init_from.variables(config, run.model_spec, variables_of(state), run.mesh,
+    variables = init_from.variables(config, run.model_spec, network, run.mesh,
                                     new_classifier=True)
   else:
     workdir = run.method.warm_start(config)
     loaded_step, loaded = load_variables(workdir, run.mesh)
-    variables = run.method.load_warm_start(variables_of(state), loaded)
+    variables = run.method.load_warm_start(network, loaded)
     logging.info("Weights from step %d of %s", loaded_step, workdir)
   return state.replace(params=variables["params"], batch_stats=variables["batch_stats"])
 
@@ -70,14 +71,28 @@ def _all_finite(state: TrainState):
 
 def _check_finite(pending: list, last_good_step: int, checkpoint_dir):
   """Raise ``FloatingPointError`` naming the first step whose loss (an ensemble's: any member's)
-  is not finite."""
-  for step, loss in pending:
-    loss = np.asarray(loss)
-    if not np.all(np.isfinite(loss)):
+  is not finite: ``pending`` holds ``(first step, count, losses [K, ...], first bad index)`` of
+  each call (the index a device reduction, ``count`` where all are finite; None: read the
+  losses)."""
+  for first, count, losses, first_bad in pending:
+    bad = (int(first_bad) if first_bad is not None else
+           next((i for i, x in enumerate(np.asarray(losses)[:count])
+                 if not np.all(np.isfinite(x))), count))
+    if bad < count:
+      loss = np.asarray(losses)[bad]
       raise FloatingPointError(
-          f"Non-finite training loss ({loss.tolist()}) at step {step}. Training stopped; the last "
-          f"good checkpoint (step {last_good_step}) is kept in {checkpoint_dir}.")
+          f"Non-finite training loss ({loss.tolist()}) at step {first + bad}. Training stopped; "
+          f"the last good checkpoint (step {last_good_step}) is kept in {checkpoint_dir}.")
   pending.clear()
+
+
+def _steps_per_call(config) -> int:
+  """``config.steps_per_call`` (0: ``log_every_steps``, the calls then ending where the loop
+  logs), or ValueError (one line) for a value that is not an integer >= 0."""
+  k = config.get("steps_per_call", 0)
+  if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+    raise ValueError(f"steps_per_call must be an integer >= 0 (0: log_every_steps), got {k!r}.")
+  return k or config.log_every_steps
 
 
 def train(run: Run, *, stop_after_steps: int | None = None,
@@ -141,45 +156,59 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
 
   pipelines = method.train_pipelines(config, pipeline)
   shared = len(pipelines) == 1  # the step takes one batch (order), or one per pipeline
+  eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))
+  # Steps per host call: on the resident path a call runs up to K steps of one epoch
+  # (steps.steps_in_one_call), ending at every log, evaluation, checkpoint, trajectory and epoch
+  # boundary; a tf.data batch comes from the host each step, so that path takes one.
+  steps_per_call = _steps_per_call(config) if pipeline.resident else 1
+  boundaries = [config.log_every_steps, eval_every, config.checkpoint_every_steps,
+                steps_per_epoch, config.trajectory_every_steps or num_steps]
   train_step_fn, eval_step_fn = compile_steps(method, schedule, mesh, config.ece_bins, loss_fn,
                                               config.grad_accum_steps, batch_sharding, pipeline,
-                                              pipelines, num_steps)
+                                              pipelines, num_steps, steps_per_call)
 
   writer = MetricWriter(  # other processes log only
       str(workdir_lib.workdir_path(run.workdir)) if jax.process_index() == 0 else None,
       num_steps)
   report_progress = ProgressReporter(num_steps, writer)
-  eval_every = max(1, int(config.eval_every_epochs * steps_per_epoch))
   stop_at = num_steps if stop_after_steps is None else min(num_steps, start_step + stop_after_steps)
   train_metrics, pending_losses = [], []
-  in_flight = DispatchWindow()  # the host runs at most a few steps ahead (see parallel.py)
+  in_flight = DispatchWindow()  # the host runs at most a few calls ahead (see parallel.py)
   last_good, stopped_by = start_step, []
-  logging.info("Training %s (%s) on %s: %d steps (%d per epoch), global batch %d on %d devices.",
-               config.model, method.describe(), config.input.dataset, num_steps, steps_per_epoch,
-               config.input.batch_size, mesh.size)
+  logging.info("Training %s (%s) on %s: %d steps (%d per epoch, up to %d per call), global batch "
+               "%d on %d devices.", config.model, method.describe(), config.input.dataset,
+               num_steps, steps_per_epoch, steps_per_call, config.input.batch_size, mesh.size)
 
-  if pipeline.resident:  # the step takes its batch from the arrays on the devices
+  if pipeline.resident:  # the steps take their batches from the arrays on the devices
     batches = None
 
-    def step_inputs(step):  # each pipeline's order of the epoch
-      orders = tuple(p.device_order((step - 1) // steps_per_epoch) for p in pipelines)
-      return pipeline.arrays, orders[0] if shared else orders
+    def run_steps(first, count):  # each pipeline's order of the epoch of steps first..
+      orders = tuple(p.device_order((first - 1) // steps_per_epoch) for p in pipelines)
+      return train_step_fn(state, pipeline.arrays, orders[0] if shared else orders, dropout_rng,
+                           np.int32(count))
   else:  # the next global batches are assembled on the devices while the current step runs
     iterators = [p.train_iterator(start_step) for p in pipelines]
     batches = prefetch_to_devices(iterators[0] if shared else zip(*iterators, strict=True),
                                   batch_sharding, config.prefetch_batches)
-    step_inputs = lambda step: (next(batches),)  # noqa: E731
+
+    def run_steps(first, count):  # one step: its metrics as a stack of one
+      new_state, metrics = train_step_fn(state, next(batches), dropout_rng)
+      return new_state, jax.tree.map(lambda x: x[None], metrics), None
   try:
     for callback in callbacks:
       callback.on_start(start_step, state)
-    for step in range(start_step + 1, stop_at + 1):
+    step = start_step
+    while step < stop_at:
+      first = step + 1
+      step = min([stop_at, step + steps_per_call] + [(step // b + 1) * b for b in boundaries])
+      count = step - first + 1
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
-        state, metrics = train_step_fn(state, *step_inputs(step), dropout_rng)
-      in_flight(metrics)  # not the state, whose buffers the next step takes over (donated)
+        state, metrics, first_bad = run_steps(first, count)
+      in_flight(metrics)  # not the state, whose buffers the next call takes over (donated)
       for callback in callbacks:
         callback.on_step(step, state)
-      train_metrics.append(metrics)
-      pending_losses.append((step, metrics["loss"]))
+      train_metrics.append((metrics, count))
+      pending_losses.append((first, count, metrics["loss"], first_bad))
 
       # Every callback is asked (a multi-process one gathers from all processes), and the save
       # and the exit below agree.
@@ -187,8 +216,9 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
       is_last = step == stop_at or bool(stopped_by)
       if step % config.log_every_steps == 0 or is_last:
         _check_finite(pending_losses, last_good, checkpoint_dir)
-        means = jax.tree.map(lambda *xs: np.mean(np.stack(xs), axis=0),
-                             *jax.device_get(train_metrics))  # a deep ensemble's: [M] each
+        rows = [jax.tree.map(lambda x, n=n: x[:n], m)
+                for m, n in jax.device_get(train_metrics)]  # a deep ensemble's: [n, M] each
+        means = jax.tree.map(lambda *xs: np.mean(np.concatenate(xs), axis=0), *rows)
         writer.write_scalars(step, method.train_scalars("train_", means))
         train_metrics = []
       report_progress(step)  # after the summary, which waits for the step: honest steps/s
@@ -222,8 +252,9 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
     writer.close()
   run.variables, run.step = variables_of(state), int(state.step)
   # Branch on the method: a method with a post-hoc stage (Laplace) is fitted when training ends,
-  # so that a trained workdir is ready for every evaluator; a stopped run fits when it finishes.
-  if not stopped_by and run.method.fit_name is not None:
+  # so that a trained workdir is ready for every evaluator; a run stopped early (or cut short by
+  # stop_after_steps) fits when it reaches its last step.
+  if not stopped_by and run.step == num_steps and run.method.fit_name is not None:
     run.fit()
   if stopped_by:
     signum = preemption.signum if preemption in stopped_by else None

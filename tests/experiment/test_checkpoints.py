@@ -248,3 +248,32 @@ def test_an_interrupted_fine_tune_is_not_taken_for_an_evaluation_of_its_source(t
 
 if __name__ == "__main__":
   _worker(sys.argv[1], json.loads(sys.argv[2]))
+
+
+def test_a_checkpoint_written_before_methods_kept_state_resumes_as_one_of_today(small_npz_run,
+                                                                                 tmp_path):
+  """The small run's checkpoints rewritten as the code before ``TrainState.method_state`` wrote
+  them (no such field) resume, two steps further, to the variables that today's checkpoints of
+  the same run resume to, bit for bit."""
+  import orbax.checkpoint as ocp
+
+  from smoothing_jax.experiment.checkpoints import checkpoint_manager
+  data, workdir, _ = small_npz_run
+  for name in ("before", "today"):
+    shutil.copytree(workdir, tmp_path / name)
+  with checkpoint_manager(str(tmp_path / "before"), read_only=True) as manager:
+    saved = {step: manager.restore(step) for step in manager.all_steps()}
+  assert all("method_state" in tree for tree in saved.values())
+  shutil.rmtree(tmp_path / "before" / "checkpoints")
+  with checkpoint_manager(str(tmp_path / "before")) as manager:
+    for step, tree in saved.items():
+      manager.save(step, args=ocp.args.StandardSave(
+          {k: v for k, v in tree.items() if k != "method_state"}))
+    manager.wait_until_finished()
+  config = small_npz_config(data, num_train_steps=6)
+  resumed = {name: train.train_and_evaluate(config, str(tmp_path / name))
+             for name in ("before", "today")}
+  assert int(resumed["before"].step) == 6
+  jax.tree.map(np.testing.assert_array_equal, resumed["before"].params, resumed["today"].params)
+  jax.tree.map(np.testing.assert_array_equal, resumed["before"].opt_state,
+               resumed["today"].opt_state)

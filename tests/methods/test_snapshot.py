@@ -15,11 +15,14 @@ from smoothing_jax.models import get_model
 
 
 def test_the_rate_restarts_every_cycle_as_huang_et_al_eq_2():
-  """T = 10 steps in M = 3 cycles: L = ⌈10/3⌉ = 4; α(t) = α₀/2 (cos(π (t mod 4)/4) + 1) by hand:
-  1, (1 + cos(π/4))/2, 1/2, (1 + cos(3π/4))/2, then again."""
+  """T = 12 steps in M = 3 cycles of L = 4: α(t) = α₀/2 (cos(π (t mod 4)/4) + 1), by hand 1,
+  (1 + cos(π/4))/2, 1/2, (1 + cos(3π/4))/2, three times.  T = 10 (M does not divide it): cycles of
+  4, 3 and 3 iterations, each from α₀: 1, (1 + cos(π/3))/2 = 3/4, (1 + cos(2π/3))/2 = 1/4."""
   by_hand = [1.0, (1 + math.sqrt(0.5)) / 2, 0.5, (1 - math.sqrt(0.5)) / 2]
+  rates = [float(cosine_restarts(0.2, 12, 3)(t)) for t in range(12)]
+  np.testing.assert_allclose(rates, [0.2 * r for r in by_hand * 3], rtol=1e-6)
   rates = [float(cosine_restarts(0.2, 10, 3)(t)) for t in range(10)]
-  np.testing.assert_allclose(rates, [0.2 * r for r in (by_hand * 3)[:10]], rtol=1e-6)
+  np.testing.assert_allclose(rates, [0.2 * r for r in by_hand + [1, 0.75, 0.25] * 2], rtol=1e-6)
 
 
 def _taken(method, num_steps: int, steps_per_epoch: int) -> dict:
@@ -34,8 +37,11 @@ def _taken(method, num_steps: int, steps_per_epoch: int) -> dict:
 
 def test_snapshots_are_taken_at_the_cycle_ends_and_checkpoints_at_the_last_epochs():
   model = get_model("resnet_dnn_18", 10, width=4, stage_sizes=(1,))
-  # 10 steps, 3 cycles of 4: after steps 4, 8 and the last, 10 (the third cycle cut short).
-  assert _taken(SnapshotEnsemble(model, size=3), 10, 5) == {4: 0, 8: 1, 10: 2}
+  # 12 steps, 3 cycles of 4: after steps 4, 8 and 12; 10 steps: cycles of 4, 3 and 3; 9 steps
+  # in 4 cycles: 3, 2, 2 and 2 (Eq. 2's ⌈9/4⌉ = 3 would leave the fourth cycle empty).
+  assert _taken(SnapshotEnsemble(model, size=3), 12, 5) == {4: 0, 8: 1, 12: 2}
+  assert _taken(SnapshotEnsemble(model, size=3), 10, 5) == {4: 0, 7: 1, 10: 2}
+  assert _taken(SnapshotEnsemble(model, size=4), 9, 5) == {3: 0, 5: 1, 7: 2, 9: 3}
   # 6 epochs of 2 steps, 3 snapshots every 2 epochs: the ends of epochs 2, 4 and 6.
   assert _taken(CheckpointEnsemble(model, size=3, every_epochs=2), 12, 2) == {4: 0, 8: 1, 12: 2}
   assert _taken(CheckpointEnsemble(model, size=2), 12, 2) == {10: 0, 12: 1}
@@ -57,6 +63,17 @@ def snapshot_run(tmp_path_factory):
                     **{"snapshot_ensemble.size": 3})
   train.train_and_evaluate(config, str(root / "run"))
   return str(root / "run")
+
+
+def test_a_checkpoint_from_before_the_last_snapshot_is_refused_in_one_line(snapshot_run):
+  from smoothing_jax.experiment.run import Run
+  run = Run.from_workdir(snapshot_run)
+  state = dict(run.variables["snapshot_ensemble"])
+  state["filled"] = state["filled"].at[2].set(False)  # as a checkpoint before the last cycle's end
+  run.variables = {**run.variables, "snapshot_ensemble": state}
+  with pytest.raises(ValueError, match=r"^This checkpoint holds 2 of the 3 snapshots of its "
+                     r"snapshot_ensemble .*: train the run to its end\.$"):
+    run.prediction_variables()
 
 
 def test_the_snapshots_are_the_networks_at_the_cycle_ends_newest_first(snapshot_run):

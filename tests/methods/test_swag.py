@@ -413,6 +413,20 @@ def _with_method(config, name):
   return with_method(config, name)
 
 
+def test_a_swag_run_starts_from_a_deterministic_run_of_another_method(swag_run, small_npz_run,
+                                                                      tmp_path):
+  """``init_from`` a workdir trained without SWAG: its parameters and statistics, the moments
+  fresh (the method's state is not taken from another run)."""
+  from smoothing_jax.experiment.run import Run
+  from smoothing_jax.training import train
+  from tests.helpers import override
+  _, source, _ = small_npz_run
+  _, _, config = swag_run
+  config = override(config.copy_and_resolve_references(), init_from=source, num_devices=-1)
+  train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert int(Run.from_workdir(str(tmp_path / "run")).variables["swag"]["count"]) == 2
+
+
 def test_a_run_too_short_to_collect_is_refused_in_one_line_before_training(swag_run, tmp_path):
   """8 steps are 2 epochs: collection would start after epoch 1 and collect one model."""
   from smoothing_jax import main
@@ -446,11 +460,23 @@ def test_multiswag_is_a_deep_ensemble_of_swag_members_with_nothing_written_for_i
   method, sizes = run.method.nested((1, 2, 4))
   assert sizes == (1, 2, 4) and method.num_draws == 4
   images = jnp.asarray(next(run.eval_batches())["image"])
+  per_draw = images[None] + jax.random.normal(jax.random.key(4), (4,) + images.shape)  # ODIN's
   key = jax.random.key(3)
-  draws = np.asarray(method.sample_log_probs(run.prediction_variables(method), images, key))
+  prepared = run.prediction_variables(method)
+  draws = np.asarray(method.sample_log_probs(prepared, images, key))
+  logits = np.asarray(method.sample_outputs(prepared, per_draw, key)["logits"])
   keys = jax.random.split(key, 2)
+  own_samples = []
   for m in range(2):
     member = run.member(m)
     alone = member.method.with_samples(2)
-    own = np.asarray(alone.sample_log_probs(member.prediction_variables(alone), images, keys[m]))
-    np.testing.assert_allclose(draws[m::2], own, rtol=1e-5, atol=1e-5)
+    own = member.prediction_variables(alone)
+    own_samples.append(jax.tree.leaves(own["params"])[0])
+    np.testing.assert_allclose(draws[m::2], alone.sample_log_probs(own, images, keys[m]),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logits[m::2], alone.sample_outputs(own, per_draw[m::2],
+                                                                  keys[m])["logits"],
+                               rtol=1e-5, atol=1e-5)
+  # The members draw independently (member m > 0 folds m into the samples' key).
+  assert not np.allclose(own_samples[0] - own_samples[0].mean(0),
+                         own_samples[1] - own_samples[1].mean(0))
