@@ -105,8 +105,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.num_train_steps = -1       # -1: (warmup_epochs + num_epochs) × steps per epoch
   config.grad_clip_norm = 0.0       # clip the global gradient norm (0: off)
   config.grad_accum_steps = 1       # micro-batches per optimiser step (steps.train_step)
-  # Resident data: training steps per host call, one compiled loop (0: log_every_steps); a call
-  # ends at every log, evaluation, checkpoint and epoch boundary whatever it is.
+  # Resident data: training steps per host call, one compiled loop (0: log_every_steps on an
+  # accelerator, 1 on the CPU); a call ends at every log, evaluation, checkpoint and epoch
+  # boundary whatever it is.
   config.steps_per_call = 0
   config.class_balancing = "none"   # or "median_frequency" (segmentation loss weights)
   # Regularisation (the ViT recipe's; all off by default).
