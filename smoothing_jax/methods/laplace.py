@@ -385,9 +385,8 @@ class LastLayerLaplace(Method):
     weights, its curvature summed over ``batches()`` (padding masked)."""
     kernel, bias = last_layer(self.model, variables["params"])
     state = init_curvature(self.structure, kernel.shape[0], kernel.shape[1])
-    accumulate = jax.jit(functools.partial(_accumulate, self.model, self.structure))
     for batch in batches():
-      state = accumulate(state, variables, batch)
+      state = _accumulate(self.model, self.structure, state, variables, batch)
     curvature = finish_curvature(state, self.structure)
     mean = flatten_last_layer(kernel, bias)
     prior = (fit_prior_precision(curvature, self.structure, mean) if self.prior_precision == 0
@@ -463,7 +462,10 @@ def last_layer(model, params) -> tuple[jax.Array, jax.Array]:
   return leaves["kernel"], leaves["bias"]
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _accumulate(model, structure, state, variables, batch):
+  """``accumulate_curvature`` of one batch's features and logits (compiled once per model and
+  structure: every fit reuses it)."""
   outputs = pass_outputs(model, variables, batch["image"])
   return accumulate_curvature(state, structure, outputs["features"], outputs["logits"],
                               batch["label"], batch["mask"])

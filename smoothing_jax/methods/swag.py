@@ -32,6 +32,7 @@ twice, (2θ₁ + θ₂ + … + θₙ) / (n + 1).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -211,18 +212,7 @@ def batch_norm_statistics(model, samples, like, batches, max_batches: int = 0):
   statistics gives (1 − m) · batch, and one pass from ones gives m (per statistic), so the batch's
   statistics come out whatever momentum each layer uses."""
   first = jax.tree.map(lambda x: x[0], samples)
-
-  @jax.jit
-  def scaled(params, images, fill):
-    stats = jax.tree.map(lambda s: jnp.full(s.shape, fill, s.dtype), like)
-    _, updated = model.apply({"params": params, "batch_stats": stats}, images, train=True,
-                             mutable=["batch_stats"], rngs=sample_rngs(jax.random.key(0)))
-    return updated["batch_stats"]
-
-  @jax.jit
-  def add_each(total, samples, images):
-    return jax.tree.map(jnp.add, total, lax.map(lambda p: scaled(p, images, 0.0), samples))
-
+  scaled = functools.partial(_scaled_statistics, model, like)
   total, count, momentum = None, 0, None
   for batch in batches():
     if not np.all(np.asarray(batch["mask"]) > 0):
@@ -233,7 +223,7 @@ def batch_norm_statistics(model, samples, like, batches, max_batches: int = 0):
       momentum = jax.tree.map(lambda a, b: b - a, zero, scaled(first, images, 1.0))
       total = jax.tree.map(lambda x: jnp.zeros((len(jax.tree.leaves(samples)[0]),) + x.shape,
                                                x.dtype), zero)
-    total = add_each(total, samples, images)
+    total = _add_each_samples(model, like, total, samples, images)
     count += 1
     if count == max_batches:
       break
@@ -242,6 +232,23 @@ def batch_norm_statistics(model, samples, like, batches, max_batches: int = 0):
                      "training split is smaller than one evaluation batch (lower "
                      "config.eval_batch_size).")
   return jax.tree.map(lambda t, m: t / count / (1.0 - m), total, momentum)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _scaled_statistics(model, like, params, images, fill):
+  """The BatchNorm statistics a training-mode pass returns from statistics all ``fill``."""
+  stats = jax.tree.map(lambda s: jnp.full(s.shape, fill, s.dtype), like)
+  _, updated = model.apply({"params": params, "batch_stats": stats}, images, train=True,
+                           mutable=["batch_stats"], rngs=sample_rngs(jax.random.key(0)))
+  return updated["batch_stats"]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _add_each_samples(model, like, total, samples, images):
+  """``total`` plus each sample's statistics from zeros on ``images`` (compiled once per model:
+  every evaluator and member reuses it)."""
+  return jax.tree.map(jnp.add, total, lax.map(
+      lambda p: _scaled_statistics(model, like, p, images, 0.0), samples))
 
 
 @dataclasses.dataclass(frozen=True)
