@@ -87,9 +87,17 @@ def ibnn_settings(args) -> dict:
   # The iBNN repository's BNN-VI trains with its own Adam (lr 1e-3, configs/cifar_ibnn.py), not
   # the SGD rate λ₀: its learning rate is left as the protocol sets it.
   adam = {k: v for k, v in common.items() if k != "learning_rate"}
-  return {label: (f"vgg_{name}_16", adam if name == "bayesian" else common) for label, name in
-          (("DNN", "dnn"), ("MC dropout", "mcdo"), ("BNN-VI", "bnnvi"),
-           ("BNN-VI (iBNN repository)", "bayesian"), (f"iBNN-{IBNN_COMPONENTS}", "ibnn"))}
+  # A config holds its own method's settings block alone: each model takes its method's keys.
+  method_of = {"dnn": "deterministic", "mcdo": "mc_dropout", "bnnvi": "bnnvi",
+               "bayesian": "bnnvi", "ibnn": "ibnn"}
+
+  def own(overrides, name):
+    return {k: v for k, v in overrides.items()
+            if "." not in k or k.split(".")[0] in ("model_kwargs", method_of[name])}
+  return {label: (f"vgg_{name}_16", own(adam if name == "bayesian" else common, name))
+          for label, name in (("DNN", "dnn"), ("MC dropout", "mcdo"), ("BNN-VI", "bnnvi"),
+                              ("BNN-VI (iBNN repository)", "bayesian"),
+                              (f"iBNN-{IBNN_COMPONENTS}", "ibnn"))}
 
 
 def batchensemble_settings(args) -> dict:
