@@ -141,8 +141,9 @@ def test_ctrl_c_and_sigkill_then_rerun_is_bit_identical(tmp_path):
   code, _ = start_and_signal(28, signal.SIGKILL)  # possibly in the middle of writing a checkpoint
   assert code == -signal.SIGKILL
   subprocess.run(command(tmp_path / "stopped"), check=True, env=env, cwd=root, capture_output=True)
-  step_full, full = load_variables(str(tmp_path / "full"), create_mesh())
-  step_stopped, stopped = load_variables(str(tmp_path / "stopped"), create_mesh())
+  step_full, full = load_variables(str(tmp_path / "full"), create_mesh(), method_state=True)
+  step_stopped, stopped = load_variables(str(tmp_path / "stopped"), create_mesh(),
+                                         method_state=True)
   assert step_full == step_stopped == 32
   assert int(full["swag"]["count"]) == 2
   jax.tree.map(np.testing.assert_array_equal, stopped, full)
