@@ -13,11 +13,20 @@ trained one after another, in the same run: images/s per member.
   (:func:`loop_seconds_per_step`: no compilation, evaluation or checkpoint); M single runs one
   after another train at the single run's rate.
 
+* ``ceiling``: for each M > 1, one network's step at batch M·B against batch B, alternated: the
+  per-image speed-up M · t(B) / t(M·B) of the larger batch, the most an M-member job at batch B can
+  gain over M sequential steps (its members' convolutions stay M convolutions of batch B); each
+  bare one-job row then also gets ``vs_ceiling`` = ``vs_sequential`` / ``ceiling``.
+
 One JSON object on stdout, the ratios ``*_vs_sequential`` against the sequential steps of the same
 run (> 1: the one job is faster).
 
+Both parts compute in ``--precision`` (default ``bf16``: ``config.half_precision``, as training
+runs on an accelerator; ``fp32`` for float32), parameters and optimizer state float32 either way.
+
   python experiments/bench_ensemble.py --width 16 --members 1 2 4      # CPU (minutes)
   python experiments/bench_ensemble.py --members 1 2 4 8               # GPU: full width
+  python experiments/bench_ensemble.py --precision fp32 ...            # float32 throughout
 """
 from __future__ import annotations
 
@@ -37,6 +46,7 @@ from bench_train import recipe_config, use_persistent_compilation_cache
 from timing import alternate, round_ratios
 
 from smoothing_jax.experiment.run import Run
+from smoothing_jax.experiment.spec import compute_dtype
 from smoothing_jax.methods import resolve
 from smoothing_jax.methods.deep_ensemble import DeepEnsemble, ensemble_train_step
 from smoothing_jax.methods.losses import supervised_loss
@@ -55,10 +65,14 @@ def log(message: str):
   print(f"[bench_ensemble] {message}", file=sys.stderr, flush=True)
 
 
-def _config(width):
+PRECISIONS = {"bf16": True, "fp32": False}  # --precision: config.half_precision
+
+
+def _config(width, precision: str = "bf16"):
   config = recipe_config(*RECIPE)
   if width:
     config.model_kwargs.width = width
+  config.half_precision = PRECISIONS[precision]
   return config
 
 
@@ -78,11 +92,12 @@ def strategies(members: int) -> dict:
   return out
 
 
-def bare_step_rows(width, batch_size: int, members_list, repeats: int) -> list:
+def bare_step_rows(width, batch_size: int, members_list, repeats: int,
+                   precision: str = "bf16") -> list:
   """Per M: the sequential single-model steps and each strategy's one-job step (see module),
-  alternated (:func:`timing.alternate`)."""
-  config = _config(width)
-  model = get_model(MODEL, 10, **({"width": width} if width else {}))
+  alternated (:func:`timing.alternate`), computing in ``precision``."""
+  config = _config(width, precision)
+  model = get_model(MODEL, 10, dtype=compute_dtype(config), **({"width": width} if width else {}))
   mesh = create_mesh()
   replicated, data = shardings(mesh)
   schedule = create_learning_rate_schedule(config, steps_per_epoch=100)
@@ -125,7 +140,7 @@ def bare_step_rows(width, batch_size: int, members_list, repeats: int) -> list:
     calls.clear()  # frees this M's states before the next M's
     seconds = statistics.median(times["sequential"])
     row = {"members": members, "batch_size": batch_size, "width": width,
-           "sequential": {"seconds_per_step": seconds,
+           "precision": precision, "sequential": {"seconds_per_step": seconds,
                           "first_call_seconds": first_call["sequential"],
                           "images_per_s_per_member": batch_size * members / seconds}}
     for name, vmap_size in strategies(members).items():
@@ -137,6 +152,48 @@ def bare_step_rows(width, batch_size: int, members_list, repeats: int) -> list:
                                                                    times[name]))}
     log(json.dumps(row))
     rows.append(row)
+  return rows
+
+
+def ceiling_rows(width, batch_size: int, members_list, repeats: int,
+                 precision: str = "bf16") -> list:
+  """Per M > 1: one network's step at batch M·B against the same step at batch B, alternated
+  (:func:`timing.alternate`): images/s of each and ``ceiling`` = M · t(B) / t(M·B), the per-image
+  speed-up of the larger batch.  An M-member one-job step at batch B runs M sets of weights over M
+  batches of B, never one convolution over M·B, so ``ceiling`` is the most it can gain over M
+  sequential steps: the bare steps' ``vs_ceiling`` is ``vs_sequential`` / ``ceiling``."""
+  config = _config(width, precision)
+  model = get_model(MODEL, 10, dtype=compute_dtype(config), **({"width": width} if width else {}))
+  mesh = create_mesh()
+  replicated, data = shardings(mesh)
+  schedule = create_learning_rate_schedule(config, steps_per_epoch=100)
+  fn = jax.jit(functools.partial(train_step, schedule, supervised_loss(model)),
+               in_shardings=(replicated, data, replicated), out_shardings=(replicated, replicated),
+               donate_argnums=(0,))
+  rng = jax.random.key(2)
+  rows = []
+  for members in [m for m in members_list if m > 1]:
+    calls = {}
+    for size in (batch_size, members * batch_size):
+      images = jax.random.normal(jax.random.key(1), (size, 32, 32, 3))
+      batch = shard_batch({"image": np.asarray(images), "label": np.arange(size) % 10}, data)
+      holder = [jax.device_put(create_train_state(config, model, jax.random.key(0), (32, 32, 3),
+                                                  schedule), replicated)]
+
+      def one_step(holder=holder, batch=batch):  # this size's (B023)
+        holder[0], _ = fn(holder[0], batch, rng)
+        return holder[0].params
+      calls[size] = one_step
+    times = alternate(calls, repeats)
+    row = {"members": members, "batch_size": batch_size, "width": width, "precision": precision,
+           "images_per_s": {str(size): size / statistics.median(times[size]) for size in calls},
+           "ceiling": statistics.median(members * a / b for a, b in
+                                        zip(times[batch_size], times[members * batch_size],
+                                            strict=True)),
+           "seconds_per_step": {str(size): times[size] for size in calls}}
+    log(json.dumps(row))
+    rows.append(row)
+    calls.clear()  # frees this M's states before the next M's
   return rows
 
 
@@ -168,13 +225,13 @@ def loop_seconds_per_step(config) -> float:
 
 
 def train_loop_rows(width, batch_size: int, members_list, steps: int, train_images: int,
-                    rounds: int) -> list:
+                    rounds: int, precision: str = "bf16") -> list:
   """The real training loop with ``deep_ensemble.members`` M (unrolled, each member its own
   batches) against M = 1, the loops alternated over ``rounds`` (each M once a round): images/s
-  per member, and the per-round ratios against M = 1."""
+  per member, and the per-round ratios against M = 1; computing in ``precision``."""
   configs = {}
   for members in members_list:
-    config = _config(width)
+    config = _config(width, precision)
     config.input.dataset = f"synthetic:{train_images}x32x32x3:10"
     config.input.batch_size = batch_size
     config.eval_batch_size = 500
@@ -193,7 +250,8 @@ def train_loop_rows(width, batch_size: int, members_list, steps: int, train_imag
   for members in members_list:
     per_member = batch_size * members / statistics.median(times[members])
     ratios = [members * r for r in round_ratios(times[1], times[members])]
-    rows.append({"members": members, "batch_size": batch_size, "steps": steps,
+    rows.append({"members": members, "batch_size": batch_size, "precision": precision,
+                 "steps": steps,
                  "seconds_per_step": times[members], "images_per_s_per_member": per_member,
                  "vs_sequential": statistics.median(ratios),
                  "vs_sequential_per_round": [round(r, 3) for r in ratios]})
@@ -213,6 +271,10 @@ def main(argv=None):
   parser.add_argument("--loop_rounds", type=int, default=3)
   parser.add_argument("--skip_bare", action="store_true")
   parser.add_argument("--skip_loop", action="store_true")
+  parser.add_argument("--skip_ceiling", action="store_true",
+                      help="skip one network at batch M·B against batch B (the one job's ceiling)")
+  parser.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16",
+                      help="bf16: config.half_precision, as training runs (default); fp32")
   args = parser.parse_args(argv)
   members = sorted(set(args.members) | {1})
   # A fresh persistent cache (set before the first compilation): the loop's repeated runs read
@@ -222,12 +284,23 @@ def main(argv=None):
   device = jax.devices()[0]
   result = {"benchmark": "ensemble", "model": MODEL, "device_kind": device.device_kind,
             "backend": jax.default_backend(), "num_devices": jax.device_count(),
-            "jax": jax.__version__}
+            "jax": jax.__version__, "precision": args.precision}
   if not args.skip_bare:
-    result["bare_step"] = bare_step_rows(args.width, args.batch_size, members, args.repeats)
+    result["bare_step"] = bare_step_rows(args.width, args.batch_size, members, args.repeats,
+                                         args.precision)
+  if not args.skip_ceiling:
+    result["ceiling"] = ceiling_rows(args.width, args.batch_size, members, args.repeats,
+                                     args.precision)
+    for row in result.get("bare_step", []):
+      ceiling = next((c["ceiling"] for c in result["ceiling"] if c["members"] == row["members"]),
+                     None)
+      for name in strategies(row["members"]):
+        if ceiling:
+          row[name]["vs_ceiling"] = row[name]["vs_sequential"] / ceiling
   if not args.skip_loop:
     result["train_loop"] = train_loop_rows(args.width, args.batch_size, members,
-                                           args.loop_steps, args.train_images, args.loop_rounds)
+                                           args.loop_steps, args.train_images, args.loop_rounds,
+                                           args.precision)
   shutil.rmtree(cache_dir, ignore_errors=True)
   print(json.dumps(result, indent=2))
   return result

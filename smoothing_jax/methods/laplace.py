@@ -387,11 +387,9 @@ class LastLayerLaplace(Method):
     state = init_curvature(self.structure, kernel.shape[0], kernel.shape[1])
     for batch in batches():
       state = _accumulate(self.model, self.structure, state, variables, batch)
-    curvature = finish_curvature(state, self.structure)
     mean = flatten_last_layer(kernel, bias)
-    prior = (fit_prior_precision(curvature, self.structure, mean) if self.prior_precision == 0
-             else self.prior_precision)
-    return {self.name: build_posterior(curvature, self.structure, mean, prior)}
+    return {self.name: _posterior(state, self.structure, mean, self.prior_precision,
+                                  fit_prior=self.prior_precision == 0)}
 
   # The predictive.
   @property
@@ -460,6 +458,17 @@ def last_layer(model, params) -> tuple[jax.Array, jax.Array]:
     raise ValueError(f"{type(model).__name__}: last-layer Laplace needs an output layer that is "
                      f"one dense layer with a bias; its class-sized parameters are {paths}.")
   return leaves["kernel"], leaves["bias"]
+
+
+@functools.partial(jax.jit, static_argnames=("structure", "fit_prior"))
+def _posterior(state: dict, structure: str, mean: jax.Array, prior_precision, fit_prior: bool):
+  """``build_posterior`` from ``accumulate_curvature``'s sums, the prior precision fitted by
+  marginal likelihood where ``fit_prior``: one program per structure, compiled once (run eagerly,
+  the fit's scan of Adam steps compiled again at every fit)."""
+  curvature = finish_curvature(state, structure)
+  if fit_prior:
+    prior_precision = fit_prior_precision(curvature, structure, mean)
+  return build_posterior(curvature, structure, mean, prior_precision)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

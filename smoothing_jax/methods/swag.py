@@ -161,9 +161,11 @@ def sample_from_key(moments: Moments, key, scale, diagonal_only: bool = False,
                 var_clamp)
 
 
+@functools.partial(jax.jit, static_argnames=("num_samples", "diagonal_only"))
 def samples_from_key(moments: Moments, key, num_samples: int, scale, diagonal_only: bool = False,
                      var_clamp: float = VAR_CLAMP):
-  """``num_samples`` samples stacked on a leading axis, sample i from ``split(key, N)[i]``."""
+  """``num_samples`` samples stacked on a leading axis, sample i from ``split(key, N)[i]``
+  (compiled once per parameter tree and N)."""
   return jax.vmap(lambda k: sample_from_key(moments, k, scale, diagonal_only, var_clamp))(
       jax.random.split(key, num_samples))
 
@@ -398,7 +400,7 @@ class SWAG(MCDropout):
                  self.describe(), self.num_samples)
     dtypes = jax.tree.map(lambda x: x.dtype, variables["params"])
     samples = jax.tree.map(lambda x, d: x.astype(d),
-                           jax.jit(self.weight_samples, static_argnums=1)(moments, data.member),
+                           self.weight_samples(moments, data.member),
                            dtypes)
     return {"params": samples,
             "batch_stats": batch_norm_statistics(self.model, samples, variables["batch_stats"],
