@@ -53,7 +53,7 @@ from timing import alternate, median_seconds
 from smoothing_jax.analysis.hessian import hvp, linearized_hvp, top_eigenvalues
 from smoothing_jax.analysis.spectrum import training_loss
 from smoothing_jax.convert import from_torch_state_dict
-from smoothing_jax.data.datasets import NORMALIZATION
+from smoothing_jax.data.dataset_spec import NORMALIZATION
 from smoothing_jax.models import get_model
 
 # tests.torch_reference, the PyTorch transcription, is imported from the repository root.

@@ -164,10 +164,10 @@ def prepare_data(source: str, cache: str, train_limit, test_limit, workers: int)
 @contextlib.contextmanager
 def paper_normalization(enabled: bool):
   """While open, ``npz:`` data is normalised with the paper's CIFAR-10 constants
-  (``datasets.NORMALIZATION["cifar10"]``, what the recipe uses on TFDS ``cifar10``) instead of
+  (``dataset_spec.NORMALIZATION["cifar10"]``, what the recipe uses on TFDS ``cifar10``) instead of
   its training split's statistics."""
   from smoothing_jax.data import pipeline as pipeline_lib
-  from smoothing_jax.data.datasets import NORMALIZATION
+  from smoothing_jax.data.dataset_spec import NORMALIZATION
   original = pipeline_lib.normalization
   if enabled:
     pipeline_lib.normalization = lambda spec, train_images=None: NORMALIZATION["cifar10"]

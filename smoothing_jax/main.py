@@ -338,7 +338,9 @@ def run(config, workdir: str, mode: str = "train", *, evaluated_workdir=None, re
 
 
 def _run(config, workdir, mode, names, evaluated_workdir, results_dir) -> dict:
-  logging.info("JAX devices: %d (%s), processes: %d", jax.device_count(), jax.devices()[0].platform,
+  logging.info("%s %s: reading %s and building the model (JAX devices: %d %s, processes: %d).",
+               "Training" if mode == "train" else f"Mode {mode} on", evaluated_workdir,
+               config.input.dataset, jax.device_count(), jax.devices()[0].platform,
                jax.process_count())
   if mode == "train":
     opened = Run.from_config(config, workdir)

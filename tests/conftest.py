@@ -95,9 +95,9 @@ def _download_hosts_answer():
   under ``tfds.testing.mock_data`` (a no-op there) proceeds offline as online.  For the whole
   session, so that module and session fixtures that train under mock data see it too.  The
   offline test of ``tests/data/test_datasets.py`` probes a blocked network with the real probe."""
-  from smoothing_jax.data import datasets
+  from smoothing_jax.data.sources import tfds as tfds_source
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(datasets, "unreachable_download_host", lambda urls: None)
+    patch.setattr(tfds_source, "unreachable_download_host", lambda urls: None)
     yield
 
 

@@ -14,15 +14,14 @@ when TFDS is first used).
 """
 from smoothing_jax.data.class_weights import class_pixel_counts, median_frequency_weights
 from smoothing_jax.data.corruption_names import CORRUPTIONS, EXTRA_CORRUPTIONS
-from smoothing_jax.data.datasets import (
+from smoothing_jax.data.dataset_spec import (
   NORMALIZATION,
   NUM_CLASSES,
   DatasetSpec,
   DatasetUnavailableError,
   corruption_dataset,
-  load_arrays,
-  parse_dataset,
 )
+from smoothing_jax.data.datasets import load_arrays, parse_dataset
 from smoothing_jax.data.pipeline import DATA_PIPELINES, create_pipeline
 from smoothing_jax.data.pipeline_base import Pipeline
 

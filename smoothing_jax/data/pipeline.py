@@ -20,25 +20,25 @@ from typing import Any
 import jax
 import numpy as np
 
+from smoothing_jax.data.dataset_spec import NORMALIZATION
 from smoothing_jax.data.datasets import (
-  NORMALIZATION,
   check_train_fraction,
   class_balanced_subset,
   load_arrays,
   normalization,
   parse_dataset,
-  prepared_tfds_builder,
+  source_of,
 )
 from smoothing_jax.data.pipeline_base import Pipeline
 
 DATA_PIPELINES = ("auto", "resident", "tfdata")
-STREAMED = ("imagenet2012", "camvid")  # read from disk by tf.data as training goes
+HOST_PATH = ("camvid",)  # segmentation: augmented by tf.data on the host
 # The keys of a config's ``input`` block besides ``dataset`` and ``batch_size``, with the defaults
 # of ``experiment.config_base`` (``randaugment`` None: off): what a block without them (a config
 # recorded before they existed, a dict) reads.
 INPUT_DEFAULTS = {"data_dir": None, "download": True, "data_pipeline": "auto", "crop_size": None,
                   "randaugment": None, "train_fraction": 1.0, "holdout_fraction": 0.0,
-                  "split_seed": -1, "eval_cache": ""}
+                  "split_seed": -1, "eval_cache": "", "image_size": 0}
 
 
 def create_pipeline(input_config: Mapping[str, Any], seed: int, mesh=None) -> Pipeline:
@@ -62,6 +62,11 @@ def create_pipeline(input_config: Mapping[str, Any], seed: int, mesh=None) -> Pi
   those two draws (-1: ``seed``), e.g. an ensemble's split shared by its members.
   ``eval_cache``: a file prefix where the preprocessed evaluation images are kept after their
   first pass (for ImageNet, whose JPEGs are otherwise decoded at every evaluation).
+  ``image_size`` S > 0: every image of a set held in memory brought to S × S as it is read (its
+  shorter side resized to S, bilinear, then the centre cropped:
+  :func:`~smoothing_jax.data.sources.base.fit_to_size`); 0: the images' own size, which must be
+  one.  A set too large to hold in memory (ImageNet, a large ``tfds:`` set) is streamed
+  (``data_pipeline`` "tfdata"), with ImageNet's crops and geometry.
   """
   unknown = sorted(set(input_config.keys()) - set(INPUT_DEFAULTS) - {"dataset", "batch_size"})
   if unknown:
@@ -81,11 +86,19 @@ def create_pipeline(input_config: Mapping[str, Any], seed: int, mesh=None) -> Pi
                      f"{data_pipeline!r}.")
   if randaugment is not None and randaugment[0] < 0:
     raise ValueError(f"RandAugment num_layers must be >= 0, got {randaugment[0]}.")
+  image_size = options["image_size"]
+  if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 0:
+    raise ValueError(f"image_size must be an integer >= 0 (0: the images' own size), got "
+                     f"{image_size!r}.")
   spec = parse_dataset(dataset)
+  if not spec.corruption and source_of(spec).streams(spec, data_dir, download):
+    from smoothing_jax.data.sources.tfds import streamed_spec
+    spec = streamed_spec(spec)
   if data_pipeline == "auto":
-    data_pipeline = "tfdata" if spec.base in STREAMED else "resident"
-  if data_pipeline == "resident" and spec.base == "imagenet2012":
-    raise ValueError("ImageNet is streamed from disk: use data_pipeline 'tfdata' (or 'auto').")
+    data_pipeline = "tfdata" if spec.streamed or spec.base in HOST_PATH else "resident"
+  if data_pipeline == "resident" and spec.streamed:
+    raise ValueError(f"{dataset!r} is streamed from disk (too large to hold in memory): use "
+                     "data_pipeline 'tfdata' (or 'auto').")
   resident = data_pipeline == "resident"
   train_fraction = check_train_fraction(options["train_fraction"])
   if not 0.0 <= holdout_fraction < 1.0:
@@ -96,24 +109,31 @@ def create_pipeline(input_config: Mapping[str, Any], seed: int, mesh=None) -> Pi
     raise ValueError(f"Global batch size {global_batch_size} is not divisible by "
                      f"{jax.process_count()} processes.")
   holdout_images = holdout_labels = None
-  if spec.base == "imagenet2012":
+  if spec.streamed:
     for name, value, default in (("train_fraction", train_fraction, 1.0),
                                  ("holdout_fraction", holdout_fraction, 0.0)):
       if value != default:
         raise ValueError(f"{name} {value} needs an in-memory training split (CIFAR, npz:, "
-                         "digits); ImageNet's is streamed: prepare a subset as its own dataset "
-                         "instead.")
+                         f"folder:, digits); {dataset!r}'s is streamed: prepare a subset as its "
+                         "own dataset instead.")
+    from smoothing_jax.data.sources.tfds import prepared_tfds_builder
     splits = prepared_tfds_builder(spec, data_dir, download).info.splits
     eval_images = eval_labels = None
-    num_train, num_eval = splits["train"].num_examples, splits["validation"].num_examples
-    mean, std = NORMALIZATION["imagenet2012"]
+    num_train, num_eval = splits["train"].num_examples, splits[spec.eval_split].num_examples
+    # A streamed set's statistics would take a pass over it: its own constants, else ImageNet's.
+    mean, std = NORMALIZATION.get(spec.base, NORMALIZATION["imagenet2012"])
     train_images = train_labels = None
   else:
     # The whole training split on every process (global batches independent of the process
     # count); the evaluation split sharded over the processes, or whole on the devices.
-    train_images, train_labels = load_arrays(spec, "train", data_dir, download, shard=False)
+    size = (image_size, image_size) if image_size else None
+    train_images, train_labels = load_arrays(spec, "train", data_dir, download, shard=False,
+                                             size=size)
+    if size and train_labels.ndim > 1:
+      raise ValueError(f"image_size is for classification sets; {dataset!r} has label maps "
+                       "(use crop_size).")
     eval_images, eval_labels = load_arrays(spec, spec.eval_split, data_dir, download,
-                                           shard=not resident)
+                                           shard=not resident, size=size)
     mean, std = normalization(spec, train_images)
     if holdout_fraction > 0:
       held = class_balanced_subset(train_labels, holdout_fraction, split_seed)
@@ -128,7 +148,7 @@ def create_pipeline(input_config: Mapping[str, Any], seed: int, mesh=None) -> Pi
   if resident:
     from smoothing_jax.data.resident import ResidentPipeline as cls
   else:
-    from smoothing_jax.data.datasets import hide_accelerators_from_tensorflow
+    from smoothing_jax.data.sources.tfds import hide_accelerators_from_tensorflow
     hide_accelerators_from_tensorflow()  # before TensorFlow's first op
     from smoothing_jax.data.tfdata import TFDataPipeline as cls
   pipeline = cls(dataset_spec=spec, global_batch_size=global_batch_size, seed=seed,

@@ -5,13 +5,31 @@ process, which :class:`~smoothing_jax.data.resident.ResidentPipeline` and
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import ClassVar
 
 import jax
 import numpy as np
 
 from smoothing_jax.data.class_weights import class_pixel_counts, median_frequency_weights
-from smoothing_jax.data.datasets import DatasetSpec
+from smoothing_jax.data.dataset_spec import DatasetSpec
+
+
+class Batches:
+  """Evaluation batches for one pass, as a generator gives them, that know how many they are
+  (``len``): what progress lines count against."""
+
+  def __init__(self, count: int, batches: Iterator[dict]):
+    self.count, self._batches = count, batches
+
+  def __len__(self) -> int:
+    return self.count
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    return next(self._batches)
 
 
 @dataclasses.dataclass

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from smoothing_jax.data import device_randaugment
 from smoothing_jax.data.datasets import as_model_images, load_arrays, parse_dataset
-from smoothing_jax.data.pipeline_base import Pipeline
+from smoothing_jax.data.pipeline_base import Batches, Pipeline
 from smoothing_jax.parallel import create_mesh, shardings
 
 MAX_DEVICE_FRACTION = 0.25  # of one device's memory; the rest is the model's
@@ -158,37 +158,39 @@ class ResidentPipeline(Pipeline):
     return jax.lax.with_sharding_constraint(batch, self._data_sharding(batch_size))
 
   def eval_batches(self, batch_size: int | None = None,
-                   dataset: str | None = None) -> Iterator[dict]:
+                   dataset: str | None = None) -> Batches:
     """Global evaluation batches ``{"image", "label", "mask"}`` of ``dataset`` (default: this
     dataset's evaluation split; another one, e.g. ``"cifar10_corrupted/fog_3"``, is read once and
     held on the devices while it is evaluated); the last one zero-padded, nothing dropped."""
     batch_size = batch_size or self.global_batch_size
     spec = self.dataset_spec if dataset is None else parse_dataset(dataset)
-    if spec == self.dataset_spec:
+    if spec.name == self.dataset_spec.name:
       arrays = self.eval_arrays
     else:
       images, labels = load_arrays(spec, spec.eval_split, self.data_dir, self.download,
-                                   shard=False)
+                                   shard=False,
+                                   size=None if self.is_segmentation else self.image_shape[:2])
       images = as_model_images(spec.name, images, self.image_shape)
       check_fits_on_devices(spec.name, images.nbytes + labels.nbytes, self.mesh.devices.flat)
       arrays = self._put(images, labels)
-    yield from self._batches(arrays, batch_size)
+    return self._batches(arrays, batch_size)
 
-  def train_eval_batches(self, batch_size: int | None = None) -> Iterator[dict]:
+  def train_eval_batches(self, batch_size: int | None = None) -> Batches:
     """Evaluation batches (no augmentation) of the training split: what post-hoc OOD scores
     fit on."""
-    yield from self._batches(self.arrays, batch_size or self.global_batch_size)
+    return self._batches(self.arrays, batch_size or self.global_batch_size)
 
-  def _batches(self, arrays: dict, batch_size: int) -> Iterator[dict]:
+  def _batches(self, arrays: dict, batch_size: int) -> Batches:
     count = arrays["images"].shape[0]
-    for start in range(0, count, batch_size):
-      yield self._eval_batch_fn(arrays["images"], arrays["labels"], start, batch_size)
+    return Batches(-(-count // batch_size), (
+        self._eval_batch_fn(arrays["images"], arrays["labels"], start, batch_size)
+        for start in range(0, count, batch_size)))
 
-  def holdout_batches(self, batch_size: int | None = None) -> Iterator[dict]:
+  def holdout_batches(self, batch_size: int | None = None) -> Batches:
     """Global batches ``{"image", "label", "mask"}`` of the held-out training examples
     (``holdout_fraction``), held on the devices while they are evaluated."""
     if self.holdout_images is None or not len(self.holdout_images):
       raise ValueError("No held-out training examples: set --config.input.holdout_fraction (e.g. "
                        "0.1; they are left out of training) and train the run with it.")
     arrays = self._put(self.holdout_images, self.holdout_labels)
-    yield from self._batches(arrays, batch_size or self.global_batch_size)
+    return self._batches(arrays, batch_size or self.global_batch_size)

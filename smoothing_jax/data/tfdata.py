@@ -31,15 +31,10 @@ from smoothing_jax.data.augment import (
   normalize,
   segmentation_train_augment,
 )
-from smoothing_jax.data.datasets import (
-  as_model_images,
-  load_arrays,
-  parse_dataset,
-  tfds_builder,
-  tfds_split,
-)
-from smoothing_jax.data.pipeline_base import Pipeline
+from smoothing_jax.data.datasets import as_model_images, load_arrays, parse_dataset
+from smoothing_jax.data.pipeline_base import Batches, Pipeline
 from smoothing_jax.data.randaugment import randaugment
+from smoothing_jax.data.sources.tfds import examples, tfds_builder
 
 
 def _options(ds):
@@ -73,8 +68,8 @@ class TFDataPipeline(Pipeline):
       epoch_seed = np.random.default_rng([self.seed, epoch, jax.process_index()])
       order_seed = int(epoch_seed.integers(2 ** 31))
       # JPEG bytes: imagenet_train_augment decodes only its random crop.
-      ds = tfds_split(self.dataset_spec, "train", self.data_dir, self.download, encoded_images=True)
-      ds = ds.map(lambda ex: (ex["image"], ex["label"]))
+      ds = examples(self.dataset_spec, "train", self.data_dir, self.download,
+                    encoded_images=True)
       ds = ds.shuffle(16 * 1024, seed=order_seed, reshuffle_each_iteration=False)
       ds = ds.take(steps * batch).skip(start_step * batch)
       ds = tf.data.Dataset.zip(tf.data.Dataset.range(start_step * batch, steps * batch), ds)
@@ -115,9 +110,9 @@ class TFDataPipeline(Pipeline):
     return self.eval_batches(batch_size, train=True)
 
   def eval_batches(self, batch_size: int | None = None, dataset: str | None = None,
-                   train: bool = False) -> Iterator[dict]:
-    """Evaluation batches ``{"image", "label", "mask"}``; the last one is zero-padded, nothing
-    is dropped.
+                   train: bool = False) -> Batches:
+    """Evaluation batches ``{"image", "label", "mask"}`` (:class:`Batches`: they know their
+    count); the last one is zero-padded, nothing is dropped.
 
     ``dataset`` (e.g. ``"cifar10_corrupted/fog_3"``) defaults to this dataset's
     evaluation split.  Every process yields the same number of batches (padding
@@ -130,16 +125,16 @@ class TFDataPipeline(Pipeline):
       ds = tf.data.Dataset.from_tensor_slices((self.train_images[process::count],
                                                self.train_labels[process::count]))
       num_global = len(self.train_images)
-    elif spec == self.dataset_spec and self.eval_images is not None:
+    elif spec.name == self.dataset_spec.name and self.eval_images is not None:
       ds = tf.data.Dataset.from_tensor_slices((self.eval_images, self.eval_labels))
       num_global = self.num_eval
     elif spec.geometry == "imagenet":
-      ds = tfds_split(spec, spec.eval_split, self.data_dir, self.download)
-      ds = ds.map(lambda ex: (ex["image"], ex["label"]))
+      ds = examples(spec, spec.eval_split, self.data_dir, self.download)
       splits = tfds_builder(spec, self.data_dir, False).info.splits
       num_global = splits[spec.eval_split].num_examples
     else:
-      images, labels = load_arrays(spec, spec.eval_split, self.data_dir, self.download)
+      images, labels = load_arrays(spec, spec.eval_split, self.data_dir, self.download,
+                                   size=None if self.is_segmentation else self.image_shape[:2])
       ds = tf.data.Dataset.from_tensor_slices(
           (as_model_images(spec.name, images, self.image_shape), labels))
       num_global = len(images) * jax.process_count()
@@ -152,15 +147,18 @@ class TFDataPipeline(Pipeline):
                 num_parallel_calls=tf.data.AUTOTUNE)
     if self.eval_cache and not train:  # decoded once (ImageNet JPEGs), read back later
       ds = ds.cache(f"{self.eval_cache}.{re.sub(r'[^A-Za-z0-9_.-]', '_', spec.name)}")
-    iterator = iter(tfds.as_numpy(_options(ds.batch(batch).prefetch(tf.data.AUTOTUNE))))
     label_shape = tuple(self.eval_labels.shape[1:] if self.is_segmentation else ())
-    for _ in range(num_batches):
-      x, y = next(iterator, (None, None))
-      n = 0 if x is None else len(x)
-      out = {"image": np.zeros((batch,) + tuple(self.image_shape), np.float32),
-             "label": np.zeros((batch,) + label_shape, np.int32),
-             "mask": np.zeros((batch,), np.float32)}
-      if n:
-        out["image"][:n], out["label"][:n], out["mask"][:n] = x, y, 1.0
-      yield out
-    next(iterator, None)  # reach the end, so that a cache file is completed
+
+    def padded():
+      iterator = iter(tfds.as_numpy(_options(ds.batch(batch).prefetch(tf.data.AUTOTUNE))))
+      for _ in range(num_batches):
+        x, y = next(iterator, (None, None))
+        n = 0 if x is None else len(x)
+        out = {"image": np.zeros((batch,) + tuple(self.image_shape), np.float32),
+               "label": np.zeros((batch,) + label_shape, np.int32),
+               "mask": np.zeros((batch,), np.float32)}
+        if n:
+          out["image"][:n], out["label"][:n], out["mask"][:n] = x, y, 1.0
+        yield out
+      next(iterator, None)  # reach the end, so that a cache file is completed
+    return Batches(num_batches, padded())

@@ -25,6 +25,7 @@ import copy
 import importlib
 import inspect
 import numbers
+import time
 from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -155,7 +156,9 @@ def run_evaluator(name: str, run, output_dir, options: Mapping[str, Any] = None)
   options = options_of(run.config, name) if options is None else dict(options)
   check_options(name, options)
   logging.info("Evaluator %s on %s", name, run.workdir)
+  start = time.monotonic()
   result = module.evaluate(run, output_dir, **options)
+  logging.info("Evaluator %s done in %.0f s.", name, time.monotonic() - start)
   return result, f"{_scored_line(name, result, run)}\n{module.summary(result, output_dir)}"
 
 

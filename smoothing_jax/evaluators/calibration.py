@@ -39,8 +39,10 @@ def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[st
   pred = predictive(run, members, sizes)
   step = sharded_eval_step(sample_log_probs_step, run.mesh, pred.method)
   held = gather(step, pred.variables, run.mesh,
-                run.pipeline.holdout_batches(eval_batch_size(config, run.mesh)), seed)
-  test = gather(step, pred.variables, run.mesh, run.eval_batches(), seed + 1)
+                run.pipeline.holdout_batches(eval_batch_size(config, run.mesh)), seed,
+                f"calibration: {pred.method.name}, held-out split")
+  test = gather(step, pred.variables, run.mesh, run.eval_batches(), seed + 1,
+                f"calibration: {pred.method.name}, test split")
   held_log_probs = np.swapaxes(held["log_probs"], 0, 1)  # [N, B, C]
   test_log_probs = np.swapaxes(test["log_probs"], 0, 1)
   rows, diagrams = [], {}

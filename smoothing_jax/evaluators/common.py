@@ -151,12 +151,12 @@ def sample_log_probs_step(method, variables, batch, key):
           "label": batch["label"]}
 
 
-def gather(step, variables, mesh, batches, seed: int) -> dict:
+def gather(step, variables, mesh, batches, seed: int, label: str = "") -> dict:
   """Every example's outputs of ``step`` (example-major arrays, from a
   ``parallel.sharded_eval_step`` on ``mesh``) over ``batches``, joined, padding dropped (numpy;
-  exact: every example of every process)."""
+  exact: every example of every process); ``label`` names the pass in progress lines."""
   out = evaluate_batches(step, variables, batches, shardings(mesh)[1], jax.random.key(seed),
-                         concatenate=True)
+                         concatenate=True, label=label)
   keep = out.pop("mask") > 0
   return {k: v[keep] for k, v in out.items()}
 

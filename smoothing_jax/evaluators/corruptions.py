@@ -112,11 +112,13 @@ def evaluate(run, output_dir, *, baseline_csv: str = "", num_samples: int = 1,
   step = sharded_eval_step(ensemble_metrics_step, run.mesh, sampled.method, (size,),
                            config.ece_bins)
   rows, table = [], {}
-  for corruption in corruptions:
+  for c, corruption in enumerate(corruptions):
     for severity in range(1, 6):
-      batches = run.eval_batches(corruption_dataset(base, corruption, severity))
-      (m,) = evaluate_batches(step, sampled.variables, batches, shardings(run.mesh)[1],
-                              jax.random.key(seed))
+      name = corruption_dataset(base, corruption, severity)
+      (m,) = evaluate_batches(step, sampled.variables, run.eval_batches(name),
+                              shardings(run.mesh)[1], jax.random.key(seed),
+                              label=f"corruptions: set {5 * c + severity}/{5 * len(corruptions)} "
+                              f"{name}, {size} draws")
       m = m.compute()
       table[(corruption, severity)] = {"nll": m["nll"], "err": 1.0 - m["acc"], "ece": m["ece"]}
       rows.append({"method": sampled.method.name, "type": corruption, "severity": severity,

@@ -32,7 +32,8 @@ def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[st
   sizes = pred.sizes
   step = sharded_eval_step(ensemble_metrics_step, run.mesh, pred.method, sizes, config.ece_bins)
   totals = evaluate_batches(step, pred.variables, run.eval_batches(), shardings(run.mesh)[1],
-                            jax.random.key(seed))
+                            jax.random.key(seed), label=f"ensemble_sizes: {pred.method.name}, "
+                            f"{max(sizes)} draws, {run.config.input.dataset}")
   rows = [{"method": pred.method.name, "ensemble_size": n,
            **{k: m[k] for k in ("count",) + METRIC_COLUMNS}, **pred.scored}
           for n, m in zip(sizes, (t.compute() for t in totals), strict=True)]

@@ -40,7 +40,8 @@ import numpy as np
 
 from smoothing_jax import ood_scores, ranking
 from smoothing_jax.data import CORRUPTIONS, corruption_dataset
-from smoothing_jax.data.datasets import BASES, check_available, parse_dataset
+from smoothing_jax.data.dataset_spec import BASES
+from smoothing_jax.data.datasets import check_available, parse_dataset
 from smoothing_jax.evaluators.common import gather, predictive, write_results
 from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.inference import default_chunk_size
@@ -135,10 +136,13 @@ def evaluate(run, output_dir, *, datasets: Sequence[str] = (), near: Sequence[st
   fitted = fit_scores(run, pred, output_dir, seed) if any(s in FITTED for s in chosen) else {}
   table = functools.partial(score_table, sizes=pred.sizes, chosen=chosen, fitted=fitted,
                             knn_k=knn_k, combine=combine)
-  inside = table(gather(step, pred.variables, run.mesh, run.eval_batches(), seed))
+  draws = f"{pred.method.name}, {max(pred.sizes)} draws"
+  inside = table(gather(step, pred.variables, run.mesh, run.eval_batches(), seed,
+                        f"ood: {draws}, in-distribution {run.config.input.dataset}"))
   rows = []
   for k, name in enumerate(names):
-    outside = table(gather(step, pred.variables, run.mesh, run.eval_batches(name), seed + 1 + k))
+    outside = table(gather(step, pred.variables, run.mesh, run.eval_batches(name), seed + 1 + k,
+                           f"ood: {draws}, set {k + 1}/{len(names)} {name}"))
     group = next(g for g, sets in groups.items() if name in sets)
     curves = {}
     for j, n in enumerate(pred.sizes):
@@ -298,7 +302,8 @@ def fit_scores(run, pred, output_dir, seed: int) -> dict:
       if str(cached["key"]) == key:
         return _unflatten(dict(cached))
   step = sharded_eval_step(outputs_step, run.mesh, pred.method, None)  # no ODIN pass
-  out = gather(step, pred.variables, run.mesh, run.train_eval_batches(), seed)
+  out = gather(step, pred.variables, run.mesh, run.train_eval_batches(), seed,
+               "ood: the training split's features (mds, rmds, knn, vim)")
   num_classes = out["logits"].shape[-1]
   fitted = {name: [] for name in FITTED}
   for d in range(out["features"].shape[1]):

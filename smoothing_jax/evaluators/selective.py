@@ -21,7 +21,8 @@ def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[st
   config = run.config
   pred = predictive(run, members, sizes)
   step = sharded_eval_step(ranking_step, run.mesh, pred.method, pred.sizes)
-  test = gather(step, pred.variables, run.mesh, run.eval_batches(), seed)
+  test = gather(step, pred.variables, run.mesh, run.eval_batches(), seed,
+                f"selective: {pred.method.name}, {max(pred.sizes)} draws")
   rows, curves = [], {}
   for j, n in enumerate(pred.sizes):
     for score in ranking.SCORES:

@@ -38,7 +38,7 @@ def evaluate(run, output_dir, *, num_samples: int = 0,
   ``stream_examples.png``.
   """
   check_single_model(run, "streams")
-  from smoothing_jax.data.datasets import import_tfds
+  from smoothing_jax.data.sources.tfds import import_tfds
   import_tfds("camvid/clips")  # one line naming what to install where TensorFlow is missing
   from smoothing_jax.data import camvid
   output_dir = workdir_lib.workdir_path(output_dir)

@@ -29,8 +29,20 @@ def checkpoint_manager(workdir: str, max_to_keep: int | None = None,
   options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=not read_only,
                                          read_only=read_only,
                                          save_interval_steps=0 if read_only else 1)
-  return ocp.CheckpointManager(checkpoint_dir(workdir), options=options,
-                               item_handlers=ocp.StandardCheckpointHandler())
+  logger = logging.get_absl_logger()
+  quiet = _ReadOnlyNotice()
+  if read_only:  # orbax warns that a reader reads, which is what it was asked for
+    logger.addFilter(quiet)
+  try:
+    return ocp.CheckpointManager(checkpoint_dir(workdir), options=options,
+                                 item_handlers=ocp.StandardCheckpointHandler())
+  finally:
+    logger.removeFilter(quiet)
+
+
+class _ReadOnlyNotice(std_logging.Filter):
+  def filter(self, record) -> bool:
+    return not str(record.msg).startswith("Given directory is read only")
 
 
 class NoIntactCheckpointError(FileNotFoundError):

@@ -83,6 +83,9 @@ def base_config() -> ml_collections.ConfigDict:
   # A file prefix keeping the preprocessed evaluation images after the first evaluation ("": off;
   # ImageNet's validation JPEGs are otherwise decoded at every evaluation).
   config.input.eval_cache = ""
+  # Images of a set held in memory brought to S × S as they are read (the shorter side resized
+  # to S, then the centre cropped; data.sources.base.fit_to_size); 0: their own size.
+  config.input.image_size = 0
   # The seed of the initialisation, the order of the training batches and the training draws.
   config.seed = 0
   config.num_devices = -1           # -1: all devices of all hosts

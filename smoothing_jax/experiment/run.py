@@ -124,6 +124,11 @@ def _mean_probs(method: Method, variables, batch, rng):
   return method.predict(variables, batch["image"], rng=rng).mean_probs
 
 
+class ConfigChangedError(ValueError):
+  """A workdir's checkpoints cannot restore under the settings given, which differ from those it
+  was trained with; the message names each setting that differs."""
+
+
 @dataclasses.dataclass(eq=False)
 class Run:
   """One run: ``config`` (evaluation overrides applied), ``model_spec`` and ``model`` (always from
@@ -228,7 +233,18 @@ class Run:
         return checkpoints.abstract_tree(saved, replicated)
       return checkpoints.abstract_tree(target, replicated)
 
-    restored = checkpoints.restore_latest(self.manager, target_of)
+    try:
+      restored = checkpoints.restore_latest(self.manager, target_of)
+    except checkpoints.NoIntactCheckpointError:
+      # Most often the checkpoints are sound and the settings changed: name what changed.
+      changed = workdir_lib.config_differences(self.workdir, self.config)
+      if not changed:
+        raise
+      shown = "; ".join(changed[:6]) + ("; ..." if len(changed) > 6 else "")
+      raise ConfigChangedError(
+          f"{self.workdir} was trained with other settings ({shown}), and its checkpoints hold "
+          "that run's state, which these settings cannot restore: train into a new --workdir, "
+          "or drop those overrides to resume it.") from None
     if restored is None:
       if self.read_only:
         raise FileNotFoundError(f"No checkpoint in {workdir_lib.checkpoint_dir(self.workdir)}.")
@@ -389,6 +405,31 @@ class Run:
     those ranges (:func:`_unit_pixels`)."""
     return (_unit_pixels(images) - jnp.asarray(self.pipeline.mean)) / jnp.asarray(self.pipeline.std)
 
+  def check_images(self, images) -> np.ndarray:
+    """``images`` as numpy, or ValueError (one line) naming what the model cannot take: not
+    ``[B, H, W, C]`` (grayscale without its channel), channels first, no images, another size than
+    the model's, or non-finite pixels."""
+    images = np.asarray(images)
+    shape = tuple(self.model_spec.image_shape)
+    if images.ndim != 4:
+      raise ValueError(f"Images are [B, H, W, C] (the model takes {shape}), got shape "
+                       f"{images.shape}: a grayscale batch needs its channel axis "
+                       "(images[..., None]); one image, a batch axis (images[None]).")
+    if len(images) == 0:
+      raise ValueError("No images to predict (an empty batch).")
+    if images.shape[1:] != shape:
+      if images.shape[1] == shape[-1] and images.shape[2:] == shape[:2]:
+        raise ValueError(f"Images of shape {images.shape[1:]} are channels-first; the model "
+                         f"takes [B, H, W, C] = [B, {', '.join(map(str, shape))}]: "
+                         "np.moveaxis(images, 1, -1).")
+      raise ValueError(f"Images of shape {images.shape[1:]}; the model takes {shape}: bring them "
+                       "to its size first (e.g. smoothing_jax.data.sources.base.fit_to_size, the "
+                       "data's own rule).")
+    if images.dtype.kind == "f" and not np.all(np.isfinite(images)):
+      bad = int(np.sum(~np.all(np.isfinite(images.reshape(len(images), -1)), axis=1)))
+      raise ValueError(f"{bad} of the {len(images)} images have non-finite pixels (NaN or inf).")
+    return images
+
   def predict(self, images, num_samples: int = 1, rng: jax.Array | None = None,
               batch_size: int = 500) -> np.ndarray:
     """Mean predictive ``[B, C]`` (numpy) of ``images`` ``[B, H, W, 3]``, pixels as
@@ -399,7 +440,7 @@ class Run:
     rounded up to the mesh) through the sharded evaluation loop: what the evaluators score at
     the same N, on the same batches, with the same key."""
     rng = jax.random.key(0) if rng is None else rng
-    images = np.asarray(self.normalize(np.asarray(images)), np.float32)
+    images = np.asarray(self.normalize(self.check_images(images)), np.float32)
     size = -(-min(batch_size, len(images)) // self.mesh.size) * self.mesh.size
     pad = -len(images) % size
     padded = np.concatenate([images, np.zeros((pad,) + images.shape[1:], np.float32)])

@@ -19,14 +19,16 @@ from smoothing_jax.models import get_model, is_segmentation_model
 class ModelSpec:
   """The model's classes, stem geometry (``"cifar"`` / ``"imagenet"``) and input shape ``(H, W,
   C)``; the training examples used (the ``train_fraction`` subset); the model options a timm
-  ``init_from`` file needs; and whether the workdir stands for its ``init_from`` (an evaluation
-  run without checkpoints of its own)."""
+  ``init_from`` file needs; whether the workdir stands for its ``init_from`` (an evaluation
+  run without checkpoints of its own); and the classes' names where the data names them (a
+  ``folder:`` set's sorted folders: label i is ``class_names[i]``)."""
   num_classes: int
   stem: str
   image_shape: tuple
   num_train_examples: int | None = None  # None: recorded by a version that did not count them
   model_options: dict = dataclasses.field(default_factory=dict)
   evaluates_init_from: bool = False
+  class_names: tuple = ()
 
   def to_record(self) -> dict:
     """The ``model_spec`` of ``config.json`` (optional fields only where set)."""
@@ -38,6 +40,8 @@ class ModelSpec:
       record["model_options"] = dict(self.model_options)
     if self.evaluates_init_from:
       record["evaluates_init_from"] = True
+    if self.class_names:
+      record["class_names"] = list(self.class_names)
     return record
 
   @classmethod
@@ -46,7 +50,8 @@ class ModelSpec:
     return cls(int(record["num_classes"]), record["stem"],
                tuple(int(d) for d in record["image_shape"]),
                None if count is None else int(count), dict(record.get("model_options", {})),
-               bool(record.get("evaluates_init_from", False)))
+               bool(record.get("evaluates_init_from", False)),
+               tuple(record.get("class_names", ())))
 
 
 def model_spec(config, pipeline, model_options: dict | None = None) -> ModelSpec:
@@ -62,7 +67,8 @@ def model_spec(config, pipeline, model_options: dict | None = None) -> ModelSpec
   num_classes = config.num_classes if config.num_classes > 0 else (
       NUM_CLASSES.get(dataset.base) or dataset.num_classes or int(pipeline.train_labels.max()) + 1)
   return ModelSpec(int(num_classes), dataset.geometry, tuple(int(d) for d in pipeline.image_shape),
-                   int(pipeline.num_train), dict(model_options or {}))
+                   int(pipeline.num_train), dict(model_options or {}),
+                   class_names=tuple(dataset.class_names))
 
 
 def compute_dtype(config):

@@ -146,6 +146,33 @@ def upgrade_record(record: dict) -> dict:
   return record
 
 
+def _leaves(tree, prefix: str = "") -> dict:
+  """``{dotted key: value}`` of a nested dict's leaves."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_leaves(value, f"{prefix}{key}."))
+    else:
+      out[prefix + key] = value
+  return out
+
+
+def config_differences(workdir, config: ml_collections.ConfigDict) -> list[str]:
+  """``"<key>: <recorded> → <given>"`` for every setting in which ``config`` differs from the
+  one recorded in ``<workdir>/config.json`` (:func:`upgrade_record`), in key order; empty where
+  they agree or nothing is recorded."""
+  if not (workdir_path(workdir) / CONFIG_FILE).exists():
+    return []
+  record = upgrade_record(read_record(workdir))
+  record.pop("model_spec", None)
+  recorded = _leaves(record)
+  given = _leaves(json.loads(config.to_json_best_effort()))
+  unset = "(unset)"
+  return [f"{key}: {recorded.get(key, unset)} → {given.get(key, unset)}"
+          for key in sorted(set(recorded) | set(given))
+          if recorded.get(key, unset) != given.get(key, unset)]
+
+
 def read_config(workdir) -> tuple:
   """``(config, ModelSpec)`` recorded in ``<workdir>/config.json`` (:func:`upgrade_record`)."""
   record = upgrade_record(read_record(workdir))

@@ -14,6 +14,7 @@ rules, the train state and step) the run's method says (``smoothing_jax.methods`
 """
 from __future__ import annotations
 
+import functools
 import signal
 from collections.abc import Sequence
 
@@ -99,6 +100,22 @@ def resolved_steps_per_call(config) -> int:
   return k or (1 if jax.default_backend() == "cpu" else config.log_every_steps)
 
 
+def _warn_of_a_cut_schedule(config, num_steps: int, steps_per_epoch: int) -> None:
+  """One warning line where ``num_train_steps`` ends the run before the schedule of its epochs
+  does: inside the warm-up (the rate never reaches its peak), or before the rate's decay ends."""
+  schedule_steps = int((config.warmup_epochs + config.num_epochs) * steps_per_epoch)
+  if num_steps >= schedule_steps:
+    return
+  warmup_steps = int(config.warmup_epochs * steps_per_epoch)
+  rate = float(create_learning_rate_schedule(config, steps_per_epoch)(num_steps))
+  where = (f"inside the {warmup_steps}-step warm-up" if num_steps < warmup_steps else
+           f"at step {num_steps} of its epochs' {schedule_steps}-step schedule")
+  peak = config.learning_rate * config.input.batch_size / config.base_batch_size
+  logging.warning("num_train_steps %d ends the run %s: its last learning rate is %.3g (peak %g). "
+                  "To train a shorter run on the whole schedule, lower num_epochs (and "
+                  "warmup_epochs) instead.", num_steps, where, rate, peak)
+
+
 def train(run: Run, *, stop_after_steps: int | None = None,
           callbacks: Sequence[Callback] = ()) -> TrainState:
   """Train ``run.model`` on ``run.pipeline``, writing checkpoints and metrics to ``run.workdir``
@@ -132,6 +149,7 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
   num_steps = config.num_train_steps if config.num_train_steps > 0 else int(
       (config.warmup_epochs + config.num_epochs) * steps_per_epoch)
   method = run.method
+  _warn_of_a_cut_schedule(config, num_steps, steps_per_epoch)
   # The method may own the schedule or a phase of it (SWA's constant rate), and refuses a run too
   # short for it here, before anything is written.
   schedule = method.schedule(config, create_learning_rate_schedule(config, steps_per_epoch),
@@ -180,8 +198,9 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
   in_flight = DispatchWindow()  # the host runs at most a few calls ahead (see parallel.py)
   last_good, stopped_by = start_step, []
   logging.info("Training %s (%s) on %s: %d steps (%d per epoch, up to %d per call), global batch "
-               "%d on %d devices.", config.model, method.describe(), config.input.dataset,
-               num_steps, steps_per_epoch, steps_per_call, config.input.batch_size, mesh.size)
+               "%d on %d devices; compiling the training step.", config.model, method.describe(),
+               config.input.dataset, num_steps, steps_per_epoch, steps_per_call,
+               config.input.batch_size, mesh.size)
 
   if pipeline.resident:  # the steps take their batches from the arrays on the devices
     batches = None
@@ -225,7 +244,7 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
         means = jax.tree.map(lambda *xs: np.mean(np.concatenate(xs), axis=0), *rows)
         writer.write_scalars(step, method.train_scalars("train_", means))
         train_metrics = []
-      report_progress(step)  # after the summary, which waits for the step: honest steps/s
+      report_progress(step, wait=functools.partial(jax.block_until_ready, metrics))  # finished
       if step % eval_every == 0 or step == num_steps:
         with report_progress.timed("eval"):
           results = evaluate_batches(eval_step_fn, variables_of(state), run.eval_batches(),

@@ -45,10 +45,12 @@ class MetricWriter:
   def _write(self, event):
     self._records.write(event.SerializeToString())
 
-  def write_scalars(self, step: int, scalars: Mapping[str, float]):
-    """Log ``scalars`` at ``step`` and add them to the event file."""
-    logging.info("[%d%s] %s", step, self._of_total,
-                 ", ".join(f"{k}={float(v):.6g}" for k, v in scalars.items()))
+  def write_scalars(self, step: int, scalars: Mapping[str, float], log: bool = True):
+    """Add ``scalars`` at ``step`` to the event file, and log them unless ``log`` is False
+    (what a progress line already says)."""
+    if log:
+      logging.info("[%d%s] %s", step, self._of_total,
+                   ", ".join(f"{k}={float(v):.6g}" for k, v in scalars.items()))
     if self._records is None:
       return
     from tensorboard.compat.proto import summary_pb2
@@ -79,9 +81,11 @@ def _duration(seconds: float) -> str:
 class ProgressReporter:
   """Progress lines of a run of ``num_train_steps``: one once the first step is compiled, then
   one every ``every_fraction`` of the run or every ``every_secs`` seconds, whichever comes first,
-  and one at the last step.  Each says step/total, steps/s since the previous line, the share of
-  that time spent in :meth:`timed` sections (evaluation) and the time left at that rate, and
-  writes the scalars ``steps_per_sec`` and ``<section>_fraction``."""
+  and one at the last step.  Each says step/total, steps/s since the previous line (measured
+  between finished steps: ``wait``, given, blocks until the step is done), the share of that time
+  spent in :meth:`timed` sections (evaluation) where there was any, and the time left at that
+  rate, and writes the scalars ``steps_per_sec`` and ``<section>_fraction`` to TensorBoard (not
+  again to the console)."""
 
   def __init__(self, num_train_steps: int, writer: MetricWriter, every_secs: float = 30.0,
                every_fraction: float = 0.1):
@@ -91,24 +95,28 @@ class ProgressReporter:
     self._last_time, self._last_step = None, None
     self._sections: dict = {}
 
-  def __call__(self, step: int):
+  def __call__(self, step: int, wait=None):
+    first = self._last_time is None
+    if not first and not (step % self.every_steps == 0 or step == self.num_train_steps
+                          or time.monotonic() - self._last_time >= self.every_secs):
+      return
+    if wait is not None:  # the step dispatched is not the step done: time finished steps
+      wait()
     now = time.monotonic()
-    if self._last_time is None:  # the first step's time is mostly compilation: no rate from it
-      logging.info("Step %d/%d: first step compiled in %s; steps/s and time left follow.",
+    if first:  # the first step's time is mostly compilation: no rate from it
+      logging.info("Step %d/%d: compiled and run in %s; steps/s and time left follow.",
                    step, self.num_train_steps, _duration(now - self._started))
       self._last_time, self._last_step, self._sections = now, step, {}
       return
-    due = (step % self.every_steps == 0 or now - self._last_time >= self.every_secs
-           or step == self.num_train_steps)
     elapsed, steps = now - self._last_time, step - self._last_step
-    if not due or steps <= 0 or elapsed <= 0:
+    if steps <= 0 or elapsed <= 0:
       return
     rate = steps / elapsed
     fractions = {f"{name}_fraction": seconds / elapsed for name, seconds in self._sections.items()}
-    logging.info("Step %d/%d: %.3g steps/s, %s, %s left.", step, self.num_train_steps, rate,
-                 ", ".join(f"{k.removesuffix('_fraction')} {v:.0%}" for k, v in fractions.items())
-                 or "no evaluation", _duration((self.num_train_steps - step) / rate))
-    self.writer.write_scalars(step, {"steps_per_sec": rate, **fractions})
+    spent = "".join(f", {k.removesuffix('_fraction')} {v:.0%} of it" for k, v in fractions.items())
+    logging.info("Step %d/%d: %.3g steps/s%s, %s left.", step, self.num_train_steps, rate, spent,
+                 _duration((self.num_train_steps - step) / rate))
+    self.writer.write_scalars(step, {"steps_per_sec": rate, **fractions}, log=False)
     self._last_time, self._last_step, self._sections = now, step, {}
 
   @contextlib.contextmanager

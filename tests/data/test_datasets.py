@@ -11,7 +11,7 @@ from smoothing_jax.data import (
   corruption_dataset,
   parse_dataset,
 )
-from smoothing_jax.data.datasets import unreachable_download_host  # the real probe (conftest)
+from smoothing_jax.data.sources.tfds import unreachable_download_host  # the real probe (conftest)
 from tests.helpers import input_pipeline
 
 tfds = pytest.importorskip("tensorflow_datasets")  # TFDS sources under mock data
@@ -64,6 +64,7 @@ def test_offline_a_missing_tfds_set_fails_at_once_and_writes_nothing(network, tm
   import time
 
   from smoothing_jax.data import datasets
+  from smoothing_jax.data.sources import tfds as tfds_source
   released = threading.Event()
 
   def blocked(address, timeout=None):
@@ -71,10 +72,10 @@ def test_offline_a_missing_tfds_set_fails_at_once_and_writes_nothing(network, tm
       released.wait(30)
     raise OSError(f"network blocked ({address[0]})")
 
-  monkeypatch.setattr(datasets, "unreachable_download_host", unreachable_download_host)
+  monkeypatch.setattr(tfds_source, "unreachable_download_host", unreachable_download_host)
   monkeypatch.setattr(socket, "create_connection", blocked)
-  monkeypatch.setattr(datasets, "PROBE_TIMEOUT_S", 0.5)
-  datasets.import_tfds("svhn_cropped")  # TensorFlow's import is not the download's time
+  monkeypatch.setattr(tfds_source, "PROBE_TIMEOUT_S", 0.5)
+  tfds_source.import_tfds("svhn_cropped")  # TensorFlow's import is not the download's time
   start = time.monotonic()
   try:
     with pytest.raises(DatasetUnavailableError) as err:
@@ -146,7 +147,7 @@ def test_class_balanced_subset_rejects_a_fraction_that_empties_a_class():
 def test_every_requested_corruption_is_a_config_of_its_builder(base, builder):
   """TFDS calls CIFAR-10-C's glass blur ``frosted_glass_blur`` and its elastic ``elastic``."""
   pytest.importorskip("tensorflow_datasets")
-  from smoothing_jax.data.datasets import import_tfds
+  from smoothing_jax.data.sources.tfds import import_tfds
   tfds = import_tfds(base)  # registers cifar100_corrupted
   configs = {c.name for c in tfds.builder_cls(builder).BUILDER_CONFIGS}
   for corruption in CORRUPTIONS:

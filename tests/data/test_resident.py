@@ -46,7 +46,7 @@ def test_auto_keeps_in_memory_sets_on_the_devices(pipeline):
   assert isinstance(pipeline, ResidentPipeline) and pipeline.resident
   assert pipeline.arrays["images"].dtype == np.uint8
   assert pipeline.arrays["images"].sharding.is_fully_replicated
-  with pytest.raises(ValueError, match="ImageNet is streamed"):
+  with pytest.raises(ValueError, match="'imagenet2012' is streamed from disk"):
     input_pipeline("imagenet2012", 8, seed=0, data_pipeline="resident")
 
 

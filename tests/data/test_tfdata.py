@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from smoothing_jax.data.datasets import hide_accelerators_from_tensorflow
+from smoothing_jax.data.sources.tfds import hide_accelerators_from_tensorflow
 from tests.helpers import input_pipeline, npz_dataset
 
 tf = pytest.importorskip("tensorflow")  # the tf.data path

@@ -43,11 +43,11 @@ def test_detection_against_an_npz_set_equals_sklearn_on_the_model_s_msp(run, tmp
   assert "AUROC" in ood.summary(rows, tmp_path)
 
 
-def test_ood_sets_of_another_shape_or_unknown_are_clear_errors(run, tmp_path):
-  small = npz_dataset(tmp_path, 8, num_train=2, num_test=3)
-  with pytest.raises(ValueError, match=r"has images of shape \(8, 8, 3\), the model takes "
-                     r"\(16, 16, 3\)"):
-    ood.evaluate(run, tmp_path, datasets=(f"npz:{small}",))
+def test_ood_sets_of_another_size_are_resized_and_unknown_ones_are_clear_errors(run, tmp_path):
+  small = npz_dataset(tmp_path, 8, num_train=2, num_test=3)  # 8×8 images, the model's 16×16
+  rows = ood.evaluate(run, tmp_path, datasets=(f"npz:{small}",), scores=("msp",), sizes=(1,))
+  assert {(r["ood_dataset"], r["score"], r["count_out"]) for r in rows
+          if r["ood_dataset"] == f"npz:{small}"} == {(f"npz:{small}", "msp", 3)}
   with pytest.raises(ValueError, match="No standard OOD sets for 'npz'"):
     ood.evaluate(run, tmp_path)
   assert ood.resolve_ood_datasets("cifar10", ()) == ["svhn_cropped", "cifar100"]
@@ -122,9 +122,14 @@ def test_grayscale_sets_are_converted_as_openood_preprocesses_them():
                               "linear")
   assert converted.dtype == np.uint8 and converted.shape == (3, 16, 16, 3)
   assert np.max(np.abs(converted.astype(np.int32) - np.round(np.asarray(expected)))) <= 1
-  with pytest.raises(ValueError, match=r"'colour' has images of shape \(8, 8, 3\), the model "
+  colour = np.random.default_rng(3).integers(0, 256, (2, 8, 12, 3), dtype=np.uint8)
+  # Another size: the shorter side to the model's (8 → 16, 12 → 24), then the centre 16×16.
+  expected = jax.image.resize(colour.astype(np.float32), (2, 16, 24, 3), "linear")[:, :, 4:20]
+  fitted = as_model_images("colour", colour, (16, 16, 3))
+  assert np.max(np.abs(fitted.astype(np.int32) - np.round(np.asarray(expected)))) <= 1
+  with pytest.raises(ValueError, match=r"'two' has images of shape \(16, 16, 2\), the model "
                      r"takes \(16, 16, 3\)"):
-    as_model_images("colour", np.repeat(gray, 3, -1), (16, 16, 3))
+    as_model_images("two", np.zeros((1, 16, 16, 2), np.uint8), (16, 16, 3))
 
 
 def test_the_features_are_the_classifier_input(run):

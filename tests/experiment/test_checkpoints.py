@@ -277,3 +277,29 @@ def test_a_checkpoint_written_before_methods_kept_state_resumes_as_one_of_today(
   jax.tree.map(np.testing.assert_array_equal, resumed["before"].params, resumed["today"].params)
   jax.tree.map(np.testing.assert_array_equal, resumed["before"].opt_state,
                resumed["today"].opt_state)
+
+
+def test_a_rerun_with_other_settings_names_them_not_the_checkpoints(small_npz_run, tmp_path):
+  """Rerunning a trained workdir with ``model_kwargs.width`` 8 (trained at 4): the parameters'
+  shapes differ, every step fails to restore, and the error names the settings that differ
+  (recorded → given) and the two ways on; nothing is deleted or set aside."""
+  from smoothing_jax.experiment.run import ConfigChangedError
+  data, full, _ = small_npz_run
+  workdir = shutil.copytree(full, tmp_path / "run")
+  before = _files(workdir / "checkpoints")
+  with pytest.raises(ConfigChangedError) as error:
+    train.train_and_evaluate(small_npz_config(data, **{"model_kwargs.width": 8}), str(workdir))
+  message = str(error.value)
+  assert "\n" not in message and "intact" not in message and "damaged" not in message
+  assert "(model_kwargs.width: 4 → 8)" in message
+  assert "train into a new --workdir, or drop those overrides to resume it" in message
+  assert _files(workdir / "checkpoints") == before
+
+
+def test_reading_a_workdir_says_nothing_of_orbax_s_read_only_directory(small_npz_run, caplog):
+  from smoothing_jax.experiment.checkpoints import checkpoint_manager
+  _, full, _ = small_npz_run
+  with caplog.at_level("WARNING"):
+    with checkpoint_manager(full, read_only=True) as manager:
+      assert manager.latest_step() == 4
+  assert "read only" not in caplog.text

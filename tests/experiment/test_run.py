@@ -111,3 +111,22 @@ def test_predict_takes_uint8_and_float_pixels_alike_and_refuses_other_ranges(ana
     assert message.startswith("Images must be uint8 images in 0–255 or float images in [0, 1]; "
                               "got float32 values in ["), message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("images,expected", [
+    (np.zeros((2, 3, 16, 16), np.uint8), "are channels-first; the model takes [B, H, W, C] = "
+     "[B, 16, 16, 3]: np.moveaxis(images, 1, -1)"),
+    (np.zeros((2, 16, 16), np.uint8), "Images are [B, H, W, C] (the model takes (16, 16, 3)), "
+     "got shape (2, 16, 16): a grayscale batch needs its channel axis"),
+    (np.zeros((0, 16, 16, 3), np.uint8), "No images to predict (an empty batch)."),
+    (np.zeros((2, 28, 28, 3), np.uint8), "Images of shape (28, 28, 3); the model takes "
+     "(16, 16, 3): bring them to its size first"),
+    (np.full((2, 16, 16, 3), np.nan, np.float32), "2 of the 2 images have non-finite pixels"),
+])
+def test_predict_refuses_what_the_model_cannot_take_in_one_line(analysis_workdirs, images,
+                                                                 expected):
+  run = Run.from_workdir(analysis_workdirs["MC dropout"])
+  with pytest.raises(ValueError) as error:
+    run.predict(images)
+  message = str(error.value)
+  assert expected in message and "\n" not in message, message

@@ -20,7 +20,7 @@ FIXTURE_0_1_0 = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures",
 # Keys of today's quickstart config that 0.1.0 did not record (none yet).
 # (The settings blocks of other methods are not: a config holds its own method's alone.)
 ADDED_SINCE_0_1_0 = {"deep_ensemble.member_seeds", "model_kwargs.bnn_reference",
-                     "model_kwargs.mimo_members", "steps_per_call"}
+                     "model_kwargs.mimo_members", "steps_per_call", "input.image_size"}
 # A config.json written by main at d63e843 (every method's settings block in every config),
 # of `configs/cifar_resnet.py:resnet_batchensemble_18,cifar10`: made by that commit's code,
 # `config.to_json_best_effort()` plus a model_spec.
@@ -133,7 +133,8 @@ def test_config_json_of_main_before_config_method_keeps_its_methods_block_alone(
   assert {"ibnn", "bnnvi", "mimo"}.isdisjoint(config.keys())
   assert config.batch_ensemble.to_dict() == old["batch_ensemble"]
   today = cifar_resnet.get_config("resnet_batchensemble_18,cifar10")
-  assert set(_flat(today)) - set(_flat(config)) == {"steps_per_call"}  # added since, defaulted
+  added_since = {"steps_per_call", "input.image_size"}  # defaulted
+  assert set(_flat(today)) - set(_flat(config)) == added_since
   assert set(_flat(config)) <= set(_flat(today))
   model = get_model(config.model, 10, width=4)
   assert resolve(config, model).name == "batch_ensemble"

@@ -30,7 +30,8 @@ class _Recorder:
   def __init__(self):
     self.rows = []
 
-  def write_scalars(self, step, scalars):
+  def write_scalars(self, step, scalars, log=True):
+    assert not log  # the progress line says them: no second console line
     self.rows.append((step, scalars))
 
 
@@ -45,6 +46,10 @@ def test_progress_after_the_first_step_then_every_tenth_or_30_s(monkeypatch):
     now[0] = t
     progress(step)
 
+  def finished_at(t, step):  # dispatched at 40 s, the step done at t
+    now[0] = 40.0
+    progress(step, wait=lambda: now.__setitem__(0, t))
+
   with absl_info_lines() as lines:
     at(12.0, 1)   # the first step, compiled
     at(13.0, 2)   # too soon, and not a tenth of the run
@@ -54,12 +59,12 @@ def test_progress_after_the_first_step_then_every_tenth_or_30_s(monkeypatch):
     at(20.0, 20)  # a tenth of the run: 19 steps in 8 s, 4 s of them evaluating
     at(49.0, 21)  # neither 30 s nor a tenth yet
     at(51.0, 30)  # 31 s since the last line
-    at(60.0, 200)  # the last step
+    finished_at(60.0, 200)  # the last step: timed once it is done, not when dispatched
   assert lines == [
-      "Step 1/200: first step compiled in 12 s; steps/s and time left follow.",
-      "Step 20/200: 2.38 steps/s, eval 50%, 1 min 16 s left.",
-      "Step 30/200: 0.323 steps/s, no evaluation, 8 min 47 s left.",
-      "Step 200/200: 18.9 steps/s, no evaluation, 0 s left."]
+      "Step 1/200: compiled and run in 12 s; steps/s and time left follow.",
+      "Step 20/200: 2.38 steps/s, eval 50% of it, 1 min 16 s left.",
+      "Step 30/200: 0.323 steps/s, 8 min 47 s left.",
+      "Step 200/200: 18.9 steps/s, 0 s left."]
   assert recorder.rows == [
       (20, {"steps_per_sec": pytest.approx(19 / 8), "eval_fraction": pytest.approx(0.5)}),
       (30, {"steps_per_sec": pytest.approx(10 / 31)}),
