@@ -164,3 +164,27 @@ def test_the_abort_reproducer_runs_to_its_end():
   assert result.returncode == 0, result.stderr[-3000:]
   assert "may be stuck" not in result.stderr
   assert json.loads(result.stdout.strip().splitlines()[-1])["iterations"] > 0
+
+
+def test_a_long_evaluation_pass_says_how_far_it_is_and_its_wall_time(monkeypatch):
+  """A line at most every ``PROGRESS_EVERY_S`` (batches of a sized iterable, images, rate, time
+  left), and the pass's wall time; a pass under that interval says nothing."""
+  from smoothing_jax import parallel
+  from smoothing_jax.data.pipeline_base import Batches
+  from tests.helpers import absl_info_lines
+  now = [0.0]
+  monkeypatch.setattr(parallel.time, "monotonic", lambda: now[0])
+
+  def step(variables, batch, key):
+    now[0] += 10.0  # each batch takes 10 s
+    return {"x": batch["x"]}
+
+  batches = [{"x": np.zeros((40, 2), np.float32)} for _ in range(4)]
+  with absl_info_lines() as lines:
+    parallel.evaluate_batches(step, None, Batches(4, iter(batches)), None, jax.random.key(0),
+                              concatenate=True, label="ood: set 1/2 svhn")
+    parallel.evaluate_batches(step, None, iter(batches[:1]), None, jax.random.key(0),
+                              concatenate=True, label="short")
+  assert lines == ["ood: set 1/2 svhn: batch 2/4 (80 images), 4 images/s, about 20 s left",
+                   "ood: set 1/2 svhn: batch 4/4 (160 images), 4 images/s, about 0 s left",
+                   "ood: set 1/2 svhn: 4 batches (160 images) in 40 s"]

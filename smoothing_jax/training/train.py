@@ -100,7 +100,7 @@ def resolved_steps_per_call(config) -> int:
   return k or (1 if jax.default_backend() == "cpu" else config.log_every_steps)
 
 
-def _warn_of_a_cut_schedule(config, num_steps: int, steps_per_epoch: int) -> None:
+def warn_of_a_cut_schedule(config, num_steps: int, steps_per_epoch: int) -> None:
   """One warning line where ``num_train_steps`` ends the run before the schedule of its epochs
   does: inside the warm-up (the rate never reaches its peak), or before the rate's decay ends."""
   schedule_steps = int((config.warmup_epochs + config.num_epochs) * steps_per_epoch)
@@ -149,7 +149,7 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
   num_steps = config.num_train_steps if config.num_train_steps > 0 else int(
       (config.warmup_epochs + config.num_epochs) * steps_per_epoch)
   method = run.method
-  _warn_of_a_cut_schedule(config, num_steps, steps_per_epoch)
+  warn_of_a_cut_schedule(config, num_steps, steps_per_epoch)
   # The method may own the schedule or a phase of it (SWA's constant rate), and refuses a run too
   # short for it here, before anything is written.
   schedule = method.schedule(config, create_learning_rate_schedule(config, steps_per_epoch),

@@ -94,3 +94,23 @@ def test_the_console_keeps_our_info_lines_and_the_warnings_that_say_something():
     assert not shown(std_logging.WARNING, tfds, "Variant folder %s has no %s")
   finally:
     handler.filters[:] = before
+
+
+def test_a_step_budget_inside_the_warm_up_or_short_of_the_schedule_warns_once(caplog):
+  """CIFAR-10 at batch 128 (390 steps an epoch): 40 steps end inside the 390-step warm-up, at
+  0.1 × 40 / 390 of the rate; 800 of the 78,390-step schedule cut it; the whole schedule is
+  silent."""
+  from configs import cifar_resnet
+  from smoothing_jax.training.train import warn_of_a_cut_schedule
+  config = cifar_resnet.get_config("resnet_dnn_18,cifar10")
+  with caplog.at_level("WARNING"):
+    warn_of_a_cut_schedule(config, 40, 390)
+  assert caplog.messages == [
+      "num_train_steps 40 ends the run inside the 390-step warm-up: its last learning rate is "
+      "0.0103 (peak 0.1). To train a shorter run on the whole schedule, lower num_epochs (and "
+      "warmup_epochs) instead."]
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    warn_of_a_cut_schedule(config, 800, 390)
+    warn_of_a_cut_schedule(config, 201 * 390, 390)
+  assert len(caplog.messages) == 1 and "at step 800 of its epochs' 78390-step" in caplog.text
