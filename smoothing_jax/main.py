@@ -50,7 +50,7 @@ from smoothing_jax.experiment import workdir as workdir_lib  # noqa: E402
 from smoothing_jax.experiment.config_base import with_method, with_model  # noqa: E402
 from smoothing_jax.experiment.run import RECORDED_KEYS, Run, check_config  # noqa: E402
 from smoothing_jax.experiment.workdir_lock import lock_workdir  # noqa: E402
-from smoothing_jax.training.callbacks import Preempted  # noqa: E402
+from smoothing_jax.training.callbacks import Callback, Preempted  # noqa: E402
 from smoothing_jax.training.train import train  # noqa: E402
 from smoothing_jax.training.writers import show_only_our_info_lines  # noqa: E402
 
@@ -84,9 +84,12 @@ flags.DEFINE_integer("process_id", None, "--multihost: this process's index (def
 flags.mark_flags_as_required(["workdir"])
 
 # Errors a user can cause (bad dataset, arrays, model name, config value, missing checkpoint):
-# one line on stderr and exit status 1; the traceback with --verbosity=1 or
-# SMOOTHING_JAX_TRACEBACK=1.
+# one line on stderr, the traceback with --verbosity=1 or SMOOTHING_JAX_TRACEBACK=1.  Exit
+# status 2 for a refused setting (a ValueError or TypeError before the job's first step or
+# evaluation: a usage error, as argparse's), 1 for a failure while it runs or data or files that
+# cannot be read (OSError, DatasetUnavailableError) and a non-finite loss.
 USER_ERRORS = (ValueError, TypeError, OSError, DatasetUnavailableError, FloatingPointError)
+REFUSALS = (ValueError, TypeError)
 TRACEBACK_ENV = "SMOOTHING_JAX_TRACEBACK"
 # The ``--config.<key>=<value>`` arguments of the command line, in order (``parse_flags``).
 CONFIG_OVERRIDES: list = []
@@ -159,6 +162,25 @@ def parse_value(config, key: str, text: str):
     return text  # a string where the key takes another type: with_overrides names the mismatch
 
 
+# The config file whose recipe (optimiser, schedule, epochs: the paper's) each family of models
+# trains with; the first matching part of a model's name decides, cifar_resnet.py the rest.
+RECIPE_FILES = (("unet", "camvid_unet.py"), ("ibnn", "cifar_ibnn.py"), ("vit", "cifar_vit.py"),
+                ("pit_", "cifar_vit.py"), ("swin_", "cifar_vit.py"), ("alternet", "cifar_vit.py"))
+
+
+def _name_the_recipe(config, config_arg, model: str) -> None:
+  """One line where ``--config.model`` leaves the config file's recipe in place for a model whose
+  paper recipe lives in another config file: which recipe runs, and the command for the other."""
+  recipe = next((f for part, f in RECIPE_FILES if part in model), "cifar_resnet.py")
+  given = os.path.basename(str(config_arg or "").split(":")[0])
+  if given and given != recipe:
+    logging.info(
+        "--config.model=%s keeps %s's recipe (%s, learning rate %s, weight decay %s, Nesterov "
+        "%s, %s epochs); %s's own recipe is --config=configs/%s:%s.", model, given,
+        config.get("optimizer"), config.get("learning_rate"), config.get("weight_decay"),
+        config.get("nesterov"), config.get("num_epochs"), model, recipe, model)
+
+
 def resolve_config(mode: str, workdir: str, config_arg=None, overrides=()):
   """The config of the job: the ``config_arg`` file (``train``) or the workdir's recorded run
   (an evaluation mode; a ``config_arg`` file there must name the recorded model, and its keys that
@@ -202,6 +224,7 @@ def resolve_config(mode: str, workdir: str, config_arg=None, overrides=()):
                        f"of {model} instead.")
     # First the model, so that the other overrides set its options, not the config file's model's.
     config = with_model(config, model)
+    _name_the_recipe(config, config_arg, model)
   method = dict(overrides).get("method")
   if method is not None and method != config.method:
     # Then the method, whose settings block replaces the previous method's (an evaluation may
@@ -252,6 +275,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   signal.signal(signal.SIGINT, _exit_at_once)  # no KeyboardInterrupt traceback
+  _JobStarted.started = False
   if FLAGS.verbosity < 1:  # --verbosity=1 shows every library's INFO lines too
     show_only_our_info_lines()
   evaluated = FLAGS.ensemble_workdirs[0] if FLAGS.ensemble_workdirs else FLAGS.workdir
@@ -268,7 +292,7 @@ def main(argv):
         coordinator_address=FLAGS.coordinator_address, num_processes=FLAGS.num_processes,
         process_id=FLAGS.process_id)
   except USER_ERRORS as e:
-    _fail(e, 1)
+    _fail(e, 1 if _JobStarted.started or not isinstance(e, REFUSALS) else 2)
   except Preempted as stopped:  # after its checkpoint: the line that says how to resume
     print(stopped, file=sys.stderr)
     sys.exit(stopped.exit_status)
@@ -337,6 +361,14 @@ def run(config, workdir: str, mode: str = "train", *, evaluated_workdir=None, re
   return _run(config, workdir, mode, names, evaluated_workdir or workdir, results_dir)
 
 
+class _JobStarted(Callback):
+  """Marks the job started at the training loop's start: the settings were all taken."""
+  started = False
+
+  def on_start(self, step: int, state) -> None:
+    type(self).started = True
+
+
 def _run(config, workdir, mode, names, evaluated_workdir, results_dir) -> dict:
   logging.info("%s %s: reading %s and building the model (JAX devices: %d %s, processes: %d).",
                "Training" if mode == "train" else f"Mode {mode} on", evaluated_workdir,
@@ -349,8 +381,9 @@ def _run(config, workdir, mode, names, evaluated_workdir, results_dir) -> dict:
   results = {}
   with opened as the_run:
     if mode == "train":
-      train(the_run)
-    elif mode == "fit":
+      train(the_run, callbacks=[_JobStarted()])
+    _JobStarted.started = True  # (a fit's or an evaluation's errors are failures, status 1)
+    if mode == "fit":
       print(f"Fitted {the_run.method.describe()}: {the_run.fit()}")
     for name, (result, summary) in evaluators.run_evaluators(names, the_run,
                                                               results_dir).items():

@@ -184,12 +184,16 @@ def plot_detection_curves(curves: dict, title: str = ""):
   curve carries ``fpr95_id_positive`` / ``fpr95_ood_positive``: ○ at 95% of in-distribution
   accepted, × at 95% of OOD rejected (``ranking.detection_metrics``)."""
   fig, (roc, pr) = _pyplot().subplots(1, 2, figsize=(10, 4))
-  for label, c in curves.items():
-    line, = roc.plot(c["fpr"], c["tpr"], label=label, **_curve_style(label))
+  # One colour per curve, all distinct (the default cycle repeats after 10; every OOD score is 11).
+  cm, n = _pyplot().cm, len(curves)
+  colours = (cm.tab10(np.arange(n)) if n <= 10 else cm.tab20(np.arange(n)) if n <= 20
+             else cm.turbo(np.linspace(0, 1, n)))
+  for (label, c), colour in zip(curves.items(), colours, strict=True):
+    roc.plot(c["fpr"], c["tpr"], label=label, color=colour, **_curve_style(label))
     if "fpr95_id_positive" in c:
-      roc.plot(c["fpr95_id_positive"], 0.95, "o", color=line.get_color(), fillstyle="none")
-      roc.plot(0.05, 1 - c["fpr95_ood_positive"], "x", color=line.get_color())
-    pr.plot(c["recall"], c["precision"], label=label, **_curve_style(label))
+      roc.plot(c["fpr95_id_positive"], 0.95, "o", color=colour, fillstyle="none")
+      roc.plot(0.05, 1 - c["fpr95_ood_positive"], "x", color=colour)
+    pr.plot(c["recall"], c["precision"], label=label, color=colour, **_curve_style(label))
   roc.plot([0, 1], [0, 1], color="0.7", linewidth=0.8)
   roc.set(xlabel="False-positive rate (OOD accepted)", ylabel="True-positive rate (in accepted)",
           title="ROC")

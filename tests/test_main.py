@@ -134,12 +134,12 @@ def cli_results(tmp_path_factory, analysis_workdirs):
     ("config argument typo", 2, "Bad config argument 'runlokal'"),
     ("unknown config key", 2, "unknown config key 'not_a_key'"),
     ("missing dataset", 1, "/missing/train.npz does not exist"),
-    ("wrong dtype", 1, "'images' must be uint8 [N,H,W,3] (or grayscale [N,H,W] / [N,H,W,1]), got "
+    ("wrong dtype", 2, "'images' must be uint8 [N,H,W,3] (or grayscale [N,H,W] / [N,H,W,1]), got "
      "float32"),
-    ("unknown model", 1, "Unknown model name 'resnet_dnn_18x'"),
-    ("unknown model in an existing workdir", 1, "Unknown model name 'resnet_dnn_18x'"),
-    ("no deep-ensemble members", 1, "deep_ensemble.members must be an integer >= 1, got 0"),
-    ("model/dataset mismatch", 1, "does not fit dataset"),
+    ("unknown model", 2, "Unknown model name 'resnet_dnn_18x'"),
+    ("unknown model in an existing workdir", 2, "Unknown model name 'resnet_dnn_18x'"),
+    ("no deep-ensemble members", 2, "deep_ensemble.members must be an integer >= 1, got 0"),
+    ("model/dataset mismatch", 2, "does not fit dataset"),
     ("missing checkpoint", 1, "No run in"),
     ("training needs a config", 2, "Training needs --config=<file>.py[:<args>]"),
     ("an option the evaluator does not take", 2,
@@ -147,7 +147,7 @@ def cli_results(tmp_path_factory, analysis_workdirs):
      "(config.evals.ensemble_sizes.<option>): sizes, members, seed"),
     ("an unknown evaluator option", 2, "unknown config key 'evals.ensemble_sizes.num_samples'; "
      "keys there: members, seed, sizes"),
-    ("a bad evaluator option value", 1, "config.evals.ensemble_sizes.sizes must be ensemble sizes "
+    ("a bad evaluator option value", 2, "config.evals.ensemble_sizes.sizes must be ensemble sizes "
      "N >= 1 (empty: config.ensemble_sizes), got (0,)."),
     ("a config of another model", 2, "names model 'resnet_mcdo_smoothing_18', but"),
     ("results not writable", 1, "PermissionError: Cannot write the results into "),
@@ -329,3 +329,19 @@ def test_two_processes_stop_together_and_match_one_process(tmp_path):
   assert saved_step == step
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6),
                jax.device_get(variables["params"]), jax.device_get(single.params))
+
+
+def test_switching_the_model_names_the_recipe_kept_and_the_model_s_own():
+  from smoothing_jax import main
+  from tests.helpers import absl_info_lines
+  with absl_info_lines() as lines:
+    config = main.resolve_config("train", None, "configs/quickstart.py",
+                                 [("model", "resnet_batchensemble_18")])
+    main.resolve_config("train", None, "configs/cifar_resnet.py:resnet_dnn_18,cifar10",
+                        [("model", "resnet_mcdo_18")])
+  named = [line for line in lines if "recipe" in line]
+  assert named == [
+      f"--config.model=resnet_batchensemble_18 keeps quickstart.py's recipe (sgd, learning rate "
+      f"{config.learning_rate}, weight decay {config.weight_decay}, Nesterov {config.nesterov}, "
+      f"{config.num_epochs} epochs); resnet_batchensemble_18's own recipe is "
+      "--config=configs/cifar_resnet.py:resnet_batchensemble_18."]

@@ -348,12 +348,18 @@ def _short(name: str) -> str:
 
 
 def summary(rows: list, output_dir) -> str:
-  lines = ["OOD set                | N  | score              | AUROC (%) | AUPR-In | AUPR-Out | "
-           "FPR@95 (%) in+ | OOD+  | ID acc (%)"]
-  lines += [f"{_short(r['ood_dataset'])[:22]:22s} | {r['ensemble_size']:2d} | {r['score']:18s} | "
-            f"{100 * r['auroc']:9.2f} | {r['aupr_in']:7.4f} | {r['aupr_out']:8.4f} | "
-            f"{100 * r['fpr95_id_positive']:14.2f} | {100 * r['fpr95_ood_positive']:5.2f} | "
-            f"{100 * r['id_accuracy']:10.2f}" for r in rows]
+  """The rows as an aligned text table: every column as wide as its widest cell (set names whole,
+  however long)."""
+  header = ("OOD set", "N", "score", "AUROC (%)", "AUPR-In", "AUPR-Out", "FPR@95 (%) in+",
+            "OOD+", "ID acc (%)")
+  cells = [(_short(r["ood_dataset"]), f"{r['ensemble_size']}", r["score"],
+            f"{100 * r['auroc']:.2f}", f"{r['aupr_in']:.4f}", f"{r['aupr_out']:.4f}",
+            f"{100 * r['fpr95_id_positive']:.2f}", f"{100 * r['fpr95_ood_positive']:.2f}",
+            f"{100 * r['id_accuracy']:.2f}") for r in rows]
+  widths = [max(len(row[i]) for row in [header, *cells]) for i in range(len(header))]
+  lines = [" | ".join(text.ljust(w) if i < 3 else text.rjust(w)
+                      for i, (text, w) in enumerate(zip(row, widths, strict=True)))
+           for row in [header, *cells]]
   lines.append("FPR@95 in+: OOD accepted at 95% of in-distribution accepted (Hendrycks & Gimpel); "
                "OOD+: in-distribution flagged at 95% of OOD flagged (OpenOOD).  '<group> mean': "
                "the mean of the group's sets.")

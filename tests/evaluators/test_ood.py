@@ -206,3 +206,21 @@ def test_mc_dropout_gives_every_score_at_every_nested_size(analysis_workdirs, tm
     ood.evaluate(mc_run, tmp_path, near=(f"npz:{near}",), scores=("mahalanobis",))
   with pytest.raises(ValueError, match="near/far or by config.evals.ood.datasets, not both"):
     ood.evaluate(mc_run, tmp_path, near=(f"npz:{near}",), datasets=(f"npz:{near}",))
+
+
+def test_the_printed_table_keeps_whole_names_aligned_and_the_curves_distinct_colours(tmp_path):
+  from smoothing_jax.plots import plot_detection_curves
+  row = {"ensemble_size": 10, "score": "mutual_information", "auroc": 1.0, "aupr_in": 0.5,
+         "aupr_out": 0.25, "fpr95_id_positive": 1.0, "fpr95_ood_positive": 0.0,
+         "id_accuracy": 0.987}
+  rows = [{**row, "ood_dataset": "/data/cifar100/test_jpeg75.npz"},
+          {**row, "ood_dataset": "far mean", "ensemble_size": 1, "score": "msp"}]
+  lines = ood.summary(rows, tmp_path).splitlines()[:3]
+  assert "cifar100/test_jpeg75.npz" in lines[1] and "100.00" in lines[1]
+  assert len({len(line) for line in lines}) == 1  # every row as wide as the header
+  assert len({line.index("|") for line in lines}) == 1
+  curve = {"fpr": np.linspace(0, 1, 3), "tpr": np.linspace(0, 1, 3),
+           "recall": np.linspace(0, 1, 3), "precision": np.ones(3)}
+  fig = plot_detection_curves({f"score {i}": curve for i in range(11)})
+  colours = {tuple(line.get_color()) for line in fig.axes[0].lines[:-1]}
+  assert len(colours) == 11
