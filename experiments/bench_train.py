@@ -9,7 +9,7 @@ Prints one JSON object, all measured in the same run on the same devices:
     ratios against the first model, so the smoothing overhead can be read as
     "beyond what its larger feature maps cost" = time ratio / FLOP ratio;
   * images/s of the training input pipeline alone (augmentation + batching);
-  * end to end: images/s of the real training loop (``train.train_and_evaluate``: data,
+  * end to end: images/s of the real training loop (``train.train_from_config``: data,
     augmentation, step, logging, evaluation and checkpoint at the end) for ``--loop-steps``
     steps of the first model, with the dataset on the devices (``data_pipeline="resident"``)
     and through tf.data (``"tfdata"``), and their ratio;
@@ -26,7 +26,7 @@ folder), in images/s and as ratios against (2):
   2. ``resident_step``: the resident compiled step (``compile_steps`` with the pipeline of
      ``create_pipeline``, ``steps_per_call`` 1) called with count 1 the same way: the batch's
      gather and augmentation included;
-  3. ``loop_k1``: ``train.train_and_evaluate`` with ``steps_per_call`` 1;
+  3. ``loop_k1``: ``train.train_from_config`` with ``steps_per_call`` 1;
   4. ``loop_default_k``: the same at the loop's default ``steps_per_call`` (0:
      ``train.resolved_steps_per_call``: 1 on the CPU, ``log_every_steps`` on an accelerator);
 and, as diagnostics, ``loop_k_log_every_steps`` (the loop at K = ``log_every_steps``, the
@@ -143,18 +143,18 @@ def use_persistent_compilation_cache(directory: str):
 
 
 def loop_run_seconds(config, num_train_steps: int) -> tuple:
-  """``(seconds, steps trained)`` of ``train.train_and_evaluate(config)`` for
+  """``(seconds, steps trained)`` of ``train.train_from_config(config)`` for
   ``num_train_steps`` in a fresh temporary workdir (``config.num_train_steps`` is set)."""
   config.num_train_steps = num_train_steps
   with tempfile.TemporaryDirectory(prefix="bench_train_loop_") as workdir:
     start = time.perf_counter()
-    state = train.train_and_evaluate(config, workdir)
+    state = train.train_from_config(config, workdir)
     jax.block_until_ready(state.params)
     return time.perf_counter() - start, int(state.step)
 
 
 def train_loop_images_per_s(config, log=print) -> dict:
-  """images/s of ``train.train_and_evaluate(config)`` without compilation and fixed costs.
+  """images/s of ``train.train_from_config(config)`` without compilation and fixed costs.
 
   Runs in fresh workdirs, the persistent compilation cache on
   (:func:`use_persistent_compilation_cache`): one step (it compiles), one step twice more (T1,

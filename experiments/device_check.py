@@ -41,7 +41,7 @@ compilation goes to a fresh persistent compilation cache:
 * ``train_step``: ``bench_accelerator``'s JAX and PyTorch steps of ``resnet_dnn_18`` and
   ``resnet_mcdo_smoothing_18``, batch 128 and 512, float32 and bfloat16, TFLOP/s, fraction of
   peak, ratios bfloat16/float32 and JAX/PyTorch;
-* ``end_to_end``: ``train.train_and_evaluate`` on ``synthetic:50000x32x32x3:100`` with the SS
+* ``end_to_end``: ``train.train_from_config`` on ``synthetic:50000x32x32x3:100`` with the SS
   CIFAR-100 ResNet-18 recipe (half precision, device-resident data, evaluation and checkpoint at
   the end) for 2 epochs, compilation and fixed costs excluded
   (``bench_train.train_loop_images_per_s``);
@@ -498,7 +498,7 @@ def loop_config(s, batch_size: int, steps_per_call: int):
 
 def loop_images_per_s(config) -> dict:
   """images/s of the real loop (``train.train`` of ``Run.from_config``, what
-  ``train.train_and_evaluate`` runs) between the calls that end at its first and its last metric
+  ``train.train_from_config`` runs) between the calls that end at its first and its last metric
   summary: each summary waits for the calls before it, so the interval holds the steps between
   them with their data, metrics and summaries, and no compilation, evaluation or checkpoint."""
   clock, hits = CallClock(), CacheHits.count

@@ -207,7 +207,7 @@ def _once_per_run(tmp_path_factory, name: str, make):
 
 
 def _initialised_workdir(config, workdir, **model_kwargs) -> str:
-  """What ``train.train_and_evaluate(config, workdir)`` leaves at step 0 (``model_kwargs``
+  """What ``train.train_from_config(config, workdir)`` leaves at step 0 (``model_kwargs``
   overriding the model's options): ``config.json`` with the model spec, and an orbax checkpoint
   of the initial train state.  No train or eval step is compiled."""
   from smoothing_jax.experiment.run import Run
@@ -229,7 +229,7 @@ def _train_briefly(config, workdir, **model_kwargs) -> str:
   from smoothing_jax.training import train
   override(config, **model_options(**model_kwargs), **{"input.batch_size": 16}, num_train_steps=4,
            checkpoint_every_steps=4, num_devices=1)
-  train.train_and_evaluate(config, str(workdir))
+  train.train_from_config(config, str(workdir))
   return str(workdir)
 
 
@@ -268,7 +268,7 @@ def small_npz_run(tmp_path_factory):
   def make(root):
     (root / "data").mkdir()
     data = small_npz(root / "data")
-    train.train_and_evaluate(small_npz_config(data), str(root / "run"))
+    train.train_from_config(small_npz_config(data), str(root / "run"))
     return [data, str(root / "run")]
   data, workdir = _once_per_run(tmp_path_factory, "small_npz_run", make)
   return data, workdir, jax.device_get(load_variables(workdir, create_mesh())[1])

@@ -334,7 +334,7 @@ def train_resume_and_evaluate(config, root, evals=ALL_CLASSIFIER_EVALS) -> dict:
     shutil.copytree(root / "run", root / "resumed")
     shutil.rmtree(root / "resumed" / "checkpoints" / "4")
     with absl_info_lines() as lines:
-      resumed = train.train_and_evaluate(config, str(root / "resumed"))
+      resumed = train.train_from_config(config, str(root / "resumed"))
     assert any(line.startswith("Resumed from step 2 ") for line in lines), lines
   a, b = flat_variables(variables_of(resumed)), flat_variables(run.variables)
   assert a.keys() == b.keys()

@@ -324,7 +324,7 @@ def test_two_processes_stop_together_and_match_one_process(tmp_path):
 
   assert jax.device_count() == 8 and jax.process_count() == 1
   config = override(quickstart.get_config("runlocal"), **{**sizes, "num_train_steps": step})
-  single = train.train_and_evaluate(config, str(tmp_path / "one_process"))
+  single = train.train_from_config(config, str(tmp_path / "one_process"))
   saved_step, variables = load_variables(str(workdir), create_mesh())
   assert saved_step == step
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6),

@@ -202,13 +202,13 @@ def test_loading_a_workdir_imports_neither_torch_nor_the_checkpoint_conversions(
 # layers/), plus the places listed here, each commented in its file with why.
 METHOD_QUESTIONS = re.compile(
     r"\bis_(ibnn|mean_field|batch_ensemble|stochastic)\b|\.num_components\b|\.ensemble_size\b"
-    r"|\.mean_field\b|\bensemble_members\b|isinstance\([^)]*(MCDropout|DeepEnsemble|IBNN|BNNVI|"
+    r"|\.mean_field\b|\bstacked_members\b|isinstance\([^)]*(MCDropout|DeepEnsemble|IBNN|BNNVI|"
     r"BatchEnsemble|Deterministic)\b|\.(fit_name|stochastic|needs_training_data|"
     r"prepares_variables)\b")
 METHOD_QUESTIONS_ALLOWED = {  # file: lines (code, strings and comments left out)
     # The BatchEnsemble primitive: its members, and the check of its input (one branch).
     "inference.py": 3,
-    # Run.ensemble_members (the members a Run stacks) and Run.member's bounds (one branch);
+    # Run.stacked_members (the networks a Run stacks) and Run.member's bounds (one branch);
     # Run.fit's refusal of a method without a post-hoc stage (one branch); Run.stochastic
     # passes the method's answer on.
     "experiment/run.py": 4,

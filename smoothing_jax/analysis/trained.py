@@ -65,11 +65,11 @@ def load_trained(workdir: str, member: int | None = None) -> Run:
   run = Run.from_workdir(workdir)
   # Branch on the method: the analyses study one network's weights and features, which a deep
   # ensemble has M of; choosing one is the user's call, not a method's.
-  if run.ensemble_members > 1:
+  if run.stacked_members > 1:
     if member is None:
-      raise ValueError(f"{workdir} holds an ensemble of {run.ensemble_members} members and the "
+      raise ValueError(f"{workdir} holds an ensemble of {run.stacked_members} members and the "
                        "analyses take one model: pass member=<0.."
-                       f"{run.ensemble_members - 1}>.")
+                       f"{run.stacked_members - 1}>.")
     return run.member(member)
   if member not in (None, 0):
     raise ValueError(f"{workdir} holds one model; there is no member {member}.")

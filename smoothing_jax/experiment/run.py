@@ -338,8 +338,10 @@ class Run:
   # Deep ensembles trained as one job (``config.deep_ensemble.members``;
   # smoothing_jax.methods.deep_ensemble).
   @property
-  def ensemble_members(self) -> int:
-    """M: the members stacked along the leading axis of :attr:`variables` (1: one model)."""
+  def stacked_members(self) -> int:
+    """M: the networks stacked along the leading axis of :attr:`variables` (a deep ensemble's
+    members; 1 for one network, BatchEnsemble, MIMO and Packed-Ensembles included, whose members
+    share one network: their N is the method's ``num_draws``)."""
     return self.method.members
 
   def member(self, m: int) -> Run:
@@ -349,8 +351,8 @@ class Run:
     writes it out as a workdir."""
     # Branch on the method: a member index must lie within the stacked members (M of a deep
     # ensemble, 1 otherwise), read from the method that stacked them.
-    if not 0 <= m < self.ensemble_members:
-      raise ValueError(f"{self.workdir} holds an ensemble of {self.ensemble_members} members; "
+    if not 0 <= m < self.stacked_members:
+      raise ValueError(f"{self.workdir} holds an ensemble of {self.stacked_members} members; "
                        f"there is no member {m}.")
     config = with_overrides(self.config, {"seed": seeds_of(self.config)[m],
                                           "deep_ensemble.members": 1,

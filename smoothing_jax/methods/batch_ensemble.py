@@ -15,7 +15,6 @@ the layers are :mod:`smoothing_jax.layers.batch_ensemble`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,28 +28,18 @@ from smoothing_jax.inference import (
 )
 from smoothing_jax.layers.batch_ensemble import fast_weight_mask
 from smoothing_jax.methods.base import Method
-from smoothing_jax.models import is_stochastic
+from smoothing_jax.methods.fixed_members import FixedMembers
 
 
 @dataclasses.dataclass(frozen=True)
-class BatchEnsemble(Method):
+class BatchEnsemble(FixedMembers):
   """The M = ``model.ensemble_size`` members of one network of fast weights."""
   name = "batch_ensemble"
+  members_attribute = "ensemble_size"
   # uncertainty-baselines' CIFAR settings: the fast weights (and the members' biases) learn at the
   # multiplied rate; weight decay skips the fast weights unless fast_weight_decay says otherwise.
   settings = {"fast_weight_lr_multiplier": 0.5, "fast_weight_decay": 0.0}
 
-
-  @property
-  def stochastic(self) -> bool:
-    return is_stochastic(self.model)  # MC dropout inside the members
-
-  @property
-  def num_draws(self) -> int:
-    return self.model.ensemble_size
-
-  def nested(self, requested: Sequence[int] = ()) -> tuple:
-    return self, tuple(range(1, self.num_draws + 1))
 
   def sample_log_probs(self, variables, images, rng):
     return batch_ensemble_log_probs(self.model, variables, images, rng)

@@ -16,7 +16,6 @@ M heads, one forward pass (``resnet_mimo_18``, ``wideresnet_mimo_28_10``; the mo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +23,8 @@ import numpy as np
 
 from smoothing_jax.inference import log_probs, mean_probs, pass_outputs, sample_rngs
 from smoothing_jax.methods.base import Method, setting
+from smoothing_jax.methods.fixed_members import FixedMembers
 from smoothing_jax.methods.losses import cross_entropy
-from smoothing_jax.models import is_stochastic
 
 
 def shuffled_rows(num_rows: int, input_repetition_probability: float) -> int:
@@ -58,9 +57,10 @@ def training_indices(key, batch_size: int, members: int, batch_repetitions: int,
 
 
 @dataclasses.dataclass(frozen=True)
-class MIMO(Method):
+class MIMO(FixedMembers):
   """The M = ``model.mimo_members`` heads of one network on M inputs."""
   name = "mimo"
+  members_attribute = "mimo_members"
   # uncertainty-baselines' flags (baselines/cifar/mimo.py): batch_repetitions 4,
   # input_repetition_probability 0.0.
   settings = {"batch_repetitions": 4, "input_repetition_probability": 0.0}
@@ -74,17 +74,6 @@ class MIMO(Method):
                batch_repetitions=setting(config, "mimo.batch_repetitions", 4),
                input_repetition_probability=setting(config, "mimo.input_repetition_probability",
                                                     0.0))
-
-  @property
-  def stochastic(self) -> bool:
-    return is_stochastic(self.model)  # MC dropout inside the network
-
-  @property
-  def num_draws(self) -> int:
-    return self.model.mimo_members
-
-  def nested(self, requested: Sequence[int] = ()) -> tuple:
-    return self, tuple(range(1, self.num_draws + 1))
 
   def sample_log_probs(self, variables, images, rng):
     return jnp.swapaxes(log_probs(self.model, variables, images, rng), 0, 1)   # [M, B, C]

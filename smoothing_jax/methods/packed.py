@@ -11,13 +11,13 @@ one network of grouped convolutions (``resnet_packed_18``, the module
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from smoothing_jax.inference import log_probs, mean_probs, sample_rngs
 from smoothing_jax.methods.base import Method
+from smoothing_jax.methods.fixed_members import FixedMembers
 
 
 def _members_first(x, m: int):
@@ -26,17 +26,11 @@ def _members_first(x, m: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class PackedEnsemble(Method):
+class PackedEnsemble(FixedMembers):
   """The M = ``model.num_estimators`` members of one packed network."""
   name = "packed_ensemble"
+  members_attribute = "num_estimators"
 
-
-  @property
-  def num_draws(self) -> int:
-    return self.model.num_estimators
-
-  def nested(self, requested: Sequence[int] = ()) -> tuple:
-    return self, tuple(range(1, self.num_draws + 1))
 
   def sample_log_probs(self, variables, images, rng):
     return _members_first(log_probs(self.model, variables, images, rng), self.num_draws)

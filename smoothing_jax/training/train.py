@@ -6,7 +6,7 @@
 with periodic logging, evaluation (``eval_step``), checkpoints and the callbacks
 (``callbacks.Preemption``, ``trajectory.TrajectoryRecorder``, your own). Data parallelism is
 ``jax.jit`` over the run's 1-D ``Mesh`` with axis ``data`` (``steps.compile_steps``).
-``train_and_evaluate(config, workdir)`` is ``train(Run.from_config(config, workdir))``.
+``train_from_config(config, workdir)`` is ``train(Run.from_config(config, workdir))``.
 
 The pieces live one idea a module: ``optim`` (schedules, optimisers), ``steps`` (the state and
 the compiled steps), ``callbacks``; what differs between methods (the objective, the optimiser's
@@ -287,8 +287,8 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
   return state
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
-                       stop_after_steps: int | None = None) -> TrainState:
+def train_from_config(config: ml_collections.ConfigDict, workdir: str, *,
+                      stop_after_steps: int | None = None) -> TrainState:
   """:func:`train` of ``Run.from_config(config, workdir)`` (the evaluators then run on
   ``Run.from_workdir(workdir)``, or ``main`` passes them the same run)."""
   check_config(config)  # a refused config leaves no workdir behind

@@ -141,7 +141,7 @@ def test_camvid_recipe_trains_and_evaluates_streams(fake_camvid, tmp_path):
   assert (config.optimizer, config.learning_rate, config.lr_milestones, config.class_balancing) == (
       "adam", 1e-3, (100,), "median_frequency")
   workdir = str(tmp_path / "unet")
-  state = train.train_and_evaluate(config, workdir)
+  state = train.train_from_config(config, workdir)
   assert int(state.step) == 2
   rows = evaluate_workdir("ensemble_sizes", workdir, str(tmp_path / "results"), config)
   assert [r["ensemble_size"] for r in rows] == [1, 2]

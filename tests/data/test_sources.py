@@ -93,7 +93,7 @@ def test_the_size_rule_is_torchvision_resize_then_centre_crop():
 
 
 def test_a_folder_trains_evaluates_and_serves_as_an_ood_set_with_a_tfds_one(tmp_path):
-  """``folder:`` end to end through ``train.train_and_evaluate`` (its evaluation included), the
+  """``folder:`` end to end through ``train.train_from_config`` (its evaluation included), the
   class names in ``config.json``; then the OOD evaluator on a ``folder:`` set of another size and
   on ``tfds:mnist`` (grayscale 28×28, under mock data), both brought to the model's 16×16."""
   tfds = pytest.importorskip("tensorflow_datasets")
@@ -105,7 +105,7 @@ def test_a_folder_trains_evaluates_and_serves_as_an_ood_set_with_a_tfds_one(tmp_
   root = write_folder(tmp_path / "pets", per_class=4)
   config = override(small_npz_config(root), **{"input.dataset": f"folder:{root}",
                                                "num_train_steps": 2})
-  train.train_and_evaluate(config, str(tmp_path / "run"))
+  train.train_from_config(config, str(tmp_path / "run"))
   record = json.loads((tmp_path / "run" / "config.json").read_text())
   assert record["model_spec"]["class_names"] == ["ant", "bird", "cat", "dog"]
   run = Run.from_workdir(str(tmp_path / "run"))

@@ -53,7 +53,7 @@ def _worker(data_dir, jobs):
   absl_logging.set_verbosity(absl_logging.INFO)  # "Resumed from step ..." on stderr
   for kind, workdir, arg in jobs:
     if kind == "train":
-      train.train_and_evaluate(small_npz_config(data_dir), workdir, stop_after_steps=arg)
+      train.train_from_config(small_npz_config(data_dir), workdir, stop_after_steps=arg)
     else:
       evaluate_workdir("ensemble_sizes", workdir, arg)
       step, variables = load_variables(workdir, create_mesh())
@@ -100,7 +100,7 @@ def test_checkpoints_move_between_device_counts(small_npz_run, tmp_path, caplog)
   two = _start_worker(2, data, [["train", cut8, None]])
   _finish(one)
   with caplog.at_level(logging.INFO):
-    resumed = train.train_and_evaluate(small_npz_config(data), cut1)  # 1 → 8
+    resumed = train.train_from_config(small_npz_config(data), cut1)  # 1 → 8
   assert "Resumed from step 2" in caplog.text
   assert int(resumed.step) == 4
   jax.tree.map(_ACROSS_DEVICE_COUNTS, jax.device_get(resumed.params), final["params"])
@@ -163,7 +163,7 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_newest_intact_one(small_n
 
   caplog.clear()
   with caplog.at_level(logging.WARNING):
-    resumed = train.train_and_evaluate(small_npz_config(data), str(workdir))
+    resumed = train.train_from_config(small_npz_config(data), str(workdir))
   assert "Checkpoint step 4" in caplog.text and "4.corrupt" in caplog.text
   assert "never retrieved" not in caplog.text  # no noise of the reads the failed restore abandoned
   assert int(resumed.step) == 4  # steps 3-4 again, on the same devices: bit-identical
@@ -225,7 +225,7 @@ def test_no_intact_checkpoint_is_a_one_line_error_and_deletes_nothing(small_npz_
   assert message.startswith(f"No intact checkpoint in {checkpoints}: steps 4, 2 failed to restore")
   assert "\n" not in message
   with pytest.raises(NoIntactCheckpointError, match="No intact checkpoint in"):
-    train.train_and_evaluate(small_npz_config(data), str(workdir))
+    train.train_from_config(small_npz_config(data), str(workdir))
   assert _files(checkpoints) == before
   assert "never retrieved" not in caplog.text
 
@@ -271,7 +271,7 @@ def test_a_checkpoint_written_before_methods_kept_state_resumes_as_one_of_today(
           {k: v for k, v in tree.items() if k != "method_state"}))
     manager.wait_until_finished()
   config = small_npz_config(data, num_train_steps=6)
-  resumed = {name: train.train_and_evaluate(config, str(tmp_path / name))
+  resumed = {name: train.train_from_config(config, str(tmp_path / name))
              for name in ("before", "today")}
   assert int(resumed["before"].step) == 6
   jax.tree.map(np.testing.assert_array_equal, resumed["before"].params, resumed["today"].params)
@@ -288,7 +288,7 @@ def test_a_rerun_with_other_settings_names_them_not_the_checkpoints(small_npz_ru
   workdir = shutil.copytree(full, tmp_path / "run")
   before = _files(workdir / "checkpoints")
   with pytest.raises(ConfigChangedError) as error:
-    train.train_and_evaluate(small_npz_config(data, **{"model_kwargs.width": 8}), str(workdir))
+    train.train_from_config(small_npz_config(data, **{"model_kwargs.width": 8}), str(workdir))
   message = str(error.value)
   assert "\n" not in message and "intact" not in message and "damaged" not in message
   assert "(model_kwargs.width: 4 → 8)" in message

@@ -23,8 +23,8 @@ def test_init_from_a_workdir_fine_tunes_with_a_fresh_classifier(small_npz_run, t
   data, source, trained = small_npz_run
   workdir = tmp_path / "fine_tune"
   with caplog.at_level(logging.WARNING):  # 6 classes instead of 4; no step taken
-    state = train.train_and_evaluate(small_npz_config(data, init_from=source, num_classes=6),
-                                     str(workdir), stop_after_steps=0)
+    state = train.train_from_config(small_npz_config(data, init_from=source, num_classes=6),
+                                    str(workdir), stop_after_steps=0)
   before = flat_variables(trained)
   started = flat_variables({"params": state.params, "batch_stats": state.batch_stats})
   head = ["params/classifier_0/dense/bias", "params/classifier_0/dense/kernel"]
@@ -38,9 +38,9 @@ def test_init_from_a_workdir_fine_tunes_with_a_fresh_classifier(small_npz_run, t
   moved = tmp_path / "source_copy"
   shutil.copytree(source, moved)
   config = small_npz_config(data, init_from=str(moved), num_classes=6)
-  first = train.train_and_evaluate(config, str(tmp_path / "resumed"), stop_after_steps=2)
+  first = train.train_from_config(config, str(tmp_path / "resumed"), stop_after_steps=2)
   shutil.rmtree(moved)
-  again = train.train_and_evaluate(config, str(tmp_path / "resumed"), stop_after_steps=0)
+  again = train.train_from_config(config, str(tmp_path / "resumed"), stop_after_steps=0)
   assert int(again.step) == int(first.step) == 2
   jax.tree.map(np.testing.assert_array_equal, again.params, first.params)
 
@@ -48,8 +48,8 @@ def test_init_from_a_workdir_fine_tunes_with_a_fresh_classifier(small_npz_run, t
 def test_init_from_errors_name_the_source_and_every_mismatch(small_npz_run, tmp_path):
   data, source, _ = small_npz_run
   with pytest.raises(FileNotFoundError, match="config.init_from '.*nowhere': no such workdir"):
-    train.train_and_evaluate(small_npz_config(data, init_from=str(tmp_path / "nowhere")),
-                             str(tmp_path / "run"), stop_after_steps=0)
+    train.train_from_config(small_npz_config(data, init_from=str(tmp_path / "nowhere")),
+                            str(tmp_path / "run"), stop_after_steps=0)
   spec = ModelSpec(6, "cifar", (16, 16, 3))
 
   def target(config):

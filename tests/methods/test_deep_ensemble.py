@@ -73,11 +73,11 @@ def _members_unlike_their_single_runs(data: str, root: str) -> list:
   :func:`_config` and, for each member, the single run of the seed it records, given the
   ensemble's split (seeded by the ensemble's seed, 0); returns ``(member, variable)`` of every
   variable that is not equal bit for bit."""
-  train.train_and_evaluate(_config(data), f"{root}/ensemble")
+  train.train_from_config(_config(data), f"{root}/ensemble")
   run = Run.from_workdir(f"{root}/ensemble")
   unequal = []
   for m in range(MEMBERS):
-    single = train.train_and_evaluate(
+    single = train.train_from_config(
         small_npz_config(data, seed=member_seeds(0, MEMBERS)[m], num_devices=1,
                          **{"input.split_seed": 0, "input.holdout_fraction": 0.25}),
         f"{root}/seed{m}")
@@ -128,19 +128,19 @@ def test_eight_devices_match_one_and_an_eight_device_checkpoint_resumes_on_one(e
   data, workdir = ensemble_run
   split = str(tmp_path / "split")
   # Steps 1-2 on 8 devices, checkpoint at 2.
-  train.train_and_evaluate(_config(data, num_devices=8), split, stop_after_steps=2)
+  train.train_from_config(_config(data, num_devices=8), split, stop_after_steps=2)
   on_one = Run.from_workdir(split, mesh=create_mesh(1))
   on_eight = Run.from_workdir(split, mesh=create_mesh(8))
   _assert_close(on_one.variables, on_eight.variables, rtol=0, atol=0)
-  resumed = train.train_and_evaluate(_config(data), split)  # steps 3-4 on 1 device
+  resumed = train.train_from_config(_config(data), split)  # steps 3-4 on 1 device
   _assert_close(variables_of(resumed), Run.from_workdir(workdir).variables, rtol=1e-5,
                 atol=1e-6)
 
 
 def test_a_resumed_ensemble_is_bit_identical(ensemble_run, tmp_path):
   data, workdir = ensemble_run
-  train.train_and_evaluate(_config(data), str(tmp_path / "resumed"), stop_after_steps=2)
-  resumed = train.train_and_evaluate(_config(data), str(tmp_path / "resumed"))
+  train.train_from_config(_config(data), str(tmp_path / "resumed"), stop_after_steps=2)
+  resumed = train.train_from_config(_config(data), str(tmp_path / "resumed"))
   _assert_close(variables_of(resumed), Run.from_workdir(workdir).variables, rtol=0, atol=0)
 
 
@@ -186,7 +186,7 @@ def test_a_written_out_member_resumes_as_the_single_run(ensemble_run, tmp_path):
   _, workdir = ensemble_run
   member = Run.from_workdir(workdir).write_member(1, str(tmp_path / "member1"))
   config = override(member.config, num_train_steps=5)
-  resumed = train.train_and_evaluate(config, member.workdir)
+  resumed = train.train_from_config(config, member.workdir)
   assert int(resumed.step) == 5
   with pytest.raises(ValueError, match="already holds a run"):
     Run.from_workdir(workdir).write_member(0, member.workdir)
@@ -205,7 +205,7 @@ def test_one_model_consumers_take_a_member_and_refuse_the_whole_ensemble(ensembl
   # An evaluation config (--mode=<evaluator> --config=...) keeps the recorded member count and
   # split (``RECORDED_KEYS``: the evaluation config holds none held out).
   evaluated = Run.from_workdir(workdir, small_npz_config(ensemble_run[0]))
-  assert (evaluated.ensemble_members, evaluated.config.input.holdout_fraction) == (MEMBERS, 0.25)
+  assert (evaluated.stacked_members, evaluated.config.input.holdout_fraction) == (MEMBERS, 0.25)
   run = Run.from_workdir(workdir)
   images = np.asarray(run.pipeline.eval_arrays["images"][:3], np.float32) / 255.0
   probs = run.predict(images)
@@ -217,7 +217,7 @@ def test_ensembles_of_different_seeds_share_no_member(ensemble_run, tmp_path):
   """Seed 1's ensemble (the fixture's programs, from the compilation cache) against seed 0's:
   with member m the run of seed + m, seed 1's member 0 was seed 0's member 1."""
   data, workdir = ensemble_run
-  other = variables_of(train.train_and_evaluate(_config(data, seed=1), str(tmp_path / "seed1")))
+  other = variables_of(train.train_from_config(_config(data, seed=1), str(tmp_path / "seed1")))
   ours = Run.from_workdir(workdir).variables
   for a in range(MEMBERS):
     for b in range(MEMBERS):

@@ -231,8 +231,8 @@ def trained(tmp_path_factory):
                     })
   data = functools.partial(tfds.testing.mock_data, num_examples=16)
   with data():
-    train.train_and_evaluate(det, str(root / "det"))
-    state = train.train_and_evaluate(config, str(root / "ibnn"))
+    train.train_from_config(det, str(root / "det"))
+    state = train.train_from_config(config, str(root / "ibnn"))
     rows = evaluate_workdir("ensemble_sizes", str(root / "ibnn"), str(root / "results"), config)
   return root, config, state, rows, data
 
@@ -248,7 +248,7 @@ def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(trained):
   kernel = state.params["layer0_0"]["conv"]["kernel"]
   np.testing.assert_array_equal(kernel,
                                 det_variables["params"]["layer0_0"]["conv"]["kernel"])  # frozen U
-  init_rng = jax.random.split(jax.random.key(config.seed), 3)[0]  # as train_and_evaluate
+  init_rng = jax.random.split(jax.random.key(config.seed), 3)[0]  # as train_from_config
   model = get_model("vgg_ibnn_16", 10, num_components=3, width=4, noise_init_std=0.75,
                     stage_sizes=TWO_STAGES)
   start = jax.jit(model.init)({
@@ -265,7 +265,7 @@ def test_end_to_end_from_a_deterministic_checkpoint_under_mock_data(trained):
                    **{"ibnn.pretrained_workdir": str(root / "det"), "model_kwargs.width": 8,
                       "model_kwargs.stage_sizes": TWO_STAGES})
   with data(), pytest.raises(ValueError, match="does not match"):
-    train.train_and_evaluate(wrong, str(root / "wrong"))
+    train.train_from_config(wrong, str(root / "wrong"))
 
 
 def test_predict_the_evaluators_and_the_training_evaluation_agree(trained, tmp_path):

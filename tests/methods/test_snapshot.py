@@ -61,7 +61,7 @@ def snapshot_run(tmp_path_factory):
                                                  checkpoint_every_steps=4, keep_checkpoints=3,
                                                  ensemble_sizes=(1, 2, 3)), "snapshot_ensemble"),
                     **{"snapshot_ensemble.size": 3})
-  train.train_and_evaluate(config, str(root / "run"))
+  train.train_from_config(config, str(root / "run"))
   return str(root / "run")
 
 

@@ -300,7 +300,7 @@ def swag_run(tmp_path_factory):
                                                  checkpoint_every_steps=4, keep_checkpoints=5,
                                                  ensemble_sizes=(1, 3)), "swag"),
                     **{"swag.rank": 2})
-  train.train_and_evaluate(config, str(root / "run"))
+  train.train_from_config(config, str(root / "run"))
   return data, str(root / "run"), config
 
 
@@ -387,7 +387,7 @@ def test_a_run_resumed_during_the_collection_ends_bit_identical(swag_run, tmp_pa
   _, workdir, config = swag_run
   shutil.copytree(workdir, tmp_path / "resumed")
   shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "16")
-  resumed = train.train_and_evaluate(config, str(tmp_path / "resumed"))
+  resumed = train.train_from_config(config, str(tmp_path / "resumed"))
   a, b = _flat(variables_of(resumed)), _flat(Run.from_workdir(workdir).variables)
   assert a.keys() == b.keys() and any(k.startswith("swag/") for k in a)
   for key in a:
@@ -422,7 +422,7 @@ def test_a_swag_run_starts_from_a_deterministic_run_of_another_method(swag_run, 
   _, source, _ = small_npz_run
   _, _, config = swag_run
   config = override(config.copy_and_resolve_references(), init_from=source, num_devices=-1)
-  train.train_and_evaluate(config, str(tmp_path / "run"))
+  train.train_from_config(config, str(tmp_path / "run"))
   assert int(Run.from_workdir(str(tmp_path / "run")).variables["swag"]["count"]) == 2
 
 
@@ -452,7 +452,7 @@ def test_multiswag_is_a_deep_ensemble_of_swag_members_with_nothing_written_for_i
   from tests.helpers import override
   _, _, config = swag_run
   config = override(config.copy_and_resolve_references(), **{"deep_ensemble.members": 2})
-  train.train_and_evaluate(config, str(tmp_path / "run"))
+  train.train_from_config(config, str(tmp_path / "run"))
   run = Run.from_workdir(str(tmp_path / "run"))
   assert isinstance(run.method, DeepEnsemble) and run.method.per_member.name == "swag"
   assert run.variables["swag"]["count"].tolist() == [2, 2]

@@ -38,14 +38,14 @@ def _differences(root) -> list:
   K = 5, differ from K = 2 (the runs in ``root``)."""
   data = small_npz(root)
   for k in (2, 13):
-    train.train_and_evaluate(_config(data, k), os.path.join(root, f"k{k}"))
+    train.train_from_config(_config(data, k), os.path.join(root, f"k{k}"))
   stopped = os.path.join(root, "stopped")
   try:
-    train.train_and_evaluate(_config(data, 13), stopped, stop_after_steps=13)
+    train.train_from_config(_config(data, 13), stopped, stop_after_steps=13)
   except train.Preempted:
     pass
   assert load_variables(stopped, create_mesh(1))[0] == 13
-  train.train_and_evaluate(_config(data, 5), stopped)
+  train.train_from_config(_config(data, 5), stopped)
   one = jax.tree_util.tree_flatten_with_path(_variables(os.path.join(root, "k2")))[0]
   return [f"{name} {jax.tree_util.keystr(path)}" for name in ("k13", "stopped")
           for (path, a), b in zip(one, jax.tree.leaves(_variables(os.path.join(root, name))),
@@ -72,7 +72,7 @@ def test_a_non_finite_loss_inside_a_call_names_its_step(tmp_path):
   for k in (2, 13):
     config = _config(data, k, learning_rate=1e4, log_every_steps=1 if k == 2 else 100)
     with pytest.raises(FloatingPointError, match=r"Non-finite training loss .* at step \d+\.") as e:
-      train.train_and_evaluate(config, str(tmp_path / f"k{k}"))
+      train.train_from_config(config, str(tmp_path / f"k{k}"))
     named.append(int(re.search(r"at step (\d+)\.", str(e.value)).group(1)))
     shutil.rmtree(tmp_path / f"k{k}")
   # (log_every_steps 1 cuts K = 2 to calls of one step: the loop's program, a trip count of 1.)

@@ -20,7 +20,7 @@ tfds = pytest.importorskip("tensorflow_datasets")  # CIFAR-10 under TFDS mock da
 def trained_workdir(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("run"))
   with tfds.testing.mock_data(num_examples=16):
-    state = train.train_and_evaluate(tiny_config(), workdir)
+    state = train.train_from_config(tiny_config(), workdir)
   return workdir, state
 
 
@@ -43,12 +43,12 @@ def test_resume_after_interruption_is_bit_identical(tmp_path):
   config = tiny_config(num_train_steps=4, checkpoint_every_steps=2, trajectory_every_steps=3,
                        trajectory_dims=8, **{"input.train_fraction": 0.5})
   with tfds.testing.mock_data(num_examples=16):
-    full = train.train_and_evaluate(config, str(tmp_path / "full"))
-    train.train_and_evaluate(config, str(tmp_path / "cut"),
-                             stop_after_steps=2)  # "killed" after step 2
+    full = train.train_from_config(config, str(tmp_path / "full"))
+    train.train_from_config(config, str(tmp_path / "cut"),
+                            stop_after_steps=2)  # "killed" after step 2
     assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["2"]
     assert list(load_trajectory(tmp_path / "cut").steps) == [0]
-    resumed = train.train_and_evaluate(config, str(tmp_path / "cut"))
+    resumed = train.train_from_config(config, str(tmp_path / "cut"))
     _, class_counts = np.unique(load_arrays(parse_dataset("cifar10"), "train", shard=False)[1],
                                 return_counts=True)
     polar = trained_lib.trajectory_study(trained_lib.load_trained(str(tmp_path / "full")))
@@ -77,7 +77,7 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(
                        learning_rate=1e30)
   with tfds.testing.mock_data(num_examples=16):
     with pytest.raises(FloatingPointError, match=r"Non-finite training loss .* at step \d+"):
-      train.train_and_evaluate(config, str(tmp_path))
+      train.train_from_config(config, str(tmp_path))
   step, variables = load_variables(str(tmp_path), create_mesh())
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(variables))
 
@@ -171,9 +171,9 @@ def test_vit_recipe_resume_is_bit_identical(msa_workdirs, tmp_path):
   assert config.mixup_alpha > 0 and config.input.randaugment.num_layers > 0
   assert config.model_kwargs.stochastic_depth > 0
   cut = str(tmp_path / "cut")
-  train.train_and_evaluate(config, cut, stop_after_steps=2)
+  train.train_from_config(config, cut, stop_after_steps=2)
   assert sorted(os.listdir(os.path.join(cut, "checkpoints"))) == ["2"]
-  resumed = train.train_and_evaluate(config, cut)
+  resumed = train.train_from_config(config, cut)
   assert int(resumed.step) == 4
   (step_full, whole_full), (step_cut, whole_cut) = map(_whole_checkpoint, (full, cut))
   assert step_full == step_cut == 4
