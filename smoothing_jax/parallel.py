@@ -151,13 +151,13 @@ class _Progress:
   :data:`PROGRESS_EVERY_S` (batches and images done, the rate, and the time left where the
   batches know their count), and its wall time at the end of a pass that printed any."""
 
-  def __init__(self, label: str, count: int | None):
-    self.label, self.count = label, count
+  def __init__(self, label: str, count: int | None, examples: int | None = None):
+    self.label, self.count, self.examples = label, count, examples
     self.start = self.last = time.monotonic()
     self.images = 0
 
   def __call__(self, done: int, batch_size: int):
-    self.images += batch_size
+    self.images = min(self.images + batch_size, self.examples or float("inf"))
     now = time.monotonic()
     if not self.label or now - self.last < PROGRESS_EVERY_S:
       return
@@ -171,8 +171,8 @@ class _Progress:
   def done(self, batches: int):
     elapsed = time.monotonic() - self.start
     if self.label and elapsed >= PROGRESS_EVERY_S:
-      logging.info("%s: %d batches (%d images) in %.0f s", self.label, batches, self.images,
-                   elapsed)
+      logging.info("%s: %d batch%s (%d images) in %.0f s", self.label, batches,
+                   "" if batches == 1 else "es", self.images, elapsed)
 
 
 def evaluate_batches(step_fn: Callable, variables, batches: Iterable[dict], sharding, rng, *,
@@ -190,7 +190,8 @@ def evaluate_batches(step_fn: Callable, variables, batches: Iterable[dict], shar
   Returns the merged output pytree; ValueError when there are no batches.
   """
   total, parts, window = None, [], DispatchWindow()
-  progress = _Progress(label, len(batches) if hasattr(batches, "__len__") else None)
+  progress = _Progress(label, len(batches) if hasattr(batches, "__len__") else None,
+                       getattr(batches, "examples", None))
   for i, batch in enumerate(batches):
     batch = batch if sharding is None else shard_batch(batch, sharding)
     out = step_fn(variables, batch, jax.random.fold_in(rng, i))

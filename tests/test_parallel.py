@@ -181,10 +181,10 @@ def test_a_long_evaluation_pass_says_how_far_it_is_and_its_wall_time(monkeypatch
 
   batches = [{"x": np.zeros((40, 2), np.float32)} for _ in range(4)]
   with absl_info_lines() as lines:
-    parallel.evaluate_batches(step, None, Batches(4, iter(batches)), None, jax.random.key(0),
-                              concatenate=True, label="ood: set 1/2 svhn")
+    parallel.evaluate_batches(step, None, Batches(4, iter(batches), examples=150), None,
+                              jax.random.key(0), concatenate=True, label="ood: set 1/2 svhn")
     parallel.evaluate_batches(step, None, iter(batches[:1]), None, jax.random.key(0),
                               concatenate=True, label="short")
   assert lines == ["ood: set 1/2 svhn: batch 2/4 (80 images), 4 images/s, about 20 s left",
-                   "ood: set 1/2 svhn: batch 4/4 (160 images), 4 images/s, about 0 s left",
-                   "ood: set 1/2 svhn: 4 batches (160 images) in 40 s"]
+                   "ood: set 1/2 svhn: batch 4/4 (150 images), 4 images/s, about 0 s left",
+                   "ood: set 1/2 svhn: 4 batches (150 images) in 40 s"]  # the padding not counted

@@ -17,10 +17,11 @@ from smoothing_jax.data.dataset_spec import DatasetSpec
 
 class Batches:
   """Evaluation batches for one pass, as a generator gives them, that know how many they are
-  (``len``): what progress lines count against."""
+  (``len``) and how many examples they hold besides their padding (``examples``): what progress
+  lines count against."""
 
-  def __init__(self, count: int, batches: Iterator[dict]):
-    self.count, self._batches = count, batches
+  def __init__(self, count: int, batches: Iterator[dict], examples: int | None = None):
+    self.count, self._batches, self.examples = count, batches, examples
 
   def __len__(self) -> int:
     return self.count

@@ -184,7 +184,7 @@ class ResidentPipeline(Pipeline):
     count = arrays["images"].shape[0]
     return Batches(-(-count // batch_size), (
         self._eval_batch_fn(arrays["images"], arrays["labels"], start, batch_size)
-        for start in range(0, count, batch_size)))
+        for start in range(0, count, batch_size)), examples=count)
 
   def holdout_batches(self, batch_size: int | None = None) -> Batches:
     """Global batches ``{"image", "label", "mask"}`` of the held-out training examples

@@ -161,4 +161,4 @@ class TFDataPipeline(Pipeline):
           out["image"][:n], out["label"][:n], out["mask"][:n] = x, y, 1.0
         yield out
       next(iterator, None)  # reach the end, so that a cache file is completed
-    return Batches(num_batches, padded())
+    return Batches(num_batches, padded(), examples=num_global)

@@ -86,6 +86,9 @@ def check_option_values(*, near=(), far=(), datasets=(), scores=(), combine="sco
   if (near or far) and datasets:
     raise ValueError("Name the OOD sets by config.evals.ood.near/far or by "
                      "config.evals.ood.datasets, not both.")
+  for name in (*near, *far, *datasets):  # an unknown name is refused before anything runs
+    if name != "corruptions":
+      parse_dataset(name)
   if combine not in ood_scores.COMBINE:
     raise ValueError(f"combine must be one of {ood_scores.COMBINE}, got {combine!r}.")
   if not (isinstance(knn_k, int) and knn_k >= 1):
