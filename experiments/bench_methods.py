@@ -302,24 +302,6 @@ def largest(call: dict, count: int = 5) -> dict:
           sorted(call.items(), key=lambda item: -item[1])[:count]}
 
 
-def alternate_first(calls: dict, repeats: int) -> tuple:
-  """:func:`timing.alternate` with its first calls timed too: ``(times, first)``, ``first``
-  ``{name: seconds}`` of each call's first call (compiling what it compiles, as a fresh process
-  does), then ``times`` of ``repeats`` alternated rounds."""
-  first = {}
-  for name, call in calls.items():
-    start = time.perf_counter()
-    jax.block_until_ready(call())
-    first[name] = time.perf_counter() - start
-  times = {name: [] for name in calls}
-  for _ in range(repeats):
-    for name, call in calls.items():
-      start = time.perf_counter()
-      jax.block_until_ready(call())
-      times[name].append(time.perf_counter() - start)
-  return times, first
-
-
 def medians(times: dict) -> dict:
   return {name: statistics.median(seconds) for name, seconds in times.items()}
 
@@ -479,7 +461,8 @@ def laplace_fit(config, model, variables, batches: list, repeats: int) -> dict:
                               compiles["fit"]),
            "forward": clock.timed(lambda: [forward(variables, b["image"]) for b in batches],
                                   compiles["forward"])}
-  times, first = alternate_first(calls, repeats)
+  first = {}
+  times = alternate(calls, repeats, first)
   m = medians(times)
   fit_compile = compile_totals(compiles["fit"][1:])  # the rounds' (the first call's apart)
   steady = [t - c for t, c in zip(times["fit"], fit_compile, strict=True)]
@@ -520,7 +503,8 @@ def swag_predictive(config, model, swag_variables, variables, batches: list, tes
                lambda: swag.prediction_variables(swag_variables, data),
                compiles["prediction_variables"], prepared),
            "n_k_train_passes": clock.timed(n_k_passes, compiles["n_k_train_passes"])}
-  times, first = alternate_first(calls, prep_rounds)
+  first = {}
+  times = alternate(calls, prep_rounds, first)
   m = medians(times)
   pv_compile = compile_totals(compiles["prediction_variables"][1:])
   steady = [t - c for t, c in zip(times["prediction_variables"], pv_compile, strict=True)]

@@ -17,12 +17,16 @@ def median_seconds(fn, repeats: int) -> float:
   return statistics.median(times)
 
 
-def alternate(calls: dict, repeats: int) -> dict:
+def alternate(calls: dict, repeats: int, first_calls: dict | None = None) -> dict:
   """Each call of ``calls`` once per round, ``repeats`` rounds after one untimed call each:
   ``{name: [seconds per round]}``.  Other work on the machine then slows every call alike, and
-  the per-round ratios stay comparable."""
-  for call in calls.values():
+  the per-round ratios stay comparable.  ``first_calls``, a dict: filled with the seconds of
+  each first call (compiling what it compiles, as a fresh process does)."""
+  for name, call in calls.items():
+    start = time.perf_counter()
     jax.block_until_ready(call())
+    if first_calls is not None:
+      first_calls[name] = time.perf_counter() - start
   times = {name: [] for name in calls}
   for _ in range(repeats):
     for name, call in calls.items():

@@ -86,7 +86,7 @@ def load_arrays(spec: DatasetSpec, split: str, data_dir: str | None = None,
   [N,H,W])``, read by the spec's source; ``size`` (h, w): every image brought to it
   (:func:`~smoothing_jax.data.sources.base.fit_to_size`)."""
   images, labels = source_of(spec).load(spec, split, data_dir, download, size)
-  labels = np.asarray(labels).astype(np.int32)
+  labels = np.asarray(labels).astype(np.int32, copy=False)
   if not shard:
     return images, labels
   process, count = jax.process_index(), jax.process_count()

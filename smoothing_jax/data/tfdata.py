@@ -129,9 +129,9 @@ class TFDataPipeline(Pipeline):
       ds = tf.data.Dataset.from_tensor_slices((self.eval_images, self.eval_labels))
       num_global = self.num_eval
     elif spec.geometry == "imagenet":
-      ds = examples(spec, spec.eval_split, self.data_dir, self.download)
-      splits = tfds_builder(spec, self.data_dir, False).info.splits
-      num_global = splits[spec.eval_split].num_examples
+      builder = tfds_builder(spec, self.data_dir, self.download)
+      ds = examples(spec, spec.eval_split, self.data_dir, self.download, builder=builder)
+      num_global = builder.info.splits[spec.eval_split].num_examples
     else:
       images, labels = load_arrays(spec, spec.eval_split, self.data_dir, self.download,
                                    size=None if self.is_segmentation else self.image_shape[:2])

@@ -21,7 +21,7 @@ import jax
 import ml_collections
 from etils import epath
 
-from smoothing_jax.experiment.config import MOVED_KEYS
+from smoothing_jax.experiment.config import MOVED_KEYS, flat
 from smoothing_jax.experiment.config_base import blocks_of_others, chosen_method
 from smoothing_jax.experiment.spec import ModelSpec
 
@@ -146,17 +146,6 @@ def upgrade_record(record: dict) -> dict:
   return record
 
 
-def _leaves(tree, prefix: str = "") -> dict:
-  """``{dotted key: value}`` of a nested dict's leaves."""
-  out = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      out.update(_leaves(value, f"{prefix}{key}."))
-    else:
-      out[prefix + key] = value
-  return out
-
-
 def config_differences(workdir, config: ml_collections.ConfigDict) -> list[str]:
   """``"<key>: <recorded> → <given>"`` for every setting in which ``config`` differs from the
   one recorded in ``<workdir>/config.json`` (:func:`upgrade_record`), in key order; empty where
@@ -165,8 +154,8 @@ def config_differences(workdir, config: ml_collections.ConfigDict) -> list[str]:
     return []
   record = upgrade_record(read_record(workdir))
   record.pop("model_spec", None)
-  recorded = _leaves(record)
-  given = _leaves(json.loads(config.to_json_best_effort()))
+  recorded = flat(record)
+  given = flat(json.loads(config.to_json_best_effort()))
   unset = "(unset)"
   return [f"{key}: {recorded.get(key, unset)} → {given.get(key, unset)}"
           for key in sorted(set(recorded) | set(given))

@@ -155,11 +155,12 @@ def _missing_message(spec, builder, reason):
 
 
 def tfds_split(spec: DatasetSpec, split: str, data_dir: str | None, download: bool,
-               encoded_images: bool = False, shard: bool = True):
+               encoded_images: bool = False, shard: bool = True, builder=None):
   """This process's shard (``shard=False``: all) of a TFDS split as ``{"image", "label"}``
-  examples (``encoded_images``: the stored JPEG bytes, left for the augmentation to decode)."""
+  examples (``encoded_images``: the stored JPEG bytes, left for the augmentation to decode), read
+  by ``builder`` (default: :func:`tfds_builder`'s)."""
   tfds = import_tfds(spec.name)
-  builder = tfds_builder(spec, data_dir, download)
+  builder = builder or tfds_builder(spec, data_dir, download)
   decoders = ({feature_keys(spec, builder.info.features)[0]: tfds.decode.SkipDecoding()}
               if encoded_images else None)
   try:
@@ -167,6 +168,7 @@ def tfds_split(spec: DatasetSpec, split: str, data_dir: str | None, download: bo
                               shuffle_files=False, decoders=decoders)
   except AssertionError as e:  # TFDS: "could not find data in ..."
     raise DatasetUnavailableError(_missing_message(spec, builder, _download_hint(download))) from e
+
 
 def feature_keys(spec: DatasetSpec, features) -> tuple[str, str]:
   """``(image key, label key)`` of a TFDS set's ``features``: the built-in sets' ``image`` and
@@ -190,12 +192,13 @@ def feature_keys(spec: DatasetSpec, features) -> tuple[str, str]:
 
 
 def examples(spec: DatasetSpec, split: str, data_dir: str | None, download: bool,
-             encoded_images: bool = False, shard: bool = True):
+             encoded_images: bool = False, shard: bool = True, builder=None):
   """This process's shard (``shard=False``: all) of a TFDS split as ``(image, label)`` pairs (the
-  set's own keys, :func:`feature_keys`; ``encoded_images``: the stored JPEG bytes)."""
-  builder = tfds_builder(spec, data_dir, download)
+  set's own keys, :func:`feature_keys`; ``encoded_images``: the stored JPEG bytes), read by
+  ``builder`` (default: :func:`tfds_builder`'s)."""
+  builder = builder or tfds_builder(spec, data_dir, download)
   image, label = feature_keys(spec, builder.info.features)
-  ds = tfds_split(spec, split, data_dir, download, encoded_images, shard)
+  ds = tfds_split(spec, split, data_dir, download, encoded_images, shard, builder)
   return ds.map(lambda ex: (ex[image], ex[label]))
 
 
@@ -233,7 +236,7 @@ class TFDS(Source):
     tfds = import_tfds(spec.name)
     builder = tfds_builder(spec, data_dir, download)
     image_key, _ = feature_keys(spec, builder.info.features)
-    ds = examples(spec, split, data_dir, download, shard=False)
+    ds = examples(spec, split, data_dir, download, shard=False, builder=builder)
     if None not in tuple(builder.info.features[image_key].shape):  # one size: whole batches
       batches = list(tfds.as_numpy(ds.batch(4096)))
       images = np.concatenate([b[0] for b in batches])
