@@ -31,8 +31,9 @@ from bench_train import DEFAULT_DATA, recipe_config, time_train_steps
 from timing import median_seconds
 
 from smoothing_jax.data import create_pipeline
-from smoothing_jax.inference import mc_predict, sample_rngs
+from smoothing_jax.inference import mc_predict
 from smoothing_jax.models import get_model
+from smoothing_jax.passes import sample_rngs
 
 # tests.torch_reference, the PyTorch transcription, is imported from the repository root.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))

@@ -84,16 +84,16 @@ from bench_train import program_flops, recipe_config  # noqa: E402
 from timing import alternate, round_ratios  # noqa: E402
 
 from smoothing_jax.experiment.config_base import with_method  # noqa: E402
-from smoothing_jax.inference import ensemble_log_probs, log_probs, pass_outputs  # noqa: E402
 from smoothing_jax.methods import resolve  # noqa: E402
 from smoothing_jax.methods.base import PredictionData  # noqa: E402
 from smoothing_jax.models import get_model  # noqa: E402
 from smoothing_jax.parallel import create_mesh, shard_batch, shardings  # noqa: E402
+from smoothing_jax.passes import ensemble_log_probs, log_probs, pass_outputs  # noqa: E402
 from smoothing_jax.training.optim import create_learning_rate_schedule  # noqa: E402
 from smoothing_jax.training.steps import (  # noqa: E402
-    compile_steps,
-    state_initializer,
-    variables_of,
+  compile_steps,
+  state_initializer,
+  variables_of,
 )
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

@@ -50,8 +50,8 @@ from bench_train import recipe_config  # noqa: E402
 
 from smoothing_jax.evaluators import ood  # noqa: E402
 from smoothing_jax.experiment.run import Run  # noqa: E402
-from smoothing_jax.inference import sample_rngs  # noqa: E402
 from smoothing_jax.parallel import shardings  # noqa: E402
+from smoothing_jax.passes import sample_rngs  # noqa: E402
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                            "bench_ood_cpu.json")

@@ -29,8 +29,9 @@ import jax.numpy as jnp
 from timing import median_seconds
 
 from smoothing_jax import temporal
-from smoothing_jax.inference import mc_predict, sample_rngs
+from smoothing_jax.inference import mc_predict
 from smoothing_jax.models import get_model
+from smoothing_jax.passes import sample_rngs
 
 
 def main(argv=None):

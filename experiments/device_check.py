@@ -143,11 +143,12 @@ from timing import alternate, round_ratios
 from smoothing_jax.analysis.landscape import loss_surface, random_direction
 from smoothing_jax.convert import to_torch_state_dict
 from smoothing_jax.experiment.run import Run, check_config
-from smoothing_jax.inference import mc_predict, sample_rngs
+from smoothing_jax.inference import mc_predict
 from smoothing_jax.methods.deep_ensemble import ensemble_train_step
 from smoothing_jax.methods.losses import class_weights, supervised_loss
 from smoothing_jax.models import get_model
 from smoothing_jax.parallel import create_mesh, shard_batch, shardings
+from smoothing_jax.passes import sample_rngs
 from smoothing_jax.training import train
 from smoothing_jax.training.callbacks import Callback
 from smoothing_jax.training.optim import create_learning_rate_schedule

@@ -1,136 +1,32 @@
-"""Ensemble inference: MC dropout sampling, deep ensembles and BatchEnsemble in one compiled call.
+"""The predictive of a model in one call, for code that holds a model and its variables but no
+run: each function is the :class:`~smoothing_jax.methods.base.Method` of that kind, called once
+(``Method.predict``), so it gives what training, ``Run.predict`` and every evaluator give.
 
-``mc_predict`` vmaps ``model.apply`` over ``jax.random.split(rng, num_samples)``
-(sample ``i`` uses key ``i`` as its ``"dropout"`` RNG); ``ensemble_predict``
-vmaps over a leading axis of stacked variables; ``batch_ensemble_predict`` runs the M members
-of a BatchEnsemble as one pass over the batch repeated M times.  All average in probability
-space, p̄(y|x) = (1/N) Σ_n softmax(f_n(x)), as the reference's test loop does.
+``mc_predict``: MC dropout's N passes, pass ``i`` with dropout key ``split(rng, N)[i]``;
+``ensemble_predict``: a deep ensemble over the leading axis of stacked variables
+(``stack_variables``); ``batch_ensemble_predict``: a BatchEnsemble's M members in one pass.  All
+average in probability space, p̄(y|x) = (1/N) Σ_n softmax(f_n(x)), and return a ``Prediction``.
+One network's pass is :func:`smoothing_jax.passes.log_probs`.
 """
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
-from typing import NamedTuple
-
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
-from smoothing_jax.models import is_batch_ensemble
-from smoothing_jax.models.cnn import check_images
+from smoothing_jax.methods import as_method
+from smoothing_jax.methods.batch_ensemble import BatchEnsemble
+from smoothing_jax.methods.deep_ensemble import DeepEnsemble
+from smoothing_jax.methods.mc_dropout import MCDropout
+from smoothing_jax.passes import Prediction, log_probs, stack_variables
 
-
-class Prediction(NamedTuple):
-  """``sample_probs``: ``[N, B, C]`` per-sample softmax; ``mean_probs``: ``[B, C]`` their mean."""
-  sample_probs: jax.Array
-  mean_probs: jax.Array
-
-
-def sample_rngs(key) -> dict:
-  """One stochastic forward pass's RNG streams: MC dropout (``"dropout"``) and iBNN node noise
-  (``"noise"``)."""
-  return {"dropout": key, "noise": jax.random.fold_in(key, 1)}
-
-
-def log_probs(model: nn.Module, variables, images, rng=None, **apply_kwargs):
-  """One evaluation-mode pass, ``log softmax`` in float32: ``[B, ..., C]``.
-
-  ``rng`` seeds the pass's stochastic layers (:func:`sample_rngs`; None for deterministic
-  models); ``apply_kwargs`` go to ``model.apply`` (e.g. iBNN ``components``, ``block_mask``).
-  Every predictor (MC dropout, ensembles, iBNN, VQ-BNN, attacks) builds on this pass.
-  """
-  rngs = None if rng is None else sample_rngs(rng)
-  logits = model.apply(variables, images, train=False, rngs=rngs, **apply_kwargs)
-  return jax.nn.log_softmax(logits.astype(jnp.float32))
-
-
-def pass_outputs(model: nn.Module, variables, images, rng=None, **apply_kwargs) -> dict:
-  """One evaluation-mode pass as :func:`log_probs`, giving ``{"logits" [B, C], "features"
-  [B, D]}`` in float32: the features are the input of the classifier, the layer called on a
-  ``[B, D]`` input whose output the model returns as its logits (read with
-  ``nn.intercept_methods``: one pass, no copy of the model).  ValueError (one line) where no
-  such layer is found (logits that are not one layer's output unchanged)."""
-  rngs = None if rng is None else sample_rngs(rng)
-  calls = []
-
-  def record(next_fun, args, kwargs, context):
-    out = next_fun(*args, **kwargs)
-    if context.method_name == "__call__" and args and getattr(args[0], "ndim", 0) == 2:
-      calls.append((args[0], out))
-    return out
-
-  with nn.intercept_methods(record):
-    logits = model.apply(variables, images, train=False, rngs=rngs, **apply_kwargs)
-  features = [x for x, out in calls if out is logits]
-  if not features:
-    raise ValueError(f"{type(model).__name__}: no layer on [batch, features] inputs returns its "
-                     "logits, so its penultimate features cannot be read.")
-  return {"logits": logits.astype(jnp.float32), "features": features[-1].astype(jnp.float32)}
-
-
-def log_mean_probs(sample_log_probs):
-  """log of the mean per-sample probability ``[N, ...] → [...]``: logsumexp − log N."""
-  return jax.nn.logsumexp(sample_log_probs, axis=0) - jnp.log(sample_log_probs.shape[0])
-
-
-def mean_probs(sample_log_probs):
-  """Mean of per-sample probabilities ``[N, ...] → [...]``, as exp(logsumexp − log N)."""
-  return jnp.exp(log_mean_probs(sample_log_probs))
-
-
-def default_chunk_size() -> int:
-  """Samples (or members) one compiled call evaluates together when ``chunk_size`` is None.
-
-  CPU: 1, i.e. a loop inside the call.  Measured with ``resnet_mcdo_smoothing_18`` at width
-  32, batch 128, on 2 cores: a vmap over N samples is 0.92× (N = 2) and 0.80× (N = 10) the
-  speed of a Python loop of single passes, while the in-call loop is 1.04× and 1.10×.
-  GPU/TPU: 10, vmapped (wider batches fill the accelerator; 10 bounds the memory).
-  """
-  return 1 if jax.default_backend() == "cpu" else 10
-
-
-def map_in_chunks(fn, xs, chunk_size: int | None):
-  """``vmap(fn)(xs)`` evaluated ``chunk_size`` rows at a time with ``lax.map`` (bounded memory;
-  None: :func:`default_chunk_size`, 1: a plain ``lax.map``); ``fn`` may return a pytree."""
-  n = jax.tree.leaves(xs)[0].shape[0]
-  chunk_size = default_chunk_size() if chunk_size is None else chunk_size
-  if chunk_size == 1:
-    return jax.lax.map(fn, xs)
-  if chunk_size >= n:
-    return jax.vmap(fn)(xs)
-  num_chunks = -(-n // chunk_size)
-  pad = num_chunks * chunk_size - n
-
-  def split(x):  # pad with copies of the last row, then [num_chunks, chunk_size, ...]
-    x = jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)]) if pad else x
-    return x.reshape((num_chunks, chunk_size) + x.shape[1:])
-
-  out = jax.lax.map(jax.vmap(fn), jax.tree.map(split, xs))
-  return jax.tree.map(lambda y: y.reshape((num_chunks * chunk_size,) + y.shape[2:])[:n], out)
-
-
-@functools.partial(jax.jit, static_argnames=("model", "num_samples", "chunk_size"))
-def mc_log_probs(model, variables, images, rng, num_samples: int, chunk_size: int | None = None):
-  """``[N, B, ..., C]`` log-probabilities of N passes, pass ``i`` with key ``split(rng, N)[i]``
-  (in chunks of ``chunk_size`` passes, :func:`map_in_chunks`)."""
-  keys = jax.random.split(rng, num_samples)
-  if num_samples == 1:  # one plain pass: a vmap over one key only adds work
-    return log_probs(model, variables, images, keys[0])[None]
-  return map_in_chunks(lambda key: log_probs(model, variables, images, key), keys, chunk_size)
-
-
-def check_rng(rng):
-  """``rng`` as a typed PRNG key (raw uint32 keys are wrapped); a clear error for anything else."""
-  if not (isinstance(rng, jax.Array) and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)):
-    if isinstance(rng, jax.Array) and rng.dtype == jnp.uint32:
-      return jax.random.wrap_key_data(rng)  # legacy raw PRNGKey
-    raise TypeError(f"rng must be a JAX PRNG key (jax.random.key(seed)), got {type(rng).__name__}.")
-  return rng
+# The public forms of the passes' types and helpers a caller of these functions needs.
+__all__ = ["Prediction", "batch_ensemble_predict", "ensemble_predict", "log_probs", "mc_predict",
+           "stack_variables"]
 
 
 def mc_predict(model: nn.Module, variables, images, *, num_samples: int, rng,
                chunk_size: int | None = None) -> Prediction:
-  """N stochastic forward passes (MC dropout) in one jitted call.
+  """N stochastic forward passes (MC dropout) in one jitted call (``methods.MCDropout``).
 
   Args:
     model: a registered model (any ``flax.linen`` module called as ``apply(v, x, train=...)``).
@@ -139,7 +35,7 @@ def mc_predict(model: nn.Module, variables, images, *, num_samples: int, rng,
     num_samples: N ≥ 1.  Deterministic models give N identical samples.
     rng: PRNG key; sample ``i`` uses ``jax.random.split(rng, N)[i]`` as its dropout key.
     chunk_size: evaluate this many samples at once (one vmap; ``lax.map`` over the
-      chunks, which also bounds memory for large N); None: :func:`default_chunk_size`
+      chunks, which also bounds memory for large N); None: ``passes.default_chunk_size``
       for this backend, so the call is never slower than a loop of single passes.
 
   Returns:
@@ -149,80 +45,40 @@ def mc_predict(model: nn.Module, variables, images, *, num_samples: int, rng,
     raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}.")
   if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
     raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}.")
-  check_images(images)
-  samples = mc_log_probs(model, variables, images, check_rng(rng), num_samples, chunk_size)
-  return Prediction(jnp.exp(samples), mean_probs(samples))
-
-
-def stack_variables(variables_list: Sequence) -> dict:
-  """Stack M variable trees of the same architecture along a new leading axis."""
-  if not variables_list:
-    raise ValueError("stack_variables needs at least one variable tree.")
-  structure = jax.tree.structure(variables_list[0])
-  for i, v in enumerate(variables_list[1:], start=1):
-    if jax.tree.structure(v) != structure:
-      raise ValueError(
-          f"Variable tree {i} does not have the structure of tree 0 (different architectures?).")
-  return jax.tree.map(lambda *xs: jnp.stack(xs), *variables_list)
-
-
-def member_of(stacked, m: int):
-  """Member ``m`` of a pytree stacked along its leading axis (:func:`stack_variables`)."""
-  return jax.tree.map(lambda x: x[m], stacked)
-
-
-@functools.partial(jax.jit, static_argnames=("model", "chunk_size"))
-def ensemble_log_probs(model, stacked_variables, images, rng, chunk_size: int | None = None):
-  """``[M, B, ..., C]`` log-probabilities of the members stacked along the leading axis of
-  ``stacked_variables``, member m with key ``split(rng, M)[m]`` (None: no key), in chunks of
-  ``chunk_size`` members (:func:`map_in_chunks`)."""
-  members = jax.tree.leaves(stacked_variables)[0].shape[0]
-  if rng is None:
-    return map_in_chunks(lambda v: log_probs(model, v, images), stacked_variables, chunk_size)
-  return map_in_chunks(lambda args: log_probs(model, args[0], images, args[1]),
-                        (stacked_variables, jax.random.split(rng, members)), chunk_size)
+  method = MCDropout(model, num_samples=num_samples, chunk_size=chunk_size)
+  return method.predict(variables, images, rng=rng)
 
 
 def ensemble_predict(model: nn.Module, stacked_variables, images, *, rng=None) -> Prediction:
-  """Deep ensemble: one jitted call over the leading axis of ``stacked_variables`` (vmapped in
-  chunks of :func:`default_chunk_size` members).
+  """Deep ensemble (``methods.DeepEnsemble`` of the model's own method): one jitted call over the
+  leading axis of ``stacked_variables`` (vmapped in chunks of ``passes.default_chunk_size``
+  members).
 
   ``rng`` gives member ``m`` the dropout key ``split(rng, M)[m]``; MC dropout
   members need it, deterministic members don't.  Returns ``Prediction([M, B, C], [B, C])``.
   """
-  check_images(images)
-  rng = None if rng is None else check_rng(rng)
-  samples = ensemble_log_probs(model, stacked_variables, images, rng)
-  return Prediction(jnp.exp(samples), mean_probs(samples))
+  members = stacked_variables_size(stacked_variables)
+  method = DeepEnsemble.wrap(as_method(model), size=members)
+  return method.predict(stacked_variables, images, rng=rng)
 
 
-def repeat_for_members(x, ensemble_size: int):
-  """``[B, ...] → [B·M, ...]``, each row repeated M times in a row: with the layers' default
-  rule (row r uses member r mod M) row b·M + m is example b under member m (BatchEnsemble's
-  training batch, and one pass of all members at evaluation)."""
-  return jnp.repeat(x, ensemble_size, axis=0)
-
-
-@functools.partial(jax.jit, static_argnames=("model",))
-def batch_ensemble_log_probs(model: nn.Module, variables, images, rng=None):
-  """``[M, B, ..., C]`` log-probabilities of a BatchEnsemble's M members, all in one pass over
-  the batch repeated M times (:func:`repeat_for_members`)."""
-  m = model.ensemble_size
-  out = log_probs(model, variables, repeat_for_members(images, m), rng)   # [B·M, ..., C]
-  return jnp.swapaxes(out.reshape((images.shape[0], m) + out.shape[1:]), 0, 1)
+def stacked_variables_size(stacked_variables) -> int:
+  """M, the leading axis of members' stacked variables (:func:`stack_variables`)."""
+  leaves = jax.tree.leaves(stacked_variables)
+  if not leaves or leaves[0].ndim == 0:
+    raise ValueError("ensemble_predict takes members' variables stacked along a leading axis "
+                     "(inference.stack_variables).")
+  return leaves[0].shape[0]
 
 
 def batch_ensemble_predict(model: nn.Module, variables, images, *, rng=None) -> Prediction:
-  """BatchEnsemble: the M members' predictions in one jitted pass over the batch repeated M
-  times (:func:`repeat_for_members`).  ``rng`` seeds MC dropout where the model has it.
+  """BatchEnsemble (``methods.BatchEnsemble``): the M members' predictions in one jitted pass
+  over the batch repeated M times.  ``rng`` seeds MC dropout where the model has it.
 
   Returns ``Prediction(sample_probs [M, B, C], mean_probs [B, C])`` (uncertainty-baselines
   averages the members' probabilities too).
   """
-  if not is_batch_ensemble(model):  # an input check (methods.BatchEnsemble calls the primitive)
+  if BatchEnsemble.refuses(model):
     raise ValueError("batch_ensemble_predict needs a BatchEnsemble model (ensemble_size >= 1), "
                      "e.g. get_model('resnet_batchensemble_18', 10).")
-  check_images(images)
-  rng = None if rng is None else check_rng(rng)
-  samples = batch_ensemble_log_probs(model, variables, images, rng)
-  return Prediction(jnp.exp(samples), mean_probs(samples))
+  return BatchEnsemble(model).predict(variables, images, rng=rng)

@@ -32,10 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from smoothing_jax.inference import check_rng
 from smoothing_jax.methods import Method, as_method
 from smoothing_jax.metrics import TemporalConsistency, UncertaintyMetrics, label_mask
 from smoothing_jax.models.cnn import check_images
+from smoothing_jax.passes import check_rng
 
 NUM_FRAMES = 5      # L: predictions kept (the current one included)
 DECAY_RATE = 0.8    # λ: importance e^{-λ t} of the frame t steps back

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from smoothing_jax.inference import sample_rngs
+from smoothing_jax.passes import sample_rngs
 
 
 def abstract_variables(model, image_shape: tuple | None = None):

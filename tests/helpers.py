@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import Partial
 
-from smoothing_jax.inference import sample_rngs
+from smoothing_jax.passes import sample_rngs
 
 # Narrow models that compile in seconds on CPU.
 TINY_UNET = dict(width=4, encoder_convs=(1, 1, 1), decoder_convs=(1, 1))

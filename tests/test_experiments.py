@@ -171,7 +171,7 @@ def test_temporal_smoothing_study_matches_explicit_average(analysis_workdirs):
 
   from smoothing_jax import temporal
   from smoothing_jax.analysis.perturbation import translate_sequences
-  from smoothing_jax.inference import sample_rngs
+  from smoothing_jax.passes import sample_rngs
   model = trained.load_trained(analysis_workdirs["MC dropout + smoothing"])
   pixels, labels = trained.eval_pixels(model, 4)
   frames = jnp.swapaxes(model.normalize(jnp.asarray(translate_sequences(pixels, 6, 3, 0))), 0, 1)

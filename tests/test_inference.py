@@ -5,14 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from smoothing_jax.inference import (
-  default_chunk_size,
-  ensemble_predict,
-  map_in_chunks,
-  mc_predict,
-  stack_variables,
-)
+from smoothing_jax.inference import ensemble_predict, mc_predict, stack_variables
 from smoothing_jax.models import get_model
+from smoothing_jax.passes import default_chunk_size, map_in_chunks
 from tests.helpers import init_variables
 
 

@@ -206,8 +206,6 @@ METHOD_QUESTIONS = re.compile(
     r"BatchEnsemble|Deterministic)\b|\.(fit_name|stochastic|needs_training_data|"
     r"prepares_variables)\b")
 METHOD_QUESTIONS_ALLOWED = {  # file: lines (code, strings and comments left out)
-    # The BatchEnsemble primitive: its members, and the check of its input (one branch).
-    "inference.py": 3,
     # Run.stacked_members (the networks a Run stacks) and Run.member's bounds (one branch);
     # Run.fit's refusal of a method without a post-hoc stage (one branch); Run.stochastic
     # passes the method's answer on.
@@ -223,8 +221,8 @@ METHOD_QUESTIONS_ALLOWED = {  # file: lines (code, strings and comments left out
 
 
 def test_only_the_methods_ask_which_method_a_run_uses():
-  """Outside methods/ and the layer factory, the method is asked for, not worked out: five
-  branches remain (at most five allowed), each in a file listed here and commented there."""
+  """Outside methods/ and the layer factory, the method is asked for, not worked out: four
+  files hold the branches that remain, each in a file listed here and commented there."""
   counts = {}
   for path in (ROOT / "smoothing_jax").rglob("*.py"):
     relative = path.relative_to(ROOT / "smoothing_jax").as_posix()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from smoothing_jax import temporal
-from smoothing_jax.inference import sample_rngs
+from smoothing_jax.passes import sample_rngs
 
 
 def test_streaming_predictor_equals_explicit_weighted_average():

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from smoothing_jax.analysis.fourier import delta_log_amplitude
-from smoothing_jax.inference import sample_rngs
 from smoothing_jax.methods import as_method
+from smoothing_jax.passes import sample_rngs
 
 
 def _taps(model) -> list:

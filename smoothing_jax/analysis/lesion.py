@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import jax
 import jax.numpy as jnp
 
-from smoothing_jax.inference import sample_rngs
+from smoothing_jax.passes import sample_rngs
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from smoothing_jax.inference import log_mean_probs
 from smoothing_jax.methods import as_method
+from smoothing_jax.passes import log_mean_probs
 
 
 def ensemble_nll(model, variables, rng, normalize: Callable, pixels, labels):

@@ -24,9 +24,9 @@ from smoothing_jax.analysis.hessian import (
   top_and_min_eigenvalues,
   top_and_min_eigenvalues_per_device,
 )
-from smoothing_jax.inference import sample_rngs
 from smoothing_jax.methods import as_method
 from smoothing_jax.parallel import create_mesh
+from smoothing_jax.passes import sample_rngs
 
 REGULARIZERS = ("half_squared_l2", "sum_of_l2_norms")
 

@@ -16,11 +16,11 @@ from smoothing_jax import plots, ranking, temporal
 from smoothing_jax.experiment import fits
 from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.experiment.checkpoints import load_variables
-from smoothing_jax.inference import stack_variables
 from smoothing_jax.methods import Method
 from smoothing_jax.methods.deep_ensemble import DeepEnsemble
 from smoothing_jax.metrics import UncertaintyMetrics
 from smoothing_jax.parallel import evaluate_batches, shardings
+from smoothing_jax.passes import stack_variables
 
 METRIC_COLUMNS = ("nll", "acc", "ece", "top5", "brier", "acc90", "unc90", "freq90", "iou", "iou90",
                   "ecse")

@@ -44,8 +44,8 @@ from smoothing_jax.data.dataset_spec import BASES
 from smoothing_jax.data.datasets import check_available, parse_dataset
 from smoothing_jax.evaluators.common import gather, predictive, write_results
 from smoothing_jax.experiment import workdir as workdir_lib
-from smoothing_jax.inference import default_chunk_size
 from smoothing_jax.parallel import sharded_eval_step
+from smoothing_jax.passes import default_chunk_size
 from smoothing_jax.plots import plot_detection_curves
 
 # Every score (``smoothing_jax.ood_scores``), and those fitted on training features.
@@ -230,7 +230,7 @@ def outputs_step(method, odin, variables, batch, key):
 
 def vmapped_draws(method):
   """``method`` evaluating its draws in one vmap where it would loop over them one by one
-  (``chunk_size`` unset on CPU, ``inference.default_chunk_size``): ODIN's input gradient through
+  (``chunk_size`` unset on CPU, ``passes.default_chunk_size``): ODIN's input gradient through
   ``lax.map``'s loop costs 8-10x a forward pass on XLA:CPU, through the vmap 1.8x
   (``experiments/README.md``, ``bench_ood.py``)."""
   if method.chunk_size is None and default_chunk_size() == 1:

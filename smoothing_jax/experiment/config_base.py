@@ -146,7 +146,7 @@ def base_config() -> ml_collections.ConfigDict:
   # MC ensemble sizes N the evaluators report (an evaluator's ``sizes`` option overrides them;
   # deterministic models use N = 1).
   config.ensemble_sizes = (1, 2, 3, 4, 5, 10, 20, 50)
-  # Samples evaluated together (None: inference.default_chunk_size, 1 on CPU, 10 on GPU/TPU).
+  # Samples evaluated together (None: passes.default_chunk_size, 1 on CPU, 10 on GPU/TPU).
   config.eval_chunk_size = placeholder(int)
   return config
 

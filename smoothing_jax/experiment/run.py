@@ -34,7 +34,6 @@ from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.experiment.config import check_key, with_overrides
 from smoothing_jax.experiment.spec import ModelSpec, build_model, check_model_fits
 from smoothing_jax.experiment.workdir_lock import lock_workdir
-from smoothing_jax.inference import member_of
 from smoothing_jax.methods import Method, resolve
 from smoothing_jax.methods.base import PredictionData
 from smoothing_jax.methods.deep_ensemble import member_seed_settings, seeds_of
@@ -45,6 +44,7 @@ from smoothing_jax.parallel import (
   sharded_eval_step,
   shardings,
 )
+from smoothing_jax.passes import member_of
 from smoothing_jax.variables import abstract_variables
 
 # Config keys (dotted) that decide which training examples a run trained on and held out.

@@ -23,11 +23,11 @@ import numpy as np
 import optax
 from ml_collections import FieldReference
 
-from smoothing_jax.inference import Prediction, check_rng, log_probs, mean_probs, pass_outputs
 from smoothing_jax.methods import losses
 from smoothing_jax.metrics import UncertaintyMetrics
 from smoothing_jax.models import implied_method
 from smoothing_jax.models.cnn import check_images
+from smoothing_jax.passes import Prediction, check_rng, log_probs, mean_probs, pass_outputs
 
 
 def setting(config, dotted: str, default=None):
@@ -77,7 +77,7 @@ class Method:
 
   ``model``: the Flax module; ``num_samples``: the stochastic passes N of the predictive where
   the method samples (an iBNN's: draws S of each component); ``chunk_size``: passes evaluated
-  together (``inference.map_in_chunks``; None: the backend's default).
+  together (``passes.map_in_chunks``; None: the backend's default).
   """
   name: ClassVar[str] = ""
   # The defaults of ``config.<name>``, the method's settings block: a config holds the block of
@@ -148,7 +148,7 @@ class Method:
     """``{"logits" [N, B, C], "features" [N, B, D]}`` of the N draws of
     :meth:`sample_log_probs` (the same draws: log_softmax of these logits are its
     log-probabilities), the features being each draw's classifier input
-    (``inference.pass_outputs``).  ``images``: ``[B, H, W, 3]``, or ``[N, B, H, W, 3]`` with draw
+    (``passes.pass_outputs``).  ``images``: ``[B, H, W, 3]``, or ``[N, B, H, W, 3]`` with draw
     n on ``images[n]`` (ODIN steps each draw's input by its own gradient).  This default is
     one network's pass; a method of several draws overrides it with :meth:`sample_log_probs`."""
     if self.num_draws != 1:
@@ -159,9 +159,11 @@ class Method:
 
   def predict(self, variables, images, *, rng) -> Prediction:
     """The predictive in one jitted call: ``Prediction(sample_probs [N, B, C], mean_probs
-    [B, C])``, the mean in probability space, p̄ = (1/N) Σ_n softmax(f_n(x))."""
+    [B, C])``, the mean in probability space, p̄ = (1/N) Σ_n softmax(f_n(x)).  ``rng`` may be
+    None where the method is not :attr:`stochastic`."""
     check_images(images)
-    samples = _jit_sample_log_probs(self, variables, images, check_rng(rng))
+    rng = None if rng is None and not self.stochastic else check_rng(rng)
+    samples = _jit_sample_log_probs(self, variables, images, rng)
     return Prediction(jnp.exp(samples), mean_probs(samples))
 
   def frame_probs(self, variables, frame, rng) -> jax.Array:

@@ -3,7 +3,7 @@ weights, W_m = W ⊙ r_m s_mᵀ (``resnet_batchensemble_18``, ``wideresnet_batch
 the layers are :mod:`smoothing_jax.layers.batch_ensemble`).
 
 * Predictive: the M members in one pass over the batch repeated M times
-  (``inference.batch_ensemble_log_probs``), averaged in probability space as
+  (:func:`batch_ensemble_log_probs`), averaged in probability space as
   uncertainty-baselines does; N counts members (the first N of M).
 * Training: the batch repeated M times, row b·M + m example b under member m (uncertainty-
   baselines tiles it M times: the same rows, and BatchNorm sees the same statistics), so the loss
@@ -15,20 +15,26 @@ the layers are :mod:`smoothing_jax.layers.batch_ensemble`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
-from smoothing_jax.inference import (
-  batch_ensemble_log_probs,
-  mean_probs,
-  pass_outputs,
-  repeat_for_members,
-)
 from smoothing_jax.layers.batch_ensemble import fast_weight_mask
 from smoothing_jax.methods.base import Method
 from smoothing_jax.methods.fixed_members import FixedMembers
+from smoothing_jax.passes import log_probs, mean_probs, pass_outputs, repeat_for_members
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def batch_ensemble_log_probs(model: nn.Module, variables, images, rng=None):
+  """``[M, B, ..., C]`` log-probabilities of a BatchEnsemble's M members, all in one pass over
+  the batch repeated M times (:func:`repeat_for_members`)."""
+  m = model.ensemble_size
+  out = log_probs(model, variables, repeat_for_members(images, m), rng)   # [B·M, ..., C]
+  return jnp.swapaxes(out.reshape((images.shape[0], m) + out.shape[1:]), 0, 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ ensembles of seeds 0 and 1 shared M − 1); workdirs trained under that rule rea
 those held out (members differ by initialisation and shuffling).
 
 The predictive is the mean of the members' probabilities, member m one draw of its base method
-with key ``split(key, M)[m]`` (``inference.ensemble_log_probs``), so N counts members: the
+with key ``split(key, M)[m]`` (``passes.ensemble_log_probs``), so N counts members: the
 evaluators report the ensembles of the first N = 1..M.
 
 How the step computes M members (``config.deep_ensemble.vmap_size`` = k): the members in groups
@@ -40,15 +40,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from smoothing_jax.data.resident import device_memory_bytes
-from smoothing_jax.inference import (
+from smoothing_jax.methods.base import Method, setting
+from smoothing_jax.metrics import UncertaintyMetrics
+from smoothing_jax.passes import (
   ensemble_log_probs,
   map_in_chunks,
   member_of,
   pass_outputs,
   stack_variables,
 )
-from smoothing_jax.methods.base import Method, setting
-from smoothing_jax.metrics import UncertaintyMetrics
 
 MAX_STATE_FRACTION = 0.5  # of one device's memory; activations, gradients and data need the rest
 # Members vmapped together when ``config.deep_ensemble.vmap_size`` is 0: unrolled, on every

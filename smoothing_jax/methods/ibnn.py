@@ -19,20 +19,19 @@ import numpy as np
 import optax
 from ml_collections.config_dict import placeholder
 
-from smoothing_jax.inference import (
-  Prediction,
-  log_probs,
-  map_in_chunks,
-  mean_probs,
-  pass_outputs,
-  sample_rngs,
-)
 from smoothing_jax.layers.functional import layers_holding
 from smoothing_jax.layers.mean_field import gaussian_kl
 from smoothing_jax.layers.node_noise import VARIATIONAL_PARAMS
 from smoothing_jax.methods.base import Method, check_num_samples, setting
 from smoothing_jax.metrics import uncertainty_decomposition
 from smoothing_jax.models import is_ibnn
+from smoothing_jax.passes import (
+  Prediction,
+  log_probs,
+  map_in_chunks,
+  pass_outputs,
+  sample_rngs,
+)
 from smoothing_jax.variables import transfer_variables
 
 
@@ -178,7 +177,7 @@ def _ibnn_log_probs(model, variables, images, rng, num_samples):
 
 
 def _ibnn_outputs(model, variables, images, rng, num_samples):
-  """:func:`_ibnn_log_probs`'s draws as ``inference.pass_outputs`` (the same keys, sample-major
+  """:func:`_ibnn_log_probs`'s draws as ``passes.pass_outputs`` (the same keys, sample-major
   ``[S·K, ...]``); ``images [S·K, B, ...]``: draw d on images[d]."""
   k = model.num_components
   keys = jax.random.split(rng, k * num_samples).reshape(k, num_samples)
@@ -200,8 +199,8 @@ def _ibnn_outputs(model, variables, images, rng, num_samples):
 
 
 def ibnn_predict(model, variables, images, *, num_samples: int = 5, rng) -> Prediction:
-  """S samples from each of the K components in one jitted call (per component, the S passes
-  in chunks of ``inference.default_chunk_size``).
+  """S samples from each of the K components in one jitted call: :class:`IBNN`'s predictive
+  (per component, the S passes in chunks of ``passes.default_chunk_size``).
 
   ``sample_probs`` is ``[S·K, B, C]`` ordered sample-major (rows s·K … s·K+K−1 are
   one draw of every component); ``mean_probs`` their mean (NLL = −log mean p: log-mean-exp).
@@ -212,8 +211,7 @@ def ibnn_predict(model, variables, images, *, num_samples: int = 5, rng) -> Pred
     raise ValueError(
         "ibnn_predict needs an iBNN model (num_components >= 1), e.g. get_model('vgg_ibnn_16', 10)."
     )
-  samples = _ibnn_log_probs(model, variables, images, rng, num_samples)
-  return Prediction(jnp.exp(samples), mean_probs(samples))
+  return IBNN(model, num_samples=num_samples).predict(variables, images, rng=rng)
 
 
 def fold_component(variables, k: int):

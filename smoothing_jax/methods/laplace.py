@@ -33,10 +33,10 @@ import numpy as np
 import optax
 from flax.traverse_util import flatten_dict
 
-from smoothing_jax.inference import pass_outputs
 from smoothing_jax.methods.base import Method, check_num_samples, setting
 from smoothing_jax.methods.deterministic import Deterministic
 from smoothing_jax.models import implied_method, is_segmentation_model
+from smoothing_jax.passes import pass_outputs
 from smoothing_jax.variables import classifier_paths
 
 STRUCTURES = ("diag", "kron", "full")

@@ -15,9 +15,9 @@ import optax
 from absl import logging
 
 from smoothing_jax.data.mixup import Mixing, mix_batch
-from smoothing_jax.inference import sample_rngs
 from smoothing_jax.metrics import label_mask
 from smoothing_jax.models import is_segmentation_model
+from smoothing_jax.passes import sample_rngs
 
 
 def training_mixing(config, model) -> Mixing | None:

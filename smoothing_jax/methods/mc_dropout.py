@@ -5,12 +5,23 @@ the first N passes for each N of ``config.ensemble_sizes``."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
 
-from smoothing_jax.inference import map_in_chunks, mc_log_probs, pass_outputs
 from smoothing_jax.methods.base import Method, check_num_samples
+from smoothing_jax.passes import log_probs, map_in_chunks, pass_outputs
+
+
+@functools.partial(jax.jit, static_argnames=("model", "num_samples", "chunk_size"))
+def mc_log_probs(model, variables, images, rng, num_samples: int, chunk_size: int | None = None):
+  """``[N, B, ..., C]`` log-probabilities of N passes, pass ``i`` with key ``split(rng, N)[i]``
+  (in chunks of ``chunk_size`` passes, :func:`map_in_chunks`)."""
+  keys = jax.random.split(rng, num_samples)
+  if num_samples == 1:  # one plain pass: a vmap over one key only adds work
+    return log_probs(model, variables, images, keys[0])[None]
+  return map_in_chunks(lambda key: log_probs(model, variables, images, key), keys, chunk_size)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from smoothing_jax.inference import log_probs, mean_probs, pass_outputs, sample_rngs
 from smoothing_jax.methods.base import Method, setting
 from smoothing_jax.methods.fixed_members import FixedMembers
 from smoothing_jax.methods.losses import cross_entropy
+from smoothing_jax.passes import log_probs, mean_probs, pass_outputs, sample_rngs
 
 
 def shuffled_rows(num_rows: int, input_repetition_probability: float) -> int:

@@ -15,9 +15,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from smoothing_jax.inference import log_probs, mean_probs, sample_rngs
 from smoothing_jax.methods.base import Method
 from smoothing_jax.methods.fixed_members import FixedMembers
+from smoothing_jax.passes import log_probs, mean_probs, sample_rngs
 
 
 def _members_first(x, m: int):

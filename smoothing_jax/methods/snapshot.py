@@ -28,11 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from smoothing_jax.inference import ensemble_log_probs, map_in_chunks, pass_outputs
 from smoothing_jax.methods.base import Clock, Method, setting
 from smoothing_jax.methods.deterministic import Deterministic
 from smoothing_jax.methods.mc_dropout import MCDropout
 from smoothing_jax.models import implied_method, is_stochastic
+from smoothing_jax.passes import ensemble_log_probs, map_in_chunks, pass_outputs
 
 
 def cycle_bounds(step, num_steps: int, cycles: int) -> tuple:

@@ -43,11 +43,11 @@ import numpy as np
 from absl import logging
 from jax import lax
 
-from smoothing_jax.inference import ensemble_log_probs, map_in_chunks, pass_outputs, sample_rngs
 from smoothing_jax.methods.base import Method, setting
 from smoothing_jax.methods.deterministic import Deterministic
 from smoothing_jax.methods.mc_dropout import MCDropout
 from smoothing_jax.models import implied_method, is_stochastic
+from smoothing_jax.passes import ensemble_log_probs, map_in_chunks, pass_outputs, sample_rngs
 
 VAR_CLAMP = 1e-6  # the least σ², TorchUncertainty's default ``var_clamp``
 

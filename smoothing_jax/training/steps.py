@@ -15,12 +15,12 @@ from absl import logging
 from flax.training import train_state
 from jax.sharding import Mesh
 
-from smoothing_jax.inference import sample_rngs
 from smoothing_jax.methods import Method, as_method
 from smoothing_jax.methods.base import Clock
 from smoothing_jax.methods.losses import supervised_loss
 from smoothing_jax.metrics import label_mask
 from smoothing_jax.parallel import sharded_eval_step, shardings
+from smoothing_jax.passes import sample_rngs
 from smoothing_jax.training.optim import create_optimizer
 
 

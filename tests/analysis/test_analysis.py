@@ -96,17 +96,17 @@ def test_max_eigenvalue_spectrum_on_8_devices_equals_each_batch_alone_on_one(tin
   """Eight batches on the 8 simulated devices, one each, in one program per step: every batch's
   eigenvalues, residuals and HVPs are those ``top_eigenvalues`` gives the batch alone on one
   device."""
-  from smoothing_jax.analysis import hessian
+  from smoothing_jax.analysis.hessian import solvers
   from smoothing_jax.parallel import create_mesh
   model, variables = tiny_mcdo
   batches = [{"image": (-1)**i * (0.5 + i / 8) * images, "label": (jnp.arange(3) + i) % 5}
              for i in range(8)]
   mesh = create_mesh(8)
-  compiled = [f._cache_size() for f in hessian._per_device(mesh, False)]
+  compiled = [f._cache_size() for f in solvers._per_device(mesh, False)]
   result = max_eigenvalue_spectrum(model, variables, batches, k=2, max_iters=20,
                                    rng=jax.random.key(1), mesh=mesh)
   # One program each (linearisation, start, step) for all the devices and steps.
-  assert [f._cache_size() for f in hessian._per_device(mesh, False)] == [c + 1 for c in compiled]
+  assert [f._cache_size() for f in solvers._per_device(mesh, False)] == [c + 1 for c in compiled]
   assert result["eigenvalues"].shape == (8, 2) and result["method"] == "lanczos"
   assert result["relative_residuals"].shape == (8, 2) and result["hvps"].shape == (8,)
   # The same loss and keys through top_eigenvalues; one function whose batch is an argument

@@ -11,8 +11,8 @@ import pytest
 
 from smoothing_jax.analysis import features
 from smoothing_jax.analysis.features import block_kinds, feature_maps, tokens_to_map
-from smoothing_jax.inference import sample_rngs
 from smoothing_jax.models import get_model
+from smoothing_jax.passes import sample_rngs
 from tests.helpers import MICRO_VIT, abstract_variables, init_variables
 
 TINY_ALTERNET = dict(width=4, stage_sizes=(1, 1, 1, 2), msa_blocks=(0, 0, 0, 1),

@@ -426,7 +426,7 @@ def test_tiny_mlp_top_k_and_certificate_match_eigh_at_default_settings(k, max_hv
 def test_basis_projects_and_combines_like_numpy(b, blocks):
   """The Krylov basis (blocks of b columns): projecting a matrix out of it and combining its
   columns equal numpy on the stacked blocks."""
-  from smoothing_jax.analysis.hessian import _Basis
+  from smoothing_jax.analysis.hessian.lanczos import _Basis
   rng = np.random.default_rng(0)
   n = 64
   columns = np.linalg.qr(rng.normal(size=(n, b * blocks)))[0].astype(np.float32)  # orthonormal
@@ -448,7 +448,7 @@ def test_cholesky_qr_equals_numpy_qr_and_flags_what_it_cannot_factor():
   positive: equal on a well-conditioned block; ``ok`` False on a block of condition 1e5 (beyond
   float32's 1/√ε) and on one with a column at the breakdown level, both of which Gram–Schmidt
   then factors."""
-  from smoothing_jax.analysis.hessian import _cholesky_qr
+  from smoothing_jax.analysis.hessian.lanczos import _cholesky_qr
   rng = np.random.default_rng(0)
   w = rng.normal(size=(500, 4))
   q, r = np.linalg.qr(w)

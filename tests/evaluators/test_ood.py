@@ -133,7 +133,7 @@ def test_grayscale_sets_are_converted_as_openood_preprocesses_them():
 
 
 def test_the_features_are_the_classifier_input(run):
-  from smoothing_jax.inference import pass_outputs
+  from smoothing_jax.passes import pass_outputs
   images = run.normalize(run.pipeline.eval_images[:5])
   out = pass_outputs(run.model, run.variables, images)
   head = {jax.tree_util.keystr(path): leaf
@@ -148,8 +148,8 @@ def test_the_features_are_the_classifier_input(run):
 
 def test_sample_outputs_are_the_draws_of_sample_log_probs(analysis_workdirs):
   from smoothing_jax.experiment.run import Run
-  from smoothing_jax.inference import stack_variables
   from smoothing_jax.methods.deep_ensemble import DeepEnsemble
+  from smoothing_jax.passes import stack_variables
   key = jax.random.key(3)
   with Run.from_workdir(analysis_workdirs["MC dropout"]) as mc_run:
     images = mc_run.normalize(mc_run.pipeline.eval_images[:4])

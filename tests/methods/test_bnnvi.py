@@ -12,10 +12,10 @@ import pytest
 from configs import cifar_resnet
 from smoothing_jax import methods
 from smoothing_jax.experiment.config_base import with_method
-from smoothing_jax.inference import sample_rngs
 from smoothing_jax.layers.mean_field import kl_divergence
 from smoothing_jax.methods import bnnvi
 from smoothing_jax.models import get_model, is_stochastic
+from smoothing_jax.passes import sample_rngs
 from smoothing_jax.training import optim
 from tests.helpers import (
   ALL_CLASSIFIER_EVALS,

@@ -19,7 +19,6 @@ from smoothing_jax.analysis.trained import load_trained
 from smoothing_jax.evaluators import calibration, ensemble_sizes, ood, selective, temporal_smoothing
 from smoothing_jax.experiment import workdir as workdir_lib
 from smoothing_jax.experiment.run import Run
-from smoothing_jax.inference import member_of, sample_rngs
 from smoothing_jax.methods.deep_ensemble import (
   DeepEnsemble,
   check_fits,
@@ -28,6 +27,7 @@ from smoothing_jax.methods.deep_ensemble import (
 )
 from smoothing_jax.models import get_model
 from smoothing_jax.parallel import create_mesh
+from smoothing_jax.passes import member_of, sample_rngs
 from smoothing_jax.training import train
 from smoothing_jax.training.steps import state_initializer, variables_of
 from tests.helpers import (

@@ -9,9 +9,9 @@ import optax
 import pytest
 
 from smoothing_jax import methods
-from smoothing_jax.inference import sample_rngs
 from smoothing_jax.methods import ibnn
 from smoothing_jax.models import get_model
+from smoothing_jax.passes import sample_rngs
 from smoothing_jax.plots import plot_ood_curves
 from tests.helpers import (
   abstract_variables,

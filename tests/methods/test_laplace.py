@@ -207,7 +207,7 @@ def test_the_fit_sums_the_ggn_over_the_training_split_alone(laplace_workdir):
   (class-major kernel, then the bias); the mean is the trained last layer."""
   from smoothing_jax.experiment import fits
   from smoothing_jax.experiment.run import Run
-  from smoothing_jax.inference import pass_outputs
+  from smoothing_jax.passes import pass_outputs
   workdir, _, diag = laplace_workdir
   run = Run.from_workdir(workdir, diag)
   assert run.method.fit_name == "laplace_diag_prior2"

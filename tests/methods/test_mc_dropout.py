@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from smoothing_jax import methods
-from smoothing_jax.inference import sample_rngs
 from smoothing_jax.methods.mc_dropout import MCDropout
+from smoothing_jax.passes import sample_rngs
 from tests.methods.paths import assert_paths_agree, three_paths
 
 

@@ -17,7 +17,6 @@ import pytest
 from configs import cifar_resnet
 from smoothing_jax import methods
 from smoothing_jax.experiment.config_base import with_method
-from smoothing_jax.inference import pass_outputs
 from smoothing_jax.methods.mimo import (
   MIMO,
   mimo_batch_indices,
@@ -25,6 +24,7 @@ from smoothing_jax.methods.mimo import (
   training_indices,
 )
 from smoothing_jax.models import get_model
+from smoothing_jax.passes import pass_outputs
 from tests.helpers import (
   abstract_variables,
   init_variables,

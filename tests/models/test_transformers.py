@@ -252,7 +252,7 @@ def test_vit_has_no_dropout_by_default_as_in_the_reference(micro_vit):
 def test_the_vit_s_penultimate_features_are_its_classifier_input(micro_vit):
   """``inference.pass_outputs`` (the OOD scores' features) finds a ViT's head: the logits are
   the features through the head's dense layer."""
-  from smoothing_jax.inference import pass_outputs
+  from smoothing_jax.passes import pass_outputs
   model, variables, x, _ = micro_vit
   out = jax.jit(lambda v, images: pass_outputs(model, v, images))(variables, x)
   dense = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(variables["params"])
