@@ -213,6 +213,30 @@ def plot_accuracy_rejection(curves: dict, title: str = ""):
                  fontsize=7)
 
 
+def plot_set_sizes(rows: list, title: str = ""):
+  """Conformal prediction: mean set size against ensemble size N, one panel per α and one line
+  per score and variant (rows of the ``conformal`` evaluator); returns the Figure."""
+  alphas = sorted({r["alpha"] for r in rows}, reverse=True)
+  sizes = sorted({r["ensemble_size"] for r in rows})
+  fig, axes = _pyplot().subplots(1, len(alphas), figsize=(4.5 * len(alphas) + 1.8, 3.6),
+                                 squeeze=False)
+  for ax, alpha in zip(axes[0], alphas, strict=True):
+    lines = {}
+    for r in rows:
+      if r["alpha"] == alpha:
+        lines.setdefault(r["score"] + (", randomised" if r["randomized"] else ""), []).append(r)
+    for label, line in lines.items():
+      ax.plot([r["ensemble_size"] for r in line], [r["mean_size"] for r in line], "o-",
+              label=label)
+    ax.set_xscale("log")
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set(xlabel="ensemble size N", ylabel="mean set size",
+           title=f"α = {alpha} (target coverage {100 * (1 - alpha):g}%)")
+    ax.grid(alpha=0.3)
+  axes[0, -1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+  return _with_suptitle(fig, title)
+
+
 def plot_spectra(spectra: dict, bins: int = 40, caption: str | None = None):
   """Overlaid histograms of pooled eigenvalues, ``{label: eigenvalues array}``; ``caption``
   (e.g. ``analysis.spectrum.spectrum_caption``) names the solver; returns the Figure."""

@@ -204,7 +204,7 @@ METHOD_QUESTIONS = re.compile(
     r"\bis_(ibnn|mean_field|batch_ensemble|stochastic)\b|\.num_components\b|\.ensemble_size\b"
     r"|\.mean_field\b|\bstacked_members\b|isinstance\([^)]*(MCDropout|DeepEnsemble|IBNN|BNNVI|"
     r"BatchEnsemble|Deterministic)\b|\.(fit_name|stochastic|needs_training_data|"
-    r"prepares_variables)\b")
+    r"prepares_variables|predicts_per_member)\b")
 METHOD_QUESTIONS_ALLOWED = {  # file: lines (code, strings and comments left out)
     # Run.stacked_members (the networks a Run stacks) and Run.member's bounds (one branch);
     # Run.fit's refusal of a method without a post-hoc stage (one branch); Run.stochastic

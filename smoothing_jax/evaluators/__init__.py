@@ -41,6 +41,7 @@ REGISTRY = {  # name → module
     "ood": "smoothing_jax.evaluators.ood",
     "calibration": "smoothing_jax.evaluators.calibration",
     "selective": "smoothing_jax.evaluators.selective",
+    "conformal": "smoothing_jax.evaluators.conformal",
 }
 # Other names for evaluators, or for several run in turn.
 ALIASES = {"evaluate": ("ensemble_sizes",), "uncertainty": ("ood", "calibration", "selective")}

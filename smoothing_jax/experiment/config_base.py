@@ -121,9 +121,10 @@ def base_config() -> ml_collections.ConfigDict:
   # The uncertainty method (``smoothing_jax.methods.REGISTRY``; None: the one ``model`` is built
   # for), and its settings block ``config.<method>`` (``Method.settings``): a recipe may set any
   # method's block here, and ``finalize`` keeps the chosen method's alone (``declare_method``).
-  # The deep ensemble composes with every method: its block (``members``, ...) is always there.
+  # Test-time augmentation and the deep ensemble compose with every method (``methods.COMPOSED``):
+  # their blocks (``tta.augmentations``, ``deep_ensemble.members``, ...) are always there.
   config.method = placeholder(str)
-  for name, method in (*methods.REGISTRY.items(), ("deep_ensemble", methods.DeepEnsemble)):
+  for name, method in (*methods.REGISTRY.items(), *methods.COMPOSED.items()):
     if method.settings:
       config[name] = ml_collections.ConfigDict(copy.deepcopy(method.settings))
   # Logging, evaluation and checkpoints.

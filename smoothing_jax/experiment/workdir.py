@@ -21,6 +21,7 @@ import jax
 import ml_collections
 from etils import epath
 
+from smoothing_jax import methods
 from smoothing_jax.experiment.config import MOVED_KEYS, flat
 from smoothing_jax.experiment.config_base import blocks_of_others, chosen_method
 from smoothing_jax.experiment.spec import ModelSpec
@@ -119,7 +120,8 @@ def upgrade_record(record: dict) -> dict:
   ``datasets``, each of ``config.MOVED_KEYS`` moves to its new place, and a deep ensemble
   recorded without ``member_seeds`` (trained when member m was the run of ``seed + m``) records
   those; a record without ``method`` (every one before it was a key) gets ``method`` None, and
-  keeps the settings block of its model's method alone.  Today's records come back equal."""
+  keeps the settings block of its model's method alone; a composing method's block
+  (``methods.COMPOSED``) missing is added at its defaults.  Today's records come back equal."""
   record = json.loads(json.dumps(record))
   if isinstance(record.get("evals"), list):
     record["evals"] = {name: {} for name in record["evals"]}
@@ -133,6 +135,10 @@ def upgrade_record(record: dict) -> dict:
       for name in parents:
         node = node.setdefault(name, {})
       node.setdefault(leaf, record.pop(old))
+  # The blocks of the methods that compose with any (test-time augmentation's came later):
+  # at their defaults where not recorded.
+  for name, method in methods.COMPOSED.items():
+    record.setdefault(name, json.loads(json.dumps(dict(method.settings))))
   ensemble = record.get("deep_ensemble", {})
   if ensemble.get("members", 1) > 1 and "member_seeds" not in ensemble:
     ensemble["member_seeds"] = [record["seed"] + m for m in range(ensemble["members"])]

@@ -21,10 +21,13 @@ place that decides which a run uses (:func:`resolve`).
                            probit or N samples (:mod:`~smoothing_jax.methods.laplace`)
 ``checkpoint_ensemble``,   the network at the last M epoch ends; at the ends of M cosine
 ``snapshot_ensemble``      cycles (:mod:`~smoothing_jax.methods.snapshot`)
+``tta``                    any method above on A augmented views of each image
+                           (:mod:`~smoothing_jax.methods.tta`)
 =========================  ============================================================
 
-A run's method is the one ``config.method`` names (default: the one its model is built for), a
-deep ensemble of it where ``config.deep_ensemble.members`` > 1 (:func:`resolve`).  A new method is
+A run's method is the one ``config.method`` names (default: the one its model is built for), with
+test-time augmentation where ``config.tta.augmentations`` lists views, and a deep ensemble of
+that where ``config.deep_ensemble.members`` > 1 (:func:`resolve`).  A new method is
 one file here and one line in :data:`REGISTRY`.
 """
 from __future__ import annotations
@@ -43,9 +46,11 @@ from smoothing_jax.methods.mimo import MIMO
 from smoothing_jax.methods.packed import PackedEnsemble
 from smoothing_jax.methods.snapshot import CheckpointEnsemble, SnapshotEnsemble
 from smoothing_jax.methods.swag import SWA, SWAG
+from smoothing_jax.methods.tta import TestTimeAugmentation
 from smoothing_jax.models import implied_method
 
-__all__ = ["REGISTRY", "DeepEnsemble", "Method", "as_method", "method_name", "resolve"]
+__all__ = ["COMPOSED", "REGISTRY", "DeepEnsemble", "Method", "TestTimeAugmentation", "as_method",
+           "method_name", "resolve"]
 
 # name → method: ``config.method`` names one (default: the one the model is built for,
 # ``models.implied_method``).  A deep ensemble is not in it: it composes with any of them
@@ -64,6 +69,9 @@ REGISTRY: dict[str, type[Method]] = {
     "checkpoint_ensemble": CheckpointEnsemble,
     "snapshot_ensemble": SnapshotEnsemble,
 }
+# The methods that wrap any of those (not chosen by ``config.method``; each on when its settings
+# say): their settings blocks are in every config.
+COMPOSED: dict[str, type[Method]] = {"tta": TestTimeAugmentation, "deep_ensemble": DeepEnsemble}
 
 
 def method_name(config, model) -> str:
@@ -82,14 +90,15 @@ def resolve(config, model) -> Method:
   """The method that trains and evaluates ``model`` under ``config`` (None: every setting at its
   default), its configuration checked (one-line ValueError for what it cannot do): the one
   ``config.method`` names (:func:`method_name`), refused in one line where it does not take the
-  model, and a deep ensemble of it where ``config.deep_ensemble.members`` > 1."""
+  model, on the views of ``config.tta.augmentations`` where it lists any, and a deep ensemble of
+  that where ``config.deep_ensemble.members`` > 1."""
   name = method_name(config, model)
   cls = REGISTRY[name]
   reason = cls.refuses(model)
   if reason:
     what = setting(config, "model") or f"this {type(model).__name__}"
     raise ValueError(f"Method {name} cannot train or evaluate {what}: {reason}.")
-  method = cls.from_config(config, model)
+  method = TestTimeAugmentation.wrap(cls.from_config(config, model), config)
   if members_of(config) > 1:
     method = DeepEnsemble.wrap(method, config)
   return method.check(config) if config is not None else method

@@ -290,9 +290,15 @@ class Method:
   @property
   def prepares_variables(self) -> bool:
     """Whether the predictive takes variables of its own (a fit, weights collected or drawn)
-    rather than the trained network's: a deep ensemble of it then runs its predictive on each
-    member."""
+    rather than the trained network's."""
     return self.needs_training_data or self.fit_name is not None
+
+  @property
+  def predicts_per_member(self) -> bool:
+    """Whether a deep ensemble of this method runs its whole predictive on each member (N = M·S
+    draws) rather than one pass of each: where the predictive takes variables of its own, or
+    transforms the input (test-time augmentation)."""
+    return self.prepares_variables
 
   # --- The train state and step (one network; a deep ensemble stacks them).
   @property

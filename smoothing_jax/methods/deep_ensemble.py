@@ -137,13 +137,13 @@ class DeepEnsemble(Method):
   def describe(self) -> str:
     return f"{self.name} of {self.size} {self.base.describe()}"
 
-  # The predictive: one draw of each member; or, for a base method whose predictive takes
-  # variables of its own (``Method.prepares_variables``: a fit, weights collected or drawn), S
+  # The predictive: one draw of each member; or, for a base method that predicts per member
+  # (``Method.predicts_per_member``: a fit, weights collected or drawn, test-time augmentation), S
   # draws of each member's base predictive, N = M·S in sample-major order (the first M draws one
   # of each member: MultiSWAG, Wilson & Izmailov 2020).
   @property
   def _per_member_draws(self) -> bool:
-    return self.base.prepares_variables
+    return self.base.predicts_per_member
 
   @property
   def stochastic(self) -> bool:
