@@ -2,10 +2,13 @@
 
 Each method at M = ``--members`` (4): MC dropout and BNN-VI with N = M samples, the deep ensemble
 of M members trained as one job, BatchEnsemble, MIMO and Packed-Ensembles with M members, iBNN
-with K = M components (one draw of each, N = K).  Every method is built and driven through its
-:class:`~smoothing_jax.methods.base.Method` (``methods.resolve``), as a run is: its train state
-(``Method.init_train_state``), its objective (``Method.loss``), the run's compiled step
-(``steps.compile_steps``) and its predictive at N = M (``Method.predict``, jitted whole).
+with K = M components (one draw of each, N = K), and SNGP (``resnet_sngp_18``: spectral
+normalisation, the GP output layer, the mean-field predictive; its goals, issue 59: a step
+≤ 1.15× and the predictive ≤ 1.2× one network's, in ``rows.sngp.goals``).  Every method is
+built and driven through its :class:`~smoothing_jax.methods.base.Method` (``methods.resolve``),
+as a run is: its train state (``Method.init_train_state``), its objective (``Method.loss``), the
+run's compiled step (``steps.compile_steps``) and its predictive at N = M (``Method.predict``,
+jitted whole).
 
 The networks are CIFAR ResNet-18s of stem width ``--width`` (``resnet_dnn_18``,
 ``resnet_mcdo_18``, ``resnet_batchensemble_18``, ``resnet_mimo_18``, ``resnet_packed_18`` and
@@ -62,6 +65,8 @@ One JSON object on stdout and in ``--out``.
   python experiments/bench_methods.py                    # CPU: width 16, batch 128, M = 4
   python experiments/bench_methods.py --sections costs   # the three cost figures only
   python experiments/bench_methods.py --smoke --out ""   # tiny sizes
+  python experiments/bench_methods.py --sections rows --rows sngp --out \
+      experiments/results/bench_methods_sngp_cpu.json    # SNGP against one network
 """
 from __future__ import annotations
 
@@ -119,6 +124,7 @@ def rows_of(members: int, width: int, wrn_depth: int) -> dict:
       "mimo": ("resnet_mimo_18", {**resnet, "mimo_members": members}, None, "single"),
       "packed": ("resnet_packed_18", {**resnet, "num_estimators": members}, None, "single"),
       "bnnvi": ("resnet_dnn_18", {**resnet, "mean_field": True}, members, "single"),
+      "sngp": ("resnet_sngp_18", resnet, None, "single"),
       "single_wrn": ("wideresnet_dnn_28_10", wrn, None, "single_wrn"),
       "ibnn": ("wideresnet_ibnn_28_10", {**wrn, "num_components": members}, 1, "single_wrn"),
   }
@@ -159,6 +165,8 @@ class Row:
     self.state = jax.device_put(method.init_train_state(config, init_one, mesh.devices.flat),
                                 replicated)
     self.variables = jax.tree.map(jnp.copy, variables_of(self.state))  # the step donates state
+    if not (predictive.needs_training_data or predictive.fit_name):  # what a run predicts with
+      self.variables = predictive.prediction_variables(self.variables, None)
     loss_fn = method.loss(config, num_train=50_000, steps_per_epoch=100)
     step, _ = compile_steps(method, schedule, mesh, config.ece_bins, loss_fn)
     self.rngs = method.train_keys(config)
@@ -195,12 +203,16 @@ def peak_bytes():
 
 
 def measure(members: int = 4, width: int = 16, batch_size: int = 128, repeats: int = 5,
-            wrn_depth: int = 28) -> dict:
-  """The benchmark's JSON object (module docstring)."""
+            wrn_depth: int = 28, only: tuple = ()) -> dict:
+  """The benchmark's JSON object (module docstring); ``only``: these rows and their baselines."""
   load_before = os.getloadavg()
   mesh = create_mesh()
   rows = {}
-  for name, spec in rows_of(members, width, wrn_depth).items():
+  specs = rows_of(members, width, wrn_depth)
+  wanted = set(only) | {specs[name][3] for name in only}
+  for name, spec in specs.items():
+    if only and name not in wanted:
+      continue
     rows[name] = Row(name, spec, members, batch_size, mesh)
     jax.block_until_ready((rows[name].train(), rows[name].predictive()))
     rows[name].info["process_peak_bytes"] = peak_bytes()
@@ -227,6 +239,11 @@ def measure(members: int = 4, width: int = 16, batch_size: int = 128, repeats: i
         f"(× {row['vs_baseline']['train_images_per_s']:.2f}), predict "
         f"{row['predict']['images_per_s']:.0f} images/s "
         f"(× {row['vs_baseline']['predict_images_per_s']:.2f})")
+  if "sngp" in table:  # issue 59's goals: a step ≤ 1.15×, the predictive ≤ 1.2× one network's
+    ratios = table["sngp"]["vs_baseline"]
+    table["sngp"]["goals"] = {
+        "train_step_vs_single": goal(1 / ratios["train_images_per_s"], 1.15, "issue 59"),
+        "predictive_vs_one_pass": goal(1 / ratios["predict_images_per_s"], 1.2, "issue 59")}
   result = {"benchmark": "methods", "members": members, "width": width, "wrn_depth": wrn_depth,
             "batch_size": batch_size, "repeats": repeats, "weights": "initialised",
             **environment(), "load_average_1_5_15": {"before": load_before,
@@ -601,6 +618,8 @@ def main(argv=None):
                       default=["rows", "costs"],
                       help="rows: every method against one network; costs: SWAG's collection, "
                            "the Laplace fit and SWAG's predictive")
+  parser.add_argument("--rows", nargs="+", default=(),
+                      help="only these rows (and their baselines), e.g. --rows sngp")
   parser.add_argument("--epoch_steps", type=int, default=0,
                       help="steps of the epoch SWAG's collection is timed on (0: CIFAR-10's "
                            "50,000 / --batch)")
@@ -624,7 +643,8 @@ def main(argv=None):
     args.prep_rounds = 1
   result = {"command": " ".join(["python", *sys.argv])}
   if "rows" in args.sections:
-    result.update(measure(args.members, args.width, args.batch, args.repeats, args.wrn_depth))
+    result.update(measure(args.members, args.width, args.batch, args.repeats, args.wrn_depth,
+                          tuple(args.rows)))
   else:
     result.update({"benchmark": "methods", **environment()})
   if "costs" in args.sections:

@@ -21,6 +21,8 @@ place that decides which a run uses (:func:`resolve`).
                            probit or N samples (:mod:`~smoothing_jax.methods.laplace`)
 ``checkpoint_ensemble``,   the network at the last M epoch ends; at the ends of M cosine
 ``snapshot_ensemble``      cycles (:mod:`~smoothing_jax.methods.snapshot`)
+``sngp``                   spectral normalisation and a random-feature GP output layer
+                           (:mod:`~smoothing_jax.methods.sngp`)
 ``tta``                    any method above on A augmented views of each image
                            (:mod:`~smoothing_jax.methods.tta`)
 =========================  ============================================================
@@ -45,6 +47,7 @@ from smoothing_jax.methods.mc_dropout import MCDropout
 from smoothing_jax.methods.mimo import MIMO
 from smoothing_jax.methods.packed import PackedEnsemble
 from smoothing_jax.methods.snapshot import CheckpointEnsemble, SnapshotEnsemble
+from smoothing_jax.methods.sngp import SNGP
 from smoothing_jax.methods.swag import SWA, SWAG
 from smoothing_jax.methods.tta import TestTimeAugmentation
 from smoothing_jax.models import implied_method
@@ -68,6 +71,7 @@ REGISTRY: dict[str, type[Method]] = {
     "laplace": LastLayerLaplace,
     "checkpoint_ensemble": CheckpointEnsemble,
     "snapshot_ensemble": SnapshotEnsemble,
+    "sngp": SNGP,
 }
 # The methods that wrap any of those (not chosen by ``config.method``; each on when its settings
 # say): their settings blocks are in every config.

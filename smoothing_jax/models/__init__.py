@@ -12,7 +12,9 @@ BatchEnsemble models ``resnet_batchensemble_18`` and
 names each row's member); the MIMO models ``resnet_mimo_18`` and ``wideresnet_mimo_28_10``
 (``mimo_members=M`` override, default 3: M inputs ``[B, M, H, W, 3]``, or one image for all, and
 logits ``[B, M, C]``); the Packed-Ensembles ResNet-18 ``resnet_packed_18`` (``num_estimators``
-M, ``alpha``, ``gamma``; logits ``[B·M, C]``, ``smoothing_jax.models.packed``); and the
+M, ``alpha``, ``gamma``; logits ``[B·M, C]``, ``smoothing_jax.models.packed``); the SNGP
+models ``resnet_sngp_18`` and ``wideresnet_sngp_28_10`` (spectral normalisation and a
+random-feature GP output layer, ``smoothing_jax.layers.sngp``); and the
 self-attention models ``vit_{ti,s,b}``, ``pit_{ti,s}``, ``swin_{t,s}`` and
 ``alternet_{18,34,50,101,152}`` (HV); and the segmentation U-Nets
 ``unet_{dnn,mcdo,dnn_smoothing,mcdo_smoothing}`` (per-pixel logits ``[B, H, W, C]``).  Every
@@ -62,6 +64,9 @@ IBNN_COMPONENTS = 4
 IBNN_BNNVI = dict(mean_field=True, bnn_reference="ibnn", posterior_std_init=0.015)
 BATCH_ENSEMBLE_SIZE = 4
 MIMO_MEMBERS = 3  # uncertainty-baselines' baselines/cifar/mimo.py flag ensemble_size
+# uncertainty-baselines' baselines/cifar/sngp.py flags: spec_norm_bound 6, spec_norm_iteration 1,
+# gp_hidden_dim 1024, gp_cov_ridge_penalty 1.
+SNGP = dict(spectral_norm=6.0, spectral_norm_iterations=1, gp_features=1024, gp_ridge=1.0)
 # uncertainty-baselines' WRN-28-10 (``wide_resnet_variational``, ``wide_resnet_batchensemble``).
 UB_WIDERESNET = dict(depth=28, widen_factor=10, conv_bias=False, stride_first=True,
                      head_bn_momentum=0.9, kernel_init="he_normal")
@@ -152,6 +157,11 @@ def _registry():
   registry["resnet_mimo_18"] = (ResNet, dict(stage_sizes=RESNET_STAGES[18][0], block="basic",
                                              mimo_members=MIMO_MEMBERS))
   registry["wideresnet_mimo_28_10"] = (WideResNet, dict(UB_WIDERESNET, mimo_members=MIMO_MEMBERS))
+  # SNGP (Liu et al.): spectral normalisation (bound 6, one power iteration) and a GP output layer
+  # of 1,024 random features, uncertainty-baselines' ``wide_resnet_sngp`` and a ResNet-18.
+  registry["resnet_sngp_18"] = (ResNet, dict(stage_sizes=RESNET_STAGES[18][0], block="basic",
+                                             **SNGP))
+  registry["wideresnet_sngp_28_10"] = (WideResNet, dict(UB_WIDERESNET, **SNGP))
   # Packed-Ensembles (Laurent et al.): TorchUncertainty's CIFAR ResNet-18 (M 4, α 2, γ 2).
   registry["resnet_packed_18"] = (PackedResNet, dict(stage_sizes=RESNET_STAGES[18][0]))
   # MSA as trainable smoothing (HV): ViTs and AlterNets (geometry from ``stem``, like the CNNs).
@@ -198,6 +208,11 @@ def is_mimo(model: nn.Module) -> bool:
   return getattr(model, "mimo_members", 0) > 0
 
 
+def is_sngp(model: nn.Module) -> bool:
+  """True for SNGP models: a random-feature GP output layer (``gp_features``)."""
+  return getattr(model, "gp_features", 0) > 0
+
+
 def is_stochastic(model: nn.Module) -> bool:
   """True when two evaluation passes differ: MC dropout, iBNN node noise or BNN-VI weights."""
   head_mc_dropout = getattr(model, "head_mc_dropout", False) and model.head_dropout_rate > 0
@@ -213,7 +228,7 @@ def implied_method(model: nn.Module) -> str:
   with none of these is one deterministic network.  The layer factory knows which structure
   each model has, so this is the one place outside ``methods/`` that names methods."""
   structures = (("ibnn", is_ibnn), ("bnnvi", is_mean_field),
-                ("batch_ensemble", is_batch_ensemble), ("mimo", is_mimo),
+                ("batch_ensemble", is_batch_ensemble), ("mimo", is_mimo), ("sngp", is_sngp),
                 ("packed_ensemble", lambda m: isinstance(m, PackedResNet)))
   for name, holds in structures:
     if holds(model):

@@ -30,13 +30,15 @@ from smoothing_jax.layers.mean_field import (
   MeanFieldDense,
 )
 from smoothing_jax.layers.node_noise import NodeNoiseConv, NodeNoiseDense
+from smoothing_jax.layers.sngp import RandomFeatureGP, SpectralNormConv, SpectralNormDense
 
 STEMS = ("cifar", "imagenet")
 # What a conv / dense layer's weights are (``CNN.weights``): point estimates, iBNN node noise on
-# their inputs, mean-field Gaussians (BNN-VI) or BatchEnsemble fast weights.
-WEIGHTS = ("point", "ibnn", "mean_field", "batch_ensemble")
+# their inputs, mean-field Gaussians (BNN-VI), BatchEnsemble fast weights, or spectrally
+# normalised point estimates (SNGP).
+WEIGHTS = ("point", "ibnn", "mean_field", "batch_ensemble", "spectral_norm")
 WEIGHT_NAMES = {"point": "point-estimate", "ibnn": "iBNN", "mean_field": "BNN-VI",
-                "batch_ensemble": "BatchEnsemble"}
+                "batch_ensemble": "BatchEnsemble", "spectral_norm": "spectrally normalised"}
 CLASSIFIERS = ("gap", "mlp", "mlp512")
 # Whose mean-field layers a BNN-VI builds (``CNN.bnn_reference``): uncertainty-baselines'
 # (Flipout, deterministic biases) or the iBNN repository's (one sample per pass, variational
@@ -255,6 +257,11 @@ class CNN(nn.Module):
     mimo_members: MIMO (ResNet, WRN-28-10): M > 0 inputs concatenated on channels and M heads
       (``mimo_inputs``, ``MultiHead``): the model takes ``[B, M, H, W, 3]`` (member m's input at
       ``[:, m]``) or ``[B, H, W, 3]`` (the same image to every input) and gives ``[B, M, C]``.
+    spectral_norm: SNGP (ResNet, WRN-28-10): c > 0 spectrally normalises every conv and dense
+      layer to norm ≤ c (``smoothing_jax.layers.sngp``), by ``spectral_norm_iterations`` steps of
+      power iteration per training step.
+    gp_features: SNGP: D > 0 makes the classifier the random-feature GP layer of D features
+      (``layers.sngp.RandomFeatureGP``, ridge penalty ``gp_ridge``).
   """
   num_classes: int = 10
   dropout_rate: float = 0.0
@@ -278,10 +285,16 @@ class CNN(nn.Module):
   random_sign_init: float = RANDOM_SIGN_INIT
   kernel_init: str = "reference"
   mimo_members: int = 0
+  spectral_norm: float = 0.0
+  spectral_norm_iterations: int = 1
+  gp_features: int = 0
+  gp_ridge: float = 1.0
 
   @property
   def weights(self) -> str:
     """What the conv and dense weights are: one of ``WEIGHTS``."""
+    if self.spectral_norm:
+      return "spectral_norm"
     if self.num_components:
       return "ibnn"
     if self.mean_field:
@@ -342,6 +355,12 @@ class CNN(nn.Module):
                        f"not {WEIGHT_NAMES[self.weights]}.")
     if self.mimo_members and classifier != "gap":
       raise ValueError(f"{type(self).__name__}: MIMO (mimo_members) has the GAP classifier only.")
+    if self.spectral_norm < 0 or self.gp_features < 0:
+      raise ValueError(f"spectral_norm (the norm bound) and gp_features (random features) must be "
+                       f"> 0, or 0 for none; got {self.spectral_norm} and {self.gp_features}.")
+    if self.gp_features and (self.mimo_members or classifier != "gap"):
+      raise ValueError(f"{type(self).__name__}: the GP output layer (gp_features) replaces the GAP "
+                       "classifier's dense layer of one network.")
     return classifier
 
   def mimo_inputs(self, x):
@@ -364,6 +383,9 @@ class CNN(nn.Module):
   def classifier_dense(self, x, components, name=None):
     """The classifier on the pooled features ``x [B, D]``: :meth:`dense` to ``num_classes``, or
     with ``mimo_members`` M the M heads (:class:`MultiHead`, ``[B, M, C]``)."""
+    if self.gp_features:
+      return RandomFeatureGP(self.num_classes, self.gp_features, self.gp_ridge, dtype=self.dtype,
+                             name=name)(x)
     if not self.mimo_members:
       return self.dense(x, components, self.num_classes, name=name)
     scheme = KERNEL_INITS[self.kernel_init]
@@ -382,7 +404,9 @@ class CNN(nn.Module):
                 bnn_reference=self.bnn_reference,
                 ensemble_size=self.ensemble_size,
                 random_sign_init=self.random_sign_init,
-                kernel_init=self.kernel_init)
+                kernel_init=self.kernel_init,
+                spectral_norm=self.spectral_norm,
+                spectral_norm_iterations=self.spectral_norm_iterations)
 
   def conv(self, x, components, features, kernel_size, stride=1, padding=0, bias=False, name=None,
            groups=1, point=False):
@@ -390,7 +414,7 @@ class CNN(nn.Module):
     estimates whatever it says; ``components``: each row's iBNN component or BatchEnsemble
     member)."""
     weights = "point" if point else self.weights
-    if groups != 1 and weights in ("ibnn", "mean_field"):
+    if groups != 1 and weights in ("ibnn", "mean_field", "spectral_norm"):
       raise ValueError(f"Grouped convolutions have no {weights} variant.")
     scheme = KERNEL_INITS[self.kernel_init]
     init = scheme.conv
@@ -414,6 +438,10 @@ class CNN(nn.Module):
       return layer(self.posterior_std_init, features=features, kernel_size=kernel_size,
                    stride=stride, padding=padding, use_bias=bias, kernel_init=init,
                    bias_init=bias_init, dtype=self.dtype, name=name)(x)
+    if weights == "spectral_norm":
+      return SpectralNormConv(features, kernel_size, stride, padding, self.spectral_norm,
+                              self.spectral_norm_iterations, use_bias=bias, kernel_init=init,
+                              bias_init=bias_init, dtype=self.dtype, name=name)(x)
     if weights == "batch_ensemble":
       return BatchEnsembleConv(self.ensemble_size, self.random_sign_init, features=features,
                                kernel_size=kernel_size, stride=stride, padding=padding,
@@ -441,6 +469,10 @@ class CNN(nn.Module):
       layer = MEAN_FIELD_LAYERS[self.bnn_reference][1]
       return layer(self.posterior_std_init, features=features, kernel_init=init,
                    bias_init=bias_init, dtype=self.dtype, name=name)(x)
+    if self.weights == "spectral_norm":
+      return SpectralNormDense(features, self.spectral_norm, self.spectral_norm_iterations,
+                               kernel_init=init, bias_init=bias_init, dtype=self.dtype,
+                               name=name)(x)
     if self.weights == "batch_ensemble":
       return BatchEnsembleDense(self.ensemble_size, self.random_sign_init, features=features,
                                 kernel_init=init, bias_init=bias_init, dtype=self.dtype,

@@ -32,7 +32,7 @@ from smoothing_jax.models.cnn import (
 )
 
 EXPANSION = {"basic": 1, "bottleneck": 4}
-WEIGHTS = ("point", "batch_ensemble", "mean_field")  # what ResNet's conv / dense weights can be
+WEIGHTS = ("point", "batch_ensemble", "mean_field", "spectral_norm")  # ResNet's kinds
 
 
 class _Block(CNN):
