@@ -11,11 +11,12 @@ ResNet-18 (``resnet_sngp_18``):
   batch 512 (64 × 8 cores), Keras L2 3e-4 (weight decay 2 × 3e-4 here), 250 epochs with one
   warm-up epoch, lr × 0.2 at epochs 75, 150, 200 (``lr_decay_epochs`` 60/120/160 × 250 // 200).
 
-Two differences, both stated in the docs: uncertainty-baselines projects the GP's input to 128
-dimensions by a fixed Gaussian matrix and draws orthogonal random features (``gp_input_dim``,
-``gp_random_feature_type="orf"``, its TF layer); edward2's JAX layer, which ours equals, takes
-the pooled features as they are and draws Gaussian features.  Its training-only filter-wise
-dropout is off in that recipe's SNGP run (``use_mc_dropout`` False) and is not built.
+The WRN trains with its filter-wise dropout 0.1 after the stem and every BatchNorm-ReLU
+(``dropout_rate``, Keras's training-only ``Dropout``: ``use_mc_dropout`` is False;
+``model_kwargs.filter_dropout_rate``).  Two differences, stated in the docs: uncertainty-baselines
+projects the GP's input to 128 dimensions by a fixed Gaussian matrix and draws orthogonal random
+features (``gp_input_dim``, ``gp_random_feature_type="orf"``, its TF layer), where edward2's JAX
+layer, which ours equals, takes the pooled features as they are and draws Gaussian features.
 
 Arguments (``:<args>``): ``model``, ``dataset`` (TFDS name or ``npz:<dir>``); flags ``runlocal``
 (a CPU smoke run) and ``uncertainty``.

@@ -51,6 +51,7 @@ from smoothing_jax.experiment import config as config_lib  # noqa: E402
 from smoothing_jax.experiment.config_base import with_method, with_model  # noqa: E402
 from smoothing_jax.experiment.run import Run  # noqa: E402
 from smoothing_jax.methods.swag import SWAG  # noqa: E402
+from smoothing_jax.models import get_model, implied_method  # noqa: E402
 from smoothing_jax.training.writers import show_only_our_info_lines  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -214,7 +215,9 @@ def paper_plan(dataset: str) -> str:
   lines, total = [], 0.0
   for name, (arg, overrides) in PAPER.items():
     config = paper_config(name, dataset)
-    kind = "deep_ensemble" if config.deep_ensemble.members > 1 else config.method
+    kind = ("deep_ensemble" if config.deep_ensemble.members > 1 else config.method
+            or implied_method(get_model(config.model, 10, **{
+                k: v for k, v in config.model_kwargs.items() if v is not None})))
     ratio = 1.0 if name == "deterministic" else ratios.get(kind or "", 1.0)
     flops = FLOPS_VS_RESNET18.get(config.model.split("_")[0], 1.0)
     epochs = config.num_epochs + config.warmup_epochs

@@ -65,7 +65,8 @@ IBNN_BNNVI = dict(mean_field=True, bnn_reference="ibnn", posterior_std_init=0.01
 BATCH_ENSEMBLE_SIZE = 4
 MIMO_MEMBERS = 3  # uncertainty-baselines' baselines/cifar/mimo.py flag ensemble_size
 # uncertainty-baselines' baselines/cifar/sngp.py flags: spec_norm_bound 6, spec_norm_iteration 1,
-# gp_hidden_dim 1024, gp_cov_ridge_penalty 1.
+# gp_hidden_dim 1024, gp_cov_ridge_penalty 1 (and, in its WRN, dropout_rate 0.1: training-only
+# filter-wise dropout, ``filter_dropout_rate``).
 SNGP = dict(spectral_norm=6.0, spectral_norm_iterations=1, gp_features=1024, gp_ridge=1.0)
 # uncertainty-baselines' WRN-28-10 (``wide_resnet_variational``, ``wide_resnet_batchensemble``).
 UB_WIDERESNET = dict(depth=28, widen_factor=10, conv_bias=False, stride_first=True,
@@ -161,7 +162,8 @@ def _registry():
   # of 1,024 random features, uncertainty-baselines' ``wide_resnet_sngp`` and a ResNet-18.
   registry["resnet_sngp_18"] = (ResNet, dict(stage_sizes=RESNET_STAGES[18][0], block="basic",
                                              **SNGP))
-  registry["wideresnet_sngp_28_10"] = (WideResNet, dict(UB_WIDERESNET, **SNGP))
+  registry["wideresnet_sngp_28_10"] = (WideResNet, dict(UB_WIDERESNET, filter_dropout_rate=0.1,
+                                                        **SNGP))
   # Packed-Ensembles (Laurent et al.): TorchUncertainty's CIFAR ResNet-18 (M 4, α 2, γ 2).
   registry["resnet_packed_18"] = (PackedResNet, dict(stage_sizes=RESNET_STAGES[18][0]))
   # MSA as trainable smoothing (HV): ViTs and AlterNets (geometry from ``stem``, like the CNNs).

@@ -262,6 +262,8 @@ class CNN(nn.Module):
       power iteration per training step.
     gp_features: SNGP: D > 0 makes the classifier the random-feature GP layer of D features
       (``layers.sngp.RandomFeatureGP``, ridge penalty ``gp_ridge``).
+    filter_dropout_rate: training-only filter-wise dropout where a family places it (WRN:
+      uncertainty-baselines' SNGP, after the stem and every BatchNorm-ReLU); 0: none.
   """
   num_classes: int = 10
   dropout_rate: float = 0.0
@@ -289,6 +291,7 @@ class CNN(nn.Module):
   spectral_norm_iterations: int = 1
   gp_features: int = 0
   gp_ridge: float = 1.0
+  filter_dropout_rate: float = 0.0
 
   @property
   def weights(self) -> str:
@@ -494,6 +497,13 @@ class CNN(nn.Module):
   def dropout(self, x):
     """MC dropout at a reference position (identity for ``dnn`` models)."""
     return MCDropout(self.dropout_rate)(x) if self.dropout_rate > 0 else x
+
+  def filter_dropout(self, x, train: bool):
+    """Training-only filter-wise dropout (``filter_dropout_rate``: whole channels of each example
+    dropped, Keras's ``Dropout`` with ``noise_shape [B, 1, 1, C]``); identity at evaluation."""
+    if not self.filter_dropout_rate:
+      return x
+    return nn.Dropout(self.filter_dropout_rate, broadcast_dims=(1, 2), deterministic=not train)(x)
 
   def bn(self, train: bool, name: str, **kwargs):
     return batch_norm(use_running_average=not train, dtype=self.dtype, name=name, **kwargs)

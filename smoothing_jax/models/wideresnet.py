@@ -39,14 +39,17 @@ class WideBasic(CNN):
   @nn.compact
   def __call__(self, x, train: bool, components=None):
     strides = (self.stride, 1) if self.stride_first else (1, self.stride)
-    y = self.conv(nn.relu(self.bn(train, "bn1")(x)), components, self.features, 3, strides[0], 1,
-                  bias=self.conv_bias, name="conv1")
+    y = self.filter_dropout(nn.relu(self.bn(train, "bn1")(x)), train)
+    y = self.conv(y, components, self.features, 3, strides[0], 1, bias=self.conv_bias,
+                  name="conv1")
     y = self.dropout(y)
-    y = self.conv(nn.relu(self.bn(train, "bn2")(y)), components, self.features, 3, strides[1], 1,
-                  bias=self.conv_bias, name="conv2")
+    y = self.filter_dropout(nn.relu(self.bn(train, "bn2")(y)), train)
+    y = self.conv(y, components, self.features, 3, strides[1], 1, bias=self.conv_bias,
+                  name="conv2")
     if self.stride != 1 or x.shape[-1] != self.features:
       x = self.conv(x, components, self.features, 1, self.stride, bias=self.conv_bias,
                     name="shortcut")
+      y = self.filter_dropout(y, train)  # uncertainty-baselines' SNGP WRN drops here too
     return x + y
 
 
@@ -84,12 +87,14 @@ class WideResNet(CNN):
     x = self.conv(x, components, self.width, 3, 1, 1, bias=self.conv_bias, name="conv1",
                   point=self.point_stem)
     self.sow("intermediates", "stem", x)  # depth 0 of the feature taps
+    x = self.filter_dropout(x, train)
     for stage in range(1, 4):
       features = self.width * self.widen_factor * 2 ** (stage - 1)
       for j in range(n):
         x = WideBasic(features=features, stride=2 if (stage > 1 and j == 0) else 1,
                       conv_bias=self.conv_bias, stride_first=self.stride_first,
-                      dropout_rate=self.dropout_rate, dtype=self.dtype, **self.weight_options(),
+                      dropout_rate=self.dropout_rate, filter_dropout_rate=self.filter_dropout_rate,
+                      dtype=self.dtype, **self.weight_options(),
                       name=f"layer{stage}_{j}")(x, train, components)
       if stage < 3:
         x = self.smooth(x, f"smooth{stage}_0")

@@ -76,3 +76,16 @@ def test_an_sngp_ensemble_is_a_config(variables, images):
   for m, member in enumerate(members):  # each member's own mean-field predictive
     np.testing.assert_allclose(out[m], SNGP(MODEL).sample_log_probs(member, images, None)[0],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_the_wrn_drops_whole_filters_in_training_only():
+  """uncertainty-baselines' SNGP WRN: filter-wise dropout 0.1 in training, none at evaluation."""
+  model = get_model("wideresnet_sngp_28_10", 5, depth=10, widen_factor=1, width=4)
+  assert model.filter_dropout_rate == 0.1 and methods.resolve(None, model).name == "sngp"
+  variables = init_variables(model, (1, 8, 8, 3))
+  x = np.random.default_rng(0).normal(size=(2, 8, 8, 3)).astype(np.float32)
+  train = [model.apply(variables, x, train=True, mutable=["batch_stats"],
+                       rngs={"dropout": jax.random.key(k)})[0] for k in (0, 1)]
+  assert not np.allclose(train[0], train[1])
+  evaluate = [model.apply(variables, x, train=False) for _ in range(2)]
+  np.testing.assert_array_equal(evaluate[0], evaluate[1])
