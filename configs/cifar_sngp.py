@@ -18,8 +18,9 @@ projects the GP's input to 128 dimensions by a fixed Gaussian matrix and draws o
 features (``gp_input_dim``, ``gp_random_feature_type="orf"``, its TF layer), where edward2's JAX
 layer, which ours equals, takes the pooled features as they are and draws Gaussian features.
 
-Arguments (``:<args>``): ``model``, ``dataset`` (TFDS name or ``npz:<dir>``); flags ``runlocal``
-(a CPU smoke run) and ``uncertainty``.
+Arguments (``:<args>``): ``model`` (default ``wideresnet_sngp_28_10``), ``dataset`` (default
+``cifar10``; TFDS name or ``npz:<dir>``); flags ``runlocal`` (a CPU smoke run) and
+``uncertainty``.
 
   --config=configs/cifar_sngp.py                                   # WRN-28-10 on CIFAR-10
   --config=configs/cifar_sngp.py:resnet_sngp_18,npz:data/cifar10

@@ -127,16 +127,27 @@ MAX_PROGRAMS_IN_FLIGHT = 8
 class DispatchWindow:
   """Call with each output as it is dispatched: waits for the output given ``size`` calls before,
   so that at most ``size`` calls' programs are unfinished (the host still runs ahead of the
-  devices by that many, which keeps them busy)."""
+  devices by that many, which keeps them busy); ``on_finished()`` is called as each is waited
+  for (:meth:`drain` waits for the rest)."""
 
-  def __init__(self, size: int = MAX_PROGRAMS_IN_FLIGHT):
-    self.size, self._outputs = size, collections.deque()
+  def __init__(self, size: int = MAX_PROGRAMS_IN_FLIGHT, on_finished: Callable | None = None):
+    self.size, self._outputs, self.on_finished = size, collections.deque(), on_finished
 
   def __call__(self, output):
     self._outputs.append(output)
     if len(self._outputs) > self.size:
-      jax.block_until_ready(self._outputs.popleft())
+      self._finish()
     return output
+
+  def _finish(self):
+    jax.block_until_ready(self._outputs.popleft())
+    if self.on_finished is not None:
+      self.on_finished()
+
+  def drain(self):
+    """Waits for every output still unfinished."""
+    while self._outputs:
+      self._finish()
 
 
 def _mergeable(x) -> bool:
@@ -147,32 +158,61 @@ PROGRESS_EVERY_S = 15.0  # an evaluation pass longer than this says how far it i
 
 
 class _Progress:
-  """Progress lines of one evaluation pass named ``label``: at most one every
-  :data:`PROGRESS_EVERY_S` (batches and images done, the rate, and the time left where the
-  batches know their count), and its wall time at the end of a pass that printed any."""
+  """Progress lines of one evaluation pass named ``label``: while it runs, a line at least every
+  :data:`PROGRESS_EVERY_S` (from a timer thread, so that compiling and waiting are not silent):
+  the batches and images *finished*, the rate since the first finished, and the time left where
+  the batches know their count; its wall time at the end of a pass that took longer."""
 
   def __init__(self, label: str, count: int | None, examples: int | None = None):
     self.label, self.count, self.examples = label, count, examples
     self.start = self.last = time.monotonic()
-    self.images = 0
+    self.first = None  # when the first batch finished (its compile included)
+    self.finished, self.images = 0, 0
+    self._sizes = collections.deque()
+    self._lock, self._stop = threading.Lock(), threading.Event()
+    if label:
+      threading.Thread(target=self._heartbeat, daemon=True).start()
 
-  def __call__(self, done: int, batch_size: int):
-    self.images = min(self.images + batch_size, self.examples or float("inf"))
-    now = time.monotonic()
-    if not self.label or now - self.last < PROGRESS_EVERY_S:
-      return
-    self.last = now
-    rate = done / (now - self.start)
-    left = (f", about {(self.count - done) / rate:.0f} s left" if self.count else "")
-    of = f"/{self.count}" if self.count else ""
-    logging.info("%s: batch %d%s (%d images), %.0f images/s%s", self.label, done, of,
-                 self.images, self.images / (now - self.start), left)
+  def dispatched(self, batch_size: int):
+    self._sizes.append(batch_size)
 
-  def done(self, batches: int):
+  def finished_one(self):
+    self.finished += 1
+    self.images = min(self.images + self._sizes.popleft(), self.examples or float("inf"))
+    if self.first is None:
+      self.first = time.monotonic()
+    if time.monotonic() - self.last >= PROGRESS_EVERY_S:
+      self._report()
+
+  def _heartbeat(self):
+    while not self._stop.wait(PROGRESS_EVERY_S / 5):
+      if time.monotonic() - self.last >= PROGRESS_EVERY_S:
+        self._report()
+
+  def _report(self):
+    with self._lock:
+      now = time.monotonic()
+      if not self.label or now - self.last < PROGRESS_EVERY_S or self._stop.is_set():
+        return
+      self.last = now
+      if not self.finished:
+        logging.info("%s: compiling and running the first batches (%.0f s)", self.label,
+                     now - self.start)
+        return
+      of = f"/{self.count}" if self.count else ""
+      left = ""
+      if self.count and self.finished > 1 and now > self.first:
+        rate = (self.finished - 1) / (now - self.first)  # batches per second after compiling
+        left = f", about {(self.count - self.finished) / rate:.0f} s left"
+      logging.info("%s: batch %d%s finished (%d images), %.0f images/s%s", self.label,
+                   self.finished, of, self.images, self.images / (now - self.start), left)
+
+  def done(self):
+    self._stop.set()
     elapsed = time.monotonic() - self.start
     if self.label and elapsed >= PROGRESS_EVERY_S:
-      logging.info("%s: %d batch%s (%d images) in %.0f s", self.label, batches,
-                   "" if batches == 1 else "es", self.images, elapsed)
+      logging.info("%s: %d batch%s (%d images) in %.0f s", self.label, self.finished,
+                   "" if self.finished == 1 else "es", self.images, elapsed)
 
 
 def evaluate_batches(step_fn: Callable, variables, batches: Iterable[dict], sharding, rng, *,
@@ -189,22 +229,25 @@ def evaluate_batches(step_fn: Callable, variables, batches: Iterable[dict], shar
   says how far it is, with the time left where ``batches`` has a ``len``, and its wall time.
   Returns the merged output pytree; ValueError when there are no batches.
   """
-  total, parts, window = None, [], DispatchWindow()
   progress = _Progress(label, len(batches) if hasattr(batches, "__len__") else None,
                        getattr(batches, "examples", None))
-  for i, batch in enumerate(batches):
-    batch = batch if sharding is None else shard_batch(batch, sharding)
-    out = step_fn(variables, batch, jax.random.fold_in(rng, i))
-    progress(i + 1, len(jax.tree.leaves(batch)[0]))
+  total, parts, window = None, [], DispatchWindow(MAX_PROGRAMS_IN_FLIGHT, progress.finished_one)
+  try:
+    for i, batch in enumerate(batches):
+      batch = batch if sharding is None else shard_batch(batch, sharding)
+      out = step_fn(variables, batch, jax.random.fold_in(rng, i))
+      progress.dispatched(len(jax.tree.leaves(batch)[0]))
+      if concatenate:
+        parts.append(out)
+      elif total is not None:  # the running total depends on every program before it
+        out = jax.tree.map(lambda a, b: a.merge(b) if _mergeable(a) else a, total, out,
+                           is_leaf=_mergeable)
+      total = window(out)
+    if total is None:
+      raise ValueError("No evaluation batches: the evaluation set is empty.")
+    window.drain()
     if concatenate:
-      parts.append(out)
-    elif total is not None:  # the running total depends on every program before it
-      out = jax.tree.map(lambda a, b: a.merge(b) if _mergeable(a) else a, total, out,
-                         is_leaf=_mergeable)
-    total = window(out)
-  if total is None:
-    raise ValueError("No evaluation batches: the evaluation set is empty.")
-  progress.done(i + 1)
-  if concatenate:
-    return jax.tree.map(lambda *xs: np.concatenate(jax.device_get(xs)), *parts)
+      total = jax.tree.map(lambda *xs: np.concatenate(jax.device_get(xs)), *parts)
+  finally:
+    progress.done()
   return total

@@ -144,7 +144,9 @@ def test_evaluate_batches_keeps_few_programs_unfinished(monkeypatch):
   out = evaluate_batches(lambda v, batch, rng: {"x": batch["x"]}, {}, iter(batches), None,
                          jax.random.key(0), concatenate=True)
   assert out["x"].shape == (40,)
-  assert len(waited) == 20 - parallel.MAX_PROGRAMS_IN_FLIGHT < 20
+  # Each output waited for once, in order: 12 while dispatching (at most 8 unfinished, the
+  # window's bound above), the last 8 at the end (each counted finished for the progress lines).
+  assert [float(w["x"][0]) for w in waited] == list(range(20))
 
 
 @pytest.mark.slow
@@ -167,13 +169,15 @@ def test_the_abort_reproducer_runs_to_its_end():
 
 
 def test_a_long_evaluation_pass_says_how_far_it_is_and_its_wall_time(monkeypatch):
-  """A line at most every ``PROGRESS_EVERY_S`` (batches of a sized iterable, images, rate, time
-  left), and the pass's wall time; a pass under that interval says nothing."""
+  """A line at most every ``PROGRESS_EVERY_S`` counting the batches *finished* (the dispatch
+  window of one here: a batch finishes when the next is dispatched), images, rate, time left
+  from the rate after the first (its compile); the pass's wall time; a short pass says nothing."""
   from smoothing_jax import parallel
   from smoothing_jax.data.pipeline_base import Batches
   from tests.helpers import absl_info_lines
   now = [0.0]
   monkeypatch.setattr(parallel.time, "monotonic", lambda: now[0])
+  monkeypatch.setattr(parallel, "MAX_PROGRAMS_IN_FLIGHT", 1)
 
   def step(variables, batch, key):
     now[0] += 10.0  # each batch takes 10 s
@@ -185,6 +189,26 @@ def test_a_long_evaluation_pass_says_how_far_it_is_and_its_wall_time(monkeypatch
                               jax.random.key(0), concatenate=True, label="ood: set 1/2 svhn")
     parallel.evaluate_batches(step, None, iter(batches[:1]), None, jax.random.key(0),
                               concatenate=True, label="short")
-  assert lines == ["ood: set 1/2 svhn: batch 2/4 (80 images), 4 images/s, about 20 s left",
-                   "ood: set 1/2 svhn: batch 4/4 (150 images), 4 images/s, about 0 s left",
+  assert lines == ["ood: set 1/2 svhn: batch 1/4 finished (40 images), 2 images/s",
+                   "ood: set 1/2 svhn: batch 3/4 finished (120 images), 3 images/s, about 10 s "
+                   "left",
                    "ood: set 1/2 svhn: 4 batches (150 images) in 40 s"]  # the padding not counted
+
+
+def test_a_pass_that_compiles_for_long_is_not_silent(monkeypatch):
+  """Before any batch has finished (compiling), a timer says so every ``PROGRESS_EVERY_S``."""
+  import time
+
+  from smoothing_jax import parallel
+  from tests.helpers import absl_info_lines
+  monkeypatch.setattr(parallel, "PROGRESS_EVERY_S", 0.2)
+
+  def step(variables, batch, key):
+    time.sleep(0.7)
+    return {"x": batch["x"]}
+
+  with absl_info_lines() as lines:
+    parallel.evaluate_batches(step, None, iter([{"x": np.zeros((4, 2), np.float32)}]), None,
+                              jax.random.key(0), concatenate=True, label="slow")
+  assert any(line.startswith("slow: compiling and running the first batches (") for line in lines)
+  assert lines[-1] == "slow: 1 batch (4 images) in 1 s"

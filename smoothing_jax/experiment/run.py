@@ -109,10 +109,22 @@ def _unit_pixels(images):
 
 def check_config(config: ml_collections.ConfigDict) -> None:
   """Refuse, before any data is read or file written, what ``config`` can be refused for
-  without its data: the model's name and options (``get_model``) and its method's settings
+  without its data: the batch size, the run's length and rate, the model's name and options
+  (``get_model``) and its method's settings
   (``methods.resolve``; e.g. ``deep_ensemble.members=0``).  The data decides only the class count
   and stem geometry, which change neither the method nor its refusals, so a stand-in spec
   builds the model here; training builds the real one from the data."""
+  batch = config.input.batch_size
+  if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+    raise ValueError(f"input.batch_size must be a positive integer, got {batch!r}.")
+  steps = config.num_train_steps
+  evaluated_only = steps == 0 and config.get("init_from")  # the source run stands as it is
+  if (not isinstance(steps, int) or isinstance(steps, bool)
+      or (steps < 1 and steps != -1 and not evaluated_only)):
+    raise ValueError(f"num_train_steps must be a positive integer, -1 for num_epochs' steps (or 0 "
+                     f"with init_from: evaluate the source as it is); got {steps!r}.")
+  if not config.learning_rate >= 0:
+    raise ValueError(f"learning_rate must be >= 0, got {config.learning_rate!r}.")
   stand_in = ModelSpec(num_classes=config.num_classes if config.num_classes > 0 else 2,
                        stem="cifar", image_shape=(32, 32, 3))
   resolve(config, build_model(config, stand_in))

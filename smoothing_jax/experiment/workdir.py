@@ -162,6 +162,10 @@ def config_differences(workdir, config: ml_collections.ConfigDict) -> list[str]:
   record.pop("model_spec", None)
   recorded = flat(record)
   given = flat(json.loads(config.to_json_best_effort()))
+  # A key the record lacks (an option added since) differs only where it is given a value.
+  for key in set(given) - set(recorded):
+    if given[key] is None:
+      recorded[key] = None
   unset = "(unset)"
   return [f"{key}: {recorded.get(key, unset)} → {given.get(key, unset)}"
           for key in sorted(set(recorded) | set(given))

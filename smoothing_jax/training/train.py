@@ -248,7 +248,8 @@ def _train(run: Run, lock, stop_after_steps: int | None, callbacks: Sequence[Cal
       if step % eval_every == 0 or step == num_steps:
         with report_progress.timed("eval"):
           results = evaluate_batches(eval_step_fn, variables_of(state), run.eval_batches(),
-                                     data_sharding, eval_rng)
+                                     data_sharding, eval_rng,
+                                     label=f"evaluation at step {step}")
         # eval_<metric>, and a deep ensemble's eval_<metric>/member_<m> (Method.eval_metrics)
         writer.write_scalars(step, {f"eval_{k}{suffix}": v[k] for suffix, r in results.items()
                                     for v in (r.compute(),) for k in ("nll", "acc", "ece")})

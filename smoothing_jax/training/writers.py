@@ -132,8 +132,11 @@ class ProgressReporter:
 # Library warnings that say nothing to a user: orbax warns whenever a checkpoint manager opens
 # read-only, which every evaluation of a trained workdir does on purpose (``Run.manager``); TFDS
 # warns of a dataset folder without data while it looks for a set that is not prepared, which the
-# one-line DatasetUnavailableError then names with the folder searched.
-_EXPECTED_WARNINGS = ("Given directory is read only", "Variant folder %s has no %s")
+# one-line DatasetUnavailableError then names with the folder searched; asyncio reports the
+# abandoned per-array tasks of an orbax restore that failed (a checkpoint that does not fit the
+# settings), whose failure ``ConfigChangedError`` or ``NoIntactCheckpointError`` already names.
+_EXPECTED_WARNINGS = ("Given directory is read only", "Variant folder %s has no %s",
+                      "Task exception was never retrieved")
 
 
 class _OurInfoLines(std_logging.Filter):

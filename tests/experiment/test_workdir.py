@@ -20,7 +20,10 @@ FIXTURE_0_1_0 = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures",
 # Keys of today's quickstart config that 0.1.0 did not record (none yet).
 # (The settings blocks of other methods are not: a config holds its own method's alone.)
 ADDED_SINCE_0_1_0 = {"deep_ensemble.member_seeds", "model_kwargs.bnn_reference",
-                     "model_kwargs.mimo_members", "steps_per_call", "input.image_size"}
+                     "model_kwargs.mimo_members", "steps_per_call", "input.image_size",
+                     "model_kwargs.spectral_norm", "model_kwargs.spectral_norm_iterations",
+                     "model_kwargs.gp_features", "model_kwargs.gp_ridge",
+                     "model_kwargs.filter_dropout_rate"}
 # A config.json written by main at d63e843 (every method's settings block in every config),
 # of `configs/cifar_resnet.py:resnet_batchensemble_18,cifar10`: made by that commit's code,
 # `config.to_json_best_effort()` plus a model_spec.
