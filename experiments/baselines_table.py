@@ -131,7 +131,9 @@ def score(workdir: str, overrides: dict, n: int, near, far, results_dir: str) ->
               "evals.ood.near": tuple(near), "evals.ood.far": tuple(far),
               "evals.ood.scores": OOD_SCORES, "evals.conformal.alphas": (0.1,),
               "evals.conformal.scores": ("thr",), "evals.conformal.randomized": (False,)}
-  config = main.resolve_config("ood", workdir, None, [(k, repr(v)) for k, v in settings.items()])
+  # As the command line gives them: a method by its name, every other value as Python text.
+  config = main.resolve_config("ood", workdir, None, [(k, v if k == "method" else repr(v))
+                                                     for k, v in settings.items()])
   os.makedirs(results_dir, exist_ok=True)
   with Run.for_evaluation(workdir, config) as run:
     results = {name: result for name, (result, _) in evaluators.run_evaluators(
