@@ -337,7 +337,7 @@ LONGEST_FILES = ("test_experiments.py", "test_analysis.py", "test_colabs.py", "t
                  "test_convert_reference.py", "test_landscape.py", "test_features.py",
                  "test_deep_ensemble.py", "test_transformers.py", "test_bnnvi.py",
                  "test_camvid.py", "test_swin.py", "test_batch_ensemble.py", "test_main.py",
-                 "test_checkpoints.py", "test_pit.py")
+                 "test_checkpoints.py", "test_pit.py", "test_sngp.py", "test_tta.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -19,11 +19,13 @@ FIXTURE_0_1_0 = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures",
                              "config_0_1_0_quickstart.json")
 # Keys of today's quickstart config that 0.1.0 did not record (none yet).
 # (The settings blocks of other methods are not: a config holds its own method's alone.)
+# The model options SNGP added (every model's options are config keys).
+SNGP_OPTIONS = {"model_kwargs.spectral_norm", "model_kwargs.spectral_norm_iterations",
+                "model_kwargs.gp_features", "model_kwargs.gp_ridge",
+                "model_kwargs.filter_dropout_rate"}
 ADDED_SINCE_0_1_0 = {"deep_ensemble.member_seeds", "model_kwargs.bnn_reference",
                      "model_kwargs.mimo_members", "steps_per_call", "input.image_size",
-                     "model_kwargs.spectral_norm", "model_kwargs.spectral_norm_iterations",
-                     "model_kwargs.gp_features", "model_kwargs.gp_ridge",
-                     "model_kwargs.filter_dropout_rate"}
+                     *SNGP_OPTIONS}
 # A config.json written by main at d63e843 (every method's settings block in every config),
 # of `configs/cifar_resnet.py:resnet_batchensemble_18,cifar10`: made by that commit's code,
 # `config.to_json_best_effort()` plus a model_spec.
@@ -136,7 +138,7 @@ def test_config_json_of_main_before_config_method_keeps_its_methods_block_alone(
   assert {"ibnn", "bnnvi", "mimo"}.isdisjoint(config.keys())
   assert config.batch_ensemble.to_dict() == old["batch_ensemble"]
   today = cifar_resnet.get_config("resnet_batchensemble_18,cifar10")
-  added_since = {"steps_per_call", "input.image_size"}  # defaulted
+  added_since = {"steps_per_call", "input.image_size", *SNGP_OPTIONS}  # defaulted
   assert set(_flat(today)) - set(_flat(config)) == added_since
   assert set(_flat(config)) <= set(_flat(today))
   model = get_model(config.model, 10, width=4)

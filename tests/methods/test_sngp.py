@@ -54,15 +54,15 @@ def test_mean_field_and_mc_predictives(variables, images):
   for prepared in (variables, method.prediction_variables(variables, None)):  # P factored once
     pred = method.predict(prepared, images, rng=None)
     np.testing.assert_allclose(pred.mean_probs, expected, rtol=1e-4, atol=1e-5)
-  mc = SNGP(MODEL, num_samples=4000, predictive="mc")
+  mc = SNGP(MODEL, num_samples=2000, predictive="mc")
   draws = np.asarray(mc.sample_log_probs(variables, images, jax.random.key(1)))
-  assert draws.shape == (4000, 3, 5) and mc.stochastic and mc.num_draws == 4000
+  assert draws.shape == (2000, 3, 5) and mc.stochastic and mc.num_draws == 2000
   # Each draw's logits are f + √v ε: recover them up to the log-softmax's constant.
   centred = draws - draws.mean(-1, keepdims=True)
   truth = logits - logits.mean(-1, keepdims=True)
-  standard_error = np.sqrt(0.8 * variance / 4000)[:, None]  # of a centred logit's mean
+  standard_error = np.sqrt(0.8 * variance / 2000)[:, None]  # of a centred logit's mean
   assert (np.abs(centred.mean(0) - truth) < 5 * standard_error).all()
-  np.testing.assert_allclose(centred[..., 0].var(0) / (variance * 0.8), 1.0, atol=0.1)  # (1 − 1/5)
+  np.testing.assert_allclose(centred[..., 0].var(0) / (variance * 0.8), 1.0, atol=0.15)  # 1 − 1/5
 
 
 def test_an_sngp_ensemble_is_a_config(variables, images):
@@ -80,7 +80,7 @@ def test_an_sngp_ensemble_is_a_config(variables, images):
 
 def test_the_wrn_drops_whole_filters_in_training_only():
   """uncertainty-baselines' SNGP WRN: filter-wise dropout 0.1 in training, none at evaluation."""
-  model = get_model("wideresnet_sngp_28_10", 5, depth=10, widen_factor=1, width=4)
+  model = get_model("wideresnet_sngp_28_10", 5, depth=4, widen_factor=1, width=4)  # stem, head
   assert model.filter_dropout_rate == 0.1 and methods.resolve(None, model).name == "sngp"
   variables = init_variables(model, (1, 8, 8, 3))
   x = np.random.default_rng(0).normal(size=(2, 8, 8, 3)).astype(np.float32)
