@@ -41,12 +41,14 @@ def log_probs(model: nn.Module, variables, images, rng=None, **apply_kwargs):
   return jax.nn.log_softmax(logits.astype(jnp.float32))
 
 
-def pass_outputs(model: nn.Module, variables, images, rng=None, **apply_kwargs) -> dict:
+def pass_outputs(model: nn.Module, variables, images, rng=None, intermediates: bool = False,
+                 **apply_kwargs) -> dict:
   """One evaluation-mode pass as :func:`log_probs`, giving ``{"logits" [B, C], "features"
   [B, D]}`` in float32: the features are the input of the classifier, the layer called on a
   ``[B, D]`` input whose output the model returns as its logits (read with
-  ``nn.intercept_methods``: one pass, no copy of the model).  ValueError (one line) where no
-  such layer is found (logits that are not one layer's output unchanged)."""
+  ``nn.intercept_methods``: one pass, no copy of the model); with ``intermediates``, also what
+  the pass sowed (``"intermediates"``, e.g. SNGP's predictive variance).  ValueError (one line)
+  where no such layer is found (logits that are not one layer's output unchanged)."""
   rngs = None if rng is None else sample_rngs(rng)
   calls = []
 
@@ -57,12 +59,15 @@ def pass_outputs(model: nn.Module, variables, images, rng=None, **apply_kwargs) 
     return out
 
   with nn.intercept_methods(record):
-    logits = model.apply(variables, images, train=False, rngs=rngs, **apply_kwargs)
+    out = model.apply(variables, images, train=False, rngs=rngs,
+                      mutable=["intermediates"] if intermediates else False, **apply_kwargs)
+  logits, sown = out if intermediates else (out, None)
   features = [x for x, out in calls if out is logits]
   if not features:
     raise ValueError(f"{type(model).__name__}: no layer on [batch, features] inputs returns its "
                      "logits, so its penultimate features cannot be read.")
-  return {"logits": logits.astype(jnp.float32), "features": features[-1].astype(jnp.float32)}
+  result = {"logits": logits.astype(jnp.float32), "features": features[-1].astype(jnp.float32)}
+  return {**result, "intermediates": sown["intermediates"]} if intermediates else result
 
 
 def log_mean_probs(sample_log_probs):

@@ -58,12 +58,17 @@ def write_table(rows: list, output_dir, name: str) -> None:
   workdir_lib.write_atomically(output_dir / f"{name}.csv", text.getvalue())
 
 
+def nested_means(sample_probs, sizes) -> tuple:
+  """The mean of the first n samples of ``sample_probs [N, B, C]`` (``[B, C]``), for each n in
+  ``sizes``: the nested ensembles' predictives."""
+  cumulative = jnp.cumsum(sample_probs, axis=0)
+  return tuple(cumulative[n - 1] / n for n in sizes)
+
+
 def nested_metrics(sample_probs, labels, mask, sizes, num_bins: int) -> tuple:
   """Metrics of the mean of the first n samples ``[N, B, C]``, for each n in ``sizes``."""
-  cumulative = jnp.cumsum(sample_probs, axis=0)
-  return tuple(
-      UncertaintyMetrics.from_model_output(cumulative[n - 1] / n, labels, mask, num_bins=num_bins)
-      for n in sizes)
+  return tuple(UncertaintyMetrics.from_model_output(probs, labels, mask, num_bins=num_bins)
+               for probs in nested_means(sample_probs, sizes))
 
 
 def scored(run, members: Sequence[str] = ()) -> dict:

@@ -17,7 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from smoothing_jax import conformal
-from smoothing_jax.evaluators.common import gather, predictive, sample_probs, write_results
+from smoothing_jax.evaluators.common import (
+  gather,
+  nested_means,
+  predictive,
+  sample_probs,
+  write_results,
+)
 from smoothing_jax.parallel import eval_batch_size, sharded_eval_step
 from smoothing_jax.plots import plot_set_sizes
 
@@ -25,8 +31,8 @@ from smoothing_jax.plots import plot_set_sizes
 def nested_probs_step(method, sizes, variables, batch, key):
   """The predictive's probabilities ``[B, S, C]`` at each nested size of ``sizes`` (the mean of
   the first N draws) on one padded batch, with its ``mask`` and ``label``."""
-  cumulative = jnp.cumsum(sample_probs(method, variables, batch["image"], key), axis=0)
-  probs = jnp.stack([cumulative[n - 1] / n for n in sizes], axis=1)
+  probs = jnp.stack(nested_means(sample_probs(method, variables, batch["image"], key), sizes),
+                    axis=1)
   return {"probs": probs, "mask": batch["mask"], "label": batch["label"]}
 
 

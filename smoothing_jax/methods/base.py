@@ -339,6 +339,13 @@ def _jit_sample_log_probs(method: Method, variables, images, rng):
   return method.sample_log_probs(variables, images, rng)
 
 
+def nested_samples(method: Method, requested: Sequence[int] = ()) -> tuple:
+  """``Method.nested`` of a predictive of N independent samples (MC dropout, SWAG, a sampled
+  Laplace or SNGP): every requested N (1 where none), and the method drawing the largest."""
+  sizes = sorted({check_num_samples(n) for n in requested or (1,)})
+  return method.with_samples(sizes[-1]), tuple(sizes)
+
+
 def check_num_samples(num_samples) -> int:
   """``num_samples`` if it is a positive integer; ValueError (one line) otherwise."""
   if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:

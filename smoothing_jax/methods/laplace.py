@@ -33,7 +33,7 @@ import numpy as np
 import optax
 from flax.traverse_util import flatten_dict
 
-from smoothing_jax.methods.base import Method, check_num_samples, setting
+from smoothing_jax.methods.base import Method, check_num_samples, nested_samples, setting
 from smoothing_jax.methods.deterministic import Deterministic
 from smoothing_jax.models import implied_method, is_segmentation_model
 from smoothing_jax.passes import pass_outputs
@@ -408,8 +408,7 @@ class LastLayerLaplace(Method):
   def nested(self, requested=()) -> tuple:
     if not self.stochastic:
       return self, (1,)
-    sizes = sorted({check_num_samples(n) for n in requested or (1,)})
-    return self.with_samples(sizes[-1]), tuple(sizes)
+    return nested_samples(self, requested)
 
   def _logits(self, variables, images, rng):
     """``(logits [N, B, C], features [N, B, D])`` of ``images`` ``[B, H, W, 3]`` (or

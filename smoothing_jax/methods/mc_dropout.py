@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import jax
 
-from smoothing_jax.methods.base import Method, check_num_samples
+from smoothing_jax.methods.base import Method, check_num_samples, nested_samples
 from smoothing_jax.passes import log_probs, map_in_chunks, pass_outputs
 
 
@@ -42,8 +42,7 @@ class MCDropout(Method):
     return dataclasses.replace(self, num_samples=check_num_samples(num_samples))
 
   def nested(self, requested: Sequence[int] = ()) -> tuple:
-    sizes = sorted({check_num_samples(n) for n in requested or (1,)})
-    return self.with_samples(sizes[-1]), tuple(sizes)
+    return nested_samples(self, requested)
 
   def sample_log_probs(self, variables, images, rng):
     return mc_log_probs(self.model, variables, images, rng, self.num_samples, self.chunk_size)

@@ -18,13 +18,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from smoothing_jax.layers.sngp import mean_field_logits, reset_precision, with_whitening
-from smoothing_jax.methods.base import Method, check_num_samples, setting
-from smoothing_jax.passes import sample_rngs
+from smoothing_jax.methods.base import Method, check_num_samples, nested_samples, setting
+from smoothing_jax.passes import pass_outputs
 
 PREDICTIVES = ("mean_field", "mc")
 
@@ -73,29 +72,15 @@ class SNGP(Method):
   def nested(self, requested: Sequence[int] = ()) -> tuple:
     if not self.stochastic:
       return self, (1,)
-    sizes = sorted({check_num_samples(n) for n in requested or (1,)})
-    return self.with_samples(sizes[-1]), tuple(sizes)
+    return nested_samples(self, requested)
 
   def gp_pass(self, variables, images, rng=None) -> dict:
     """One evaluation pass: ``{"logits" [B, C] (the GP's posterior mean), "variance" [B],
-    "features" [B, D] (the GP layer's input)}`` in float32."""
-    calls = []
-
-    def record(next_fun, args, kwargs, context):
-      out = next_fun(*args, **kwargs)
-      if context.method_name == "__call__" and args and getattr(args[0], "ndim", 0) == 2:
-        calls.append((args[0], out))
-      return out
-
-    rngs = None if rng is None else sample_rngs(rng)
-    with nn.intercept_methods(record):
-      logits, state = self.model.apply(variables, images, train=False, rngs=rngs,
-                                       mutable=["intermediates"])
-    (variance,) = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state)
+    "features" [B, D] (the GP layer's input)}`` in float32 (``passes.pass_outputs``)."""
+    out = pass_outputs(self.model, variables, images, rng, intermediates=True)
+    (variance,) = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(out["intermediates"])
                    if getattr(path[-2], "key", None) == "gp_variance"]
-    features = [x for x, out in calls if out is logits][-1]
-    return {"logits": logits.astype(jnp.float32), "variance": variance,
-            "features": features.astype(jnp.float32)}
+    return {"logits": out["logits"], "variance": variance, "features": out["features"]}
 
   def _draw_logits(self, out, rng):
     """``[N, B, C]`` logits of the N draws of one :meth:`gp_pass`."""
