@@ -39,7 +39,7 @@ import difflib
 from smoothing_jax.methods.base import Method, setting
 from smoothing_jax.methods.batch_ensemble import BatchEnsemble
 from smoothing_jax.methods.bnnvi import BNNVI
-from smoothing_jax.methods.deep_ensemble import DeepEnsemble, members_of
+from smoothing_jax.methods.deep_ensemble import DeepEnsemble
 from smoothing_jax.methods.deterministic import Deterministic
 from smoothing_jax.methods.ibnn import IBNN
 from smoothing_jax.methods.laplace import LastLayerLaplace
@@ -73,8 +73,9 @@ REGISTRY: dict[str, type[Method]] = {
     "snapshot_ensemble": SnapshotEnsemble,
     "sngp": SNGP,
 }
-# The methods that wrap any of those (not chosen by ``config.method``; each on when its settings
-# say): their settings blocks are in every config.
+# The methods that wrap any of those (not chosen by ``config.method``): ``wrap(method, config)``
+# wraps where their settings turn them on, in this order (``resolve``); their settings blocks are
+# in every config.
 COMPOSED: dict[str, type[Method]] = {"tta": TestTimeAugmentation, "deep_ensemble": DeepEnsemble}
 
 
@@ -102,9 +103,9 @@ def resolve(config, model) -> Method:
   if reason:
     what = setting(config, "model") or f"this {type(model).__name__}"
     raise ValueError(f"Method {name} cannot train or evaluate {what}: {reason}.")
-  method = TestTimeAugmentation.wrap(cls.from_config(config, model), config)
-  if members_of(config) > 1:
-    method = DeepEnsemble.wrap(method, config)
+  method = cls.from_config(config, model)
+  for composed in COMPOSED.values():  # each wraps what its settings turn on, in this order
+    method = composed.wrap(method, config)
   return method.check(config) if config is not None else method
 
 

@@ -126,8 +126,11 @@ class DeepEnsemble(Method):
   vmap_size: int = 0
 
   @classmethod
-  def wrap(cls, base: Method, config=None, size: int | None = None) -> DeepEnsemble:
-    """An ensemble of ``size`` (default ``config.deep_ensemble.members``) ``base`` networks."""
+  def wrap(cls, base: Method, config=None, size: int | None = None) -> Method:
+    """An ensemble of ``size`` ``base`` networks; without ``size``, of
+    ``config.deep_ensemble.members``, and ``base`` itself where that is 1."""
+    if size is None and members_of(config) == 1:
+      return base
     base = base.as_member(config)
     return cls(base.model, chunk_size=base.chunk_size, base=base,
                size=members_of(config) if size is None else size,
