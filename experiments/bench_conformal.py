@@ -44,7 +44,8 @@ def conformal_sets(probs, labels, seed: int = 0) -> list:
     for score, randomized in VARIANTS:
       options = {"penalty": 0.1, "rank": 1}
       scores = conformal.label_scores(probs[:half], labels[:half], score,
-                                      uniforms=cal_u if score != "thr" else None, **options)
+                                      uniforms=cal_u if conformal.calibration_draws(
+                                          score, randomized) else None, **options)
       qhat = conformal.conformal_quantile(scores, alpha)
       sets = conformal.prediction_sets(probs[half:], qhat, score, randomized=randomized,
                                        uniforms=test_u, **options)

@@ -65,6 +65,12 @@ def _penalty(num_classes: int, penalty: float, rank: int):
   return penalty * np.maximum(0, np.arange(1, num_classes + 1) - rank)
 
 
+def calibration_draws(score: str, randomized: bool, convention: str = "mapie") -> bool:
+  """Whether the calibration scores of ``score`` subtract u·p_y: where randomised, and under
+  MAPIE's convention for APS and RAPS always (it draws u whatever ``include_last_label`` is)."""
+  return randomized or (convention == "mapie" and score != "thr")
+
+
 def label_scores(probs, labels, score: str, *, uniforms=None, penalty: float = 0.0,
                  rank: int = 1):
   """The non-conformity ``[n]`` of each label ``labels [n]`` under ``probs [n, K]``.

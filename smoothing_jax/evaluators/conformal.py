@@ -85,7 +85,7 @@ def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[st
     for alpha in alphas:
       for score, random in variants:
         options = {"penalty": raps_penalty, "rank": raps_rank}
-        draws = random or (convention == "mapie" and score != "thr")  # MAPIE draws u regardless
+        draws = conformal.calibration_draws(score, random, convention)
         cal = conformal.label_scores(held["probs"][:, j], held["label"], score,
                                      uniforms=cal_uniforms if draws else None, **options)
         qhat = conformal.conformal_quantile(cal, alpha, convention)
