@@ -9,6 +9,7 @@ import pytest
 
 nbformat = pytest.importorskip("nbformat")  # the notebook runner (requirements.txt)
 NotebookClient = pytest.importorskip("nbclient").NotebookClient
+run_sync = pytest.importorskip("nbclient.util").run_sync
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLABS = os.path.join(ROOT, "colabs")
@@ -33,24 +34,46 @@ def load_parameters(workdirs: dict) -> str:
   return f"WORKDIRS = {workdirs!r}\nMODELS = {{}}\nCONFIG = None\nOVERRIDES = {{}}\n"
 
 
-def execute(name: str, parameters: str):
-  """Run ``colabs/<name>.ipynb`` from the repository root with its ``parameters`` cell replaced."""
+@pytest.fixture(scope="module")
+def kernel():
+  """One kernel for this file's notebooks, started from the repository root: each notebook would
+  otherwise pay for a kernel and its imports of jax, flax and smoothing_jax (about 4 s), and the
+  notebooks' tiny models share compiled programs.  :func:`execute` clears its namespace before
+  each notebook, so that none can read what another left.  Its stderr (start-up warnings, a
+  native crash) goes to a file, and the part a notebook wrote is shown with that notebook."""
+  from jupyter_client.manager import AsyncKernelManager
+  with tempfile.TemporaryFile("w+") as stderr:
+    manager = AsyncKernelManager(kernel_name="python3")
+    run_sync(manager.start_kernel)(cwd=ROOT, stderr=stderr)
+    try:
+      yield manager, stderr
+    finally:
+      run_sync(manager.shutdown_kernel)(now=True)
+
+
+def execute(kernel, name: str, parameters: str):
+  """Run ``colabs/<name>.ipynb`` in ``kernel``, its namespace cleared (``%reset -f``), with its
+  ``parameters`` cell replaced."""
+  manager, stderr = kernel
   book = nbformat.read(os.path.join(COLABS, f"{name}.ipynb"), as_version=4)
   tagged = [c for c in book.cells if "parameters" in c.metadata.get("tags", [])]
   assert len(tagged) == 1, f"{name}.ipynb needs exactly one cell tagged 'parameters'"
   tagged[0].source = parameters
-  # The kernel's own stderr (its start-up warnings, a native crash) is shown with a failing test,
-  # not on the console of every run.
-  with tempfile.TemporaryFile("w+") as kernel_stderr:
-    try:
-      NotebookClient(book, timeout=600, kernel_name="python3", resources={
-          "metadata": {
-              "path": ROOT
-          }
-      }).execute(stderr=kernel_stderr)
-    finally:
-      kernel_stderr.seek(0)
-      sys.stderr.write(kernel_stderr.read())
+  if not run_sync(manager.is_alive)():  # a native crash in an earlier notebook
+    run_sync(manager.restart_kernel)(now=True)
+  start = os.lseek(stderr.fileno(), 0, os.SEEK_END)  # the kernel writes there, not through us
+  runner = NotebookClient(book, km=manager, timeout=600, kernel_name="python3")
+  try:
+    with runner.setup_kernel():
+      reply = run_sync(runner.kc.execute_interactive)(
+          f"%reset -f\nimport os\nos.chdir({ROOT!r})", timeout=60)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    runner.execute()
+  finally:
+    if runner.kc is not None:
+      runner.kc.stop_channels()
+    stderr.seek(start)
+    sys.stderr.write(stderr.read())
   return book
 
 
@@ -114,16 +137,16 @@ def test_stored_executed_check_rejects_a_damaged_copy(tmp_path, damage, message)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TINY))
-def test_analysis_notebook_runs_on_trained_workdirs(name, analysis_workdirs):
+def test_analysis_notebook_runs_on_trained_workdirs(kernel, name, analysis_workdirs):
   # One model (the smoothed one, which has every layer): the notebooks treat each model alike,
   # and a second one only doubles the compile time.
   smoothed = {"MC dropout + smoothing": analysis_workdirs["MC dropout + smoothing"]}
-  book = execute(name, load_parameters(smoothed) + TINY[name])
+  book = execute(kernel, name, load_parameters(smoothed) + TINY[name])
   assert images_in(book) >= 1
 
 
 @pytest.mark.slow
-def test_landscape_notebook_trains_empty_workdirs_first(analysis_workdirs, tmp_path):
+def test_landscape_notebook_trains_empty_workdirs_first(kernel, analysis_workdirs, tmp_path):
   """An empty workdir: the model is trained (4 steps of batch 16, width 4, one block a stage, on
   the fixture's quadrant images), then every figure appears: NLL and NLL + L2 per model."""
   quadrants = os.path.dirname(next(iter(analysis_workdirs.values())))
@@ -135,7 +158,7 @@ def test_landscape_notebook_trains_empty_workdirs_first(analysis_workdirs, tmp_p
                 f"CONFIG = 'configs/cifar_resnet.py:dataset=npz:{quadrants},runlocal'\n"
                 "OVERRIDES = {'model_kwargs.width': 4, 'model_kwargs.stage_sizes': (1,), "
                 "'input.batch_size': 16, 'num_train_steps': 4, 'num_devices': 1}\n")
-  book = execute("loss_landscape", parameters + LANDSCAPE_TINY)
+  book = execute(kernel, "loss_landscape", parameters + LANDSCAPE_TINY)
   assert images_in(book) == 2 * len(models)
   printed = "".join(out.get("text", "") for c in book.cells if c.cell_type == "code"
                     for out in c.outputs)
@@ -145,9 +168,9 @@ def test_landscape_notebook_trains_empty_workdirs_first(analysis_workdirs, tmp_p
 
 
 @pytest.mark.slow
-def test_quickstart_notebook_trains_and_evaluates(tmp_path):
+def test_quickstart_notebook_trains_and_evaluates(kernel, tmp_path):
   book = execute(
-      "quickstart",
+      kernel, "quickstart",
       f"WORKDIR = {str(tmp_path / 'quickstart')!r}\nCONFIG_ARGS = 'runlocal'\nNUM_SAMPLES = 2\n"
       "OVERRIDES = {'model_kwargs.stage_sizes': (1,), 'model_kwargs.width': 4, "
       "'num_devices': 1, 'eval_batch_size': 128}")
@@ -156,7 +179,8 @@ def test_quickstart_notebook_trains_and_evaluates(tmp_path):
 
 
 @pytest.mark.slow
-def test_uncertainty_notebook_trains_and_runs_the_three_evaluators(analysis_workdirs, tmp_path):
+def test_uncertainty_notebook_trains_and_runs_the_three_evaluators(kernel, analysis_workdirs,
+                                                                   tmp_path):
   """From nothing: the fixture's quadrant images split into classes 0–1 (in) and 2–3 (out), a
   tiny smoothed MC dropout model trained 2 steps with a quarter of the training split held out,
   then OOD detection, temperature scaling and selective prediction for N = 1 and 2."""
@@ -168,7 +192,7 @@ def test_uncertainty_notebook_trains_and_runs_the_three_evaluators(analysis_work
       "OVERRIDES = {'model_kwargs.width': 4, 'model_kwargs.stage_sizes': (1,), "
       "'input.batch_size': 8, 'num_train_steps': 2, 'eval_batch_size': 16, 'num_devices': 1}\n"
       f"IN_CLASSES = (0, 1)\nSIZES = (1, 2)\nHOLDOUT_FRACTION = 0.25\nROOT = {str(tmp_path)!r}\n")
-  book = execute("uncertainty", parameters)
+  book = execute(kernel, "uncertainty", parameters)
   # ROC/PR, reliability before and after (T on the members, on the ensemble), accuracy-rejection
   assert images_in(book) == 5
   for name in ("ood.json", "calibration.json", "selective.json"):
@@ -176,14 +200,14 @@ def test_uncertainty_notebook_trains_and_runs_the_three_evaluators(analysis_work
 
 
 @pytest.mark.slow
-def test_msa_notebook_runs_on_alternet_workdirs(msa_workdirs, msa_figures_run):
+def test_msa_notebook_runs_on_alternet_workdirs(kernel, msa_workdirs, msa_figures_run):
   # After the MSA figures (msa_figures_run), which ran the same analyses of the same AlterNet at
   # the same sizes: the kernel reads their compiled programs from the compilation cache.  Last in
   # this file: the other worker trains msa_workdirs and makes the figures meanwhile (first in
   # test_experiments.py), so little waits on them.
   # The AlterNet alone (its ResNet backbone is drawn alike, and test_experiments compares the two).
   alternet = {"AlterNet": msa_workdirs["AlterNet"]}
-  book = execute("msa_analysis", load_parameters(alternet) + MSA_TINY)
+  book = execute(kernel, "msa_analysis", load_parameters(alternet) + MSA_TINY)
   assert images_in(book) >= 6  # spectra, Fourier (2), variance, lesion, CKA, trajectories
   printed = "".join(out.get("text", "") for c in book.cells if c.cell_type == "code"
                     for out in c.outputs)
