@@ -47,11 +47,12 @@ with Run.from_config(small_npz_config(data), workdir) as run:
   train.train(run, callbacks=[PauseAfterStep2()])
 """
 
-# Waits for the start file, then tries the lock: prints "won" (and holds it a while) or "refused".
+# Waits for the start file, then tries the lock: prints "won" (and holds it until the release
+# file appears: after every racer has answered) or "refused".
 CONTENDER = """
 import os, sys, time
 from smoothing_jax.experiment.workdir_lock import WorkdirLock, WorkdirLockedError
-workdir, start, lease = sys.argv[1], sys.argv[2], sys.argv[3] == "lease"
+workdir, start, release, lease = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "lease"
 print("ready", flush=True)
 while not os.path.exists(start):
   time.sleep(0.002)
@@ -61,7 +62,9 @@ except WorkdirLockedError:
   print("refused", flush=True)
 else:
   print("won", flush=True)
-  time.sleep(3)  # past the others' attempts (a lease's settle time included)
+  deadline = time.monotonic() + 60
+  while not os.path.exists(release) and time.monotonic() < deadline:
+    time.sleep(0.01)
   lock.release()
 """
 
@@ -142,13 +145,15 @@ def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path, caplog)
 
 @pytest.mark.parametrize("method", ["flock", "lease"])
 def test_of_processes_racing_for_the_lock_exactly_one_wins(tmp_path, method):
-  workdir, start = tmp_path / "run", tmp_path / "start"
-  racers = [_python(CONTENDER, workdir, start, method, stdout=subprocess.PIPE) for _ in range(3)]
+  workdir, start, release = tmp_path / "run", tmp_path / "start", tmp_path / "release"
+  racers = [_python(CONTENDER, workdir, start, release, method, stdout=subprocess.PIPE)
+            for _ in range(3)]
   try:
     assert all(racer.stdout.readline() == b"ready\n" for racer in racers)
     open(start, "w").close()
     outcomes = sorted(racer.stdout.readline().decode().strip() for racer in racers)
   finally:
+    open(release, "w").close()
     for racer in racers:
       racer.wait(timeout=60)
   assert outcomes == ["refused", "refused", "won"]
