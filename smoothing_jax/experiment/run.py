@@ -421,8 +421,8 @@ class Run:
 
   def check_images(self, images) -> np.ndarray:
     """``images`` as numpy, or ValueError (one line) naming what the model cannot take: not
-    ``[B, H, W, C]`` (grayscale without its channel), channels first, no images, another size than
-    the model's, or non-finite pixels."""
+    ``[B, H, W, C]`` (grayscale without its channel), channels first, no images, another channel
+    count or size than the model's, or non-finite pixels."""
     images = np.asarray(images)
     shape = tuple(self.model_spec.image_shape)
     if images.ndim != 4:
@@ -436,6 +436,11 @@ class Run:
         raise ValueError(f"Images of shape {images.shape[1:]} are channels-first; the model "
                          f"takes [B, H, W, C] = [B, {', '.join(map(str, shape))}]: "
                          "np.moveaxis(images, 1, -1).")
+      if images.shape[1:3] == shape[:2]:
+        hint = (f": np.repeat(images, {shape[-1]}, axis=-1) for grayscale images"
+                if images.shape[-1] == 1 else "")
+        raise ValueError(f"Images of shape {images.shape[1:]} have the model's size but not its "
+                         f"channels: it takes {shape}{hint}.")
       raise ValueError(f"Images of shape {images.shape[1:]}; the model takes {shape}: bring them "
                        "to its size first (e.g. smoothing_jax.data.sources.base.fit_to_size, the "
                        "data's own rule).")

@@ -121,6 +121,10 @@ def test_predict_takes_uint8_and_float_pixels_alike_and_refuses_other_ranges(ana
     (np.zeros((0, 16, 16, 3), np.uint8), "No images to predict (an empty batch)."),
     (np.zeros((2, 28, 28, 3), np.uint8), "Images of shape (28, 28, 3); the model takes "
      "(16, 16, 3): bring them to its size first"),
+    (np.zeros((2, 16, 16, 1), np.uint8), "Images of shape (16, 16, 1) have the model's size but "
+     "not its channels: it takes (16, 16, 3): np.repeat(images, 3, axis=-1) for grayscale images."),
+    (np.zeros((2, 16, 16, 4), np.uint8), "Images of shape (16, 16, 4) have the model's size but "
+     "not its channels: it takes (16, 16, 3)."),
     (np.full((2, 16, 16, 3), np.nan, np.float32), "2 of the 2 images have non-finite pixels"),
 ])
 def test_predict_refuses_what_the_model_cannot_take_in_one_line(analysis_workdirs, images,
