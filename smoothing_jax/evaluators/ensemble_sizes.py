@@ -46,9 +46,12 @@ def evaluate(run, output_dir, *, sizes: Sequence[int] = (), members: Sequence[st
 
 
 def summary(rows: list, output_dir) -> str:
-  lines = [f"method: {rows[0]['method']}", "ensemble size | NLL    | Acc (%) | ECE (%)"]
-  lines += [f"{r['ensemble_size']:13d} | {r['nll']:.4f} | {100 * r['acc']:7.2f} | "
-            f"{100 * r['ece']:7.2f}" for r in rows]
+  nlls = [f"{r['nll']:.4f}" for r in rows]
+  width = max(6, *map(len, nlls))  # an NLL of 10 or more (an untrained model) keeps the columns
+  lines = [f"method: {rows[0]['method']}",
+           f"ensemble size | {'NLL':{width}} | Acc (%) | ECE (%)"]
+  lines += [f"{r['ensemble_size']:13d} | {nll:>{width}} | {100 * r['acc']:7.2f} | "
+            f"{100 * r['ece']:7.2f}" for r, nll in zip(rows, nlls, strict=True)]
   lines.append(f"Results: {output_dir}/ensemble_sizes.{{json,csv,png}}, "
                f"{output_dir}/reliability.png")
   return "\n".join(lines)

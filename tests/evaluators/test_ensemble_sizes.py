@@ -20,3 +20,15 @@ def test_ensemble_size_evaluation_counts_every_test_example(mock_cifar10_workdir
   for name in ("ensemble_sizes.json", "ensemble_sizes.csv", "ensemble_sizes.png",
                "reliability.png"):
     assert (tmp_path / name).stat().st_size > 0
+
+
+def test_the_printed_table_keeps_its_columns_at_an_nll_of_10_or_more():
+  from smoothing_jax.evaluators.ensemble_sizes import summary
+  rows = [{"method": "mc_dropout", "ensemble_size": n, "nll": nll, "acc": 0.1, "ece": 0.5}
+          for n, nll in ((1, 12.34567), (10, 2.5), (100, float("inf")))]
+  lines = summary(rows, "out").splitlines()[1:5]
+  assert lines == ["ensemble size | NLL     | Acc (%) | ECE (%)",
+                   "            1 | 12.3457 |   10.00 |   50.00",
+                   "           10 |  2.5000 |   10.00 |   50.00",
+                   "          100 |     inf |   10.00 |   50.00"]
+  assert len({line.index("|", 16) for line in lines}) == 1  # the bars line up
