@@ -70,7 +70,8 @@ def evaluate(run, output_dir, *, num_samples: int = 0,
 
   variables = run.prediction_variables(run.method.with_samples(num_samples))
   totals, examples = evaluate_batches(step, variables, clip_batches(), data_sharding,
-                                      jax.random.key(seed))
+                                      jax.random.key(seed), label=f"streams: {run.method.name}, "
+                                      f"{num_samples} draws, CamVid {split} clips")
   examples = jax.device_get(examples)  # the first batch's predictions
   rows = stream_rows(totals, num_samples, run)
   if jax.process_index() == 0:  # results are replicated; one process writes them

@@ -52,7 +52,8 @@ def evaluate(run, output_dir, *, num_images: int = 1000, length: int = 6, max_sh
   step = sharded_eval_step(stream_metrics_step, run.mesh, run.method, num_samples, num_frames,
                            decay_rate, run.config.ece_bins)
   totals, _ = evaluate_batches(step, run.prediction_variables(run.method.with_samples(
-      num_samples)), batches(), shardings(run.mesh)[1], jax.random.key(seed))
+      num_samples)), batches(), shardings(run.mesh)[1], jax.random.key(seed),
+      label=f"temporal: {run.method.name}, {num_samples} draws, {len(videos)} shifted streams")
   rows = stream_rows(totals, num_samples, run)
   if output_dir is not None:  # None: the rows only (the analyses)
     write_results(output_dir, "temporal", rows, {"temporal.png": lambda: plot_stream_table(
