@@ -163,7 +163,8 @@ def evaluate(run, output_dir, *, datasets: Sequence[str] = (), near: Sequence[st
           curves[f"{score}, N={n}"] = {
               "fpr": fpr, "tpr": tpr, "recall": recall, "precision": precision,
               **{k: detection[k] for k in ("fpr95_id_positive", "fpr95_ood_positive")}}
-    label = _short(name) if name.endswith(".npz") else name  # not ".._shared_data_..."
+    # The table's short name (not "_work_data_cifar100_"), unless another set shares it.
+    label = name if sum(_short(other) == _short(name) for other in names) > 1 else _short(name)
     file_name = f"ood_{re.sub(r'[^A-Za-z0-9_.-]+', '_', label).strip('_')}.png"
     rows_so_far = rows + group_means(rows, groups)
     write_results(output_dir, "ood", rows_so_far, {file_name: functools.partial(

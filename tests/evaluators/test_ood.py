@@ -38,8 +38,9 @@ def test_detection_against_an_npz_set_equals_sklearn_on_the_model_s_msp(run, tmp
   assert {r["score"]: r for r in rows}["mutual_information"]["auroc"] == pytest.approx(0.5)
   written = json.load(open(tmp_path / "results" / "ood.json"))
   assert written == json.loads(json.dumps(rows))
-  assert any(name.startswith("ood_npz") and name.endswith(".png")
-             for name in os.listdir(tmp_path / "results"))
+  # The figure is named as the table names the set: npz:<its folder's name>, not the whole path.
+  assert f"ood_npz_{os.path.basename(str(outside).rstrip('/'))}.png" in os.listdir(
+      tmp_path / "results")
   assert "AUROC" in ood.summary(rows, tmp_path)
 
 
