@@ -153,14 +153,14 @@ def test_evaluate_batches_keeps_few_programs_unfinished(monkeypatch):
 def test_the_abort_reproducer_runs_to_its_end():
   """``experiments/abort_repro.py`` under the conditions in which the metrics, dispatched
   operation by operation, aborted (another process compiling, a prefetch thread, new shapes,
-  released caches): the library's path, for 5 s, ends normally and nothing waits in a
+  released caches): the library's path, for 10 s, ends normally and nothing waits in a
   collective."""
   import json
   import subprocess
   import sys
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run(
-      [sys.executable, "experiments/abort_repro.py", "--seconds", "5", "--new-shapes",
+      [sys.executable, "experiments/abort_repro.py", "--seconds", "10", "--new-shapes",
        "--release-every", "20", "--prefetch", "--siblings", "1"],
       cwd=root, capture_output=True, text=True, timeout=240)
   assert result.returncode == 0, result.stderr[-3000:]
