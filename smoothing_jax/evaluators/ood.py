@@ -142,7 +142,7 @@ def evaluate(run, output_dir, *, datasets: Sequence[str] = (), near: Sequence[st
   draws = f"{pred.method.name}, {max(pred.sizes)} draws"
   inside = table(gather(step, pred.variables, run.mesh, run.eval_batches(), seed,
                         f"ood: {draws}, in-distribution {run.config.input.dataset}"))
-  rows = []
+  rows, short_names = [], [_short(name) for name in names]
   for k, name in enumerate(names):
     outside = table(gather(step, pred.variables, run.mesh, run.eval_batches(name), seed + 1 + k,
                            f"ood: {draws}, set {k + 1}/{len(names)} {name}"))
@@ -164,7 +164,7 @@ def evaluate(run, output_dir, *, datasets: Sequence[str] = (), near: Sequence[st
               "fpr": fpr, "tpr": tpr, "recall": recall, "precision": precision,
               **{k: detection[k] for k in ("fpr95_id_positive", "fpr95_ood_positive")}}
     # The table's short name (not "_work_data_cifar100_"), unless another set shares it.
-    label = name if sum(_short(other) == _short(name) for other in names) > 1 else _short(name)
+    label = name if short_names.count(_short(name)) > 1 else _short(name)
     file_name = f"ood_{re.sub(r'[^A-Za-z0-9_.-]+', '_', label).strip('_')}.png"
     rows_so_far = rows + group_means(rows, groups)
     write_results(output_dir, "ood", rows_so_far, {file_name: functools.partial(
