@@ -164,7 +164,7 @@ def evaluate(run, output_dir, *, datasets: Sequence[str] = (), near: Sequence[st
               "fpr": fpr, "tpr": tpr, "recall": recall, "precision": precision,
               **{k: detection[k] for k in ("fpr95_id_positive", "fpr95_ood_positive")}}
     # The table's short name (not "_work_data_cifar100_"), unless another set shares it.
-    label = name if short_names.count(_short(name)) > 1 else _short(name)
+    label = name if short_names.count(short_names[k]) > 1 else short_names[k]
     file_name = f"ood_{re.sub(r'[^A-Za-z0-9_.-]+', '_', label).strip('_')}.png"
     rows_so_far = rows + group_means(rows, groups)
     write_results(output_dir, "ood", rows_so_far, {file_name: functools.partial(
