@@ -93,5 +93,9 @@ class Preemption(Callback):
       return False
     from jax.experimental import multihost_utils
     received = multihost_utils.process_allgather(np.int32(self.signum or 0))
-    self.signum = self.signum or next((int(s) for s in np.ravel(received) if s), None)
-    return self.signum is not None
+    # The answer is the gathered values alone, the same on every process: a signal that arrives
+    # during the gather (its handler runs as the gather returns) is sent at the next check, since
+    # deciding on it here would stop this process alone and leave the others in a collective.
+    agreed = next((int(s) for s in np.ravel(received) if s), None)
+    self.signum = self.signum or agreed
+    return agreed is not None

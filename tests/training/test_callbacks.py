@@ -40,3 +40,30 @@ def test_the_exit_status_is_the_shells_for_ctrl_c():
   assert Preempted("stopped", signal.SIGINT).exit_status == 130
   assert Preempted("stopped", signal.SIGTERM).exit_status == 1
   assert Preempted("stopped").exit_status == 1  # a callback's request
+
+
+def test_processes_stop_on_the_gathered_signals_alone(monkeypatch):
+  """Two processes: a SIGTERM that arrives while this process is in the gather (sent: 0) is not
+  acted on until the next gather, which tells the other process too; stopping at once would stop
+  this process alone and leave the other waiting in its next collective."""
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+  other = [0, 0, signal.SIGINT]  # what the other process sends at each gather
+
+  def allgather(value):  # the signal arrives during the first gather, after this value was sent
+    if len(other) == 3:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return np.stack([value, np.int32(other.pop(0))])
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+  preemption, other_process = Preemption(), Preemption()
+  preemption.on_start(0, None)
+  try:
+    assert not preemption.should_stop(5)  # both gathered (0, 0): both go on
+    assert preemption.signum == signal.SIGTERM
+    assert preemption.should_stop(10)  # both gather (SIGTERM, 0): both stop here
+  finally:
+    preemption.close()
+  assert other_process.should_stop(15) and other_process.signum == signal.SIGINT  # the other's
