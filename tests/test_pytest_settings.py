@@ -82,3 +82,26 @@ def test_releasing_compiled_executables_returns_their_memory_mappings():
   # Most come back (the rest: allocator arenas and the like, which later compiles reuse).
   assert memory_maps() - before < 0.2 * (compiled - before), (before, compiled, memory_maps())
   del functions
+
+
+def test_a_frozen_cycle_that_holds_executables_is_released_by_collect_frozen():
+  """What survives a file's release is frozen; a cycle among those objects that becomes garbage
+  later keeps its executables until ``collect_frozen`` (which conftest.py calls when a worker's
+  mappings run high)."""
+  import jax
+  import jax.numpy as jnp
+
+  from tests.helpers import collect_frozen, memory_maps, release_compiled_executables
+  release_compiled_executables()
+  before = memory_maps()
+  cycle = {"executables": [jax.jit(lambda x, i=i: x * i + 1.0).lower(jnp.ones(3)).compile()
+                           for i in range(60)]}
+  cycle["itself"] = cycle
+  release_compiled_executables()  # alive: frozen, with its executables
+  compiled = memory_maps()
+  assert compiled - before >= 120, (before, compiled)  # about 3 mappings an executable
+  del cycle  # garbage, but frozen: a release leaves it
+  release_compiled_executables()
+  assert memory_maps() - before >= 0.8 * (compiled - before), (before, compiled, memory_maps())
+  collect_frozen()
+  assert memory_maps() - before < 0.2 * (compiled - before), (before, compiled, memory_maps())
