@@ -24,7 +24,8 @@ pid, since when): :class:`WorkdirLockedError`.
   ``lease_seconds``.
 
 The lock is re-entrant within a process (``main`` takes it, ``train.train`` takes it again), and
-in a multi-process job only process 0 takes it; the others learn from process 0 whether it did.
+in a multi-process job only process 0 takes it; the others learn from process 0 whether it did,
+and at each check whether it lost it.
 Readers (the evaluators, the analyses) take no lock: their results replace files atomically
 (``workdir.write_atomically``).
 """
@@ -227,11 +228,11 @@ class WorkdirLock:
     return self
 
   def check(self) -> None:
-    """Raise :class:`WorkdirLockedError` if this run's lease was taken by another writer."""
-    if self._lost is not None:
-      raise WorkdirLockedError(
-          f"Lost the lock of {self.workdir} to {describe(self._lost)}: stopped before writing "
-          "into a workdir another run now writes.")
+    """Raise :class:`WorkdirLockedError` if this run's lease was taken by another writer (in a
+    multi-process job, on every process: :func:`_raise_together`)."""
+    _raise_together(self.workdir, None if self._lost is None else (
+        f"Lost the lock of {self.workdir} to {describe(self._lost)}: stopped before writing "
+        "into a workdir another run now writes."))
 
   def release(self) -> None:
     if self._fd is not None:
@@ -273,8 +274,26 @@ class WorkdirLock:
 class _NotHeld:
   """What processes other than 0 of a multi-process job hold: process 0 holds the lock."""
 
+  def __init__(self, workdir):
+    self.workdir = workdir
+
   def check(self) -> None:
-    pass
+    _raise_together(self.workdir, None)
+
+
+def _raise_together(workdir, message: str | None) -> None:
+  """:class:`WorkdirLockedError` with ``message`` (None: the lock is held), raised on every
+  process of a multi-process job when process 0, which holds the lock, lost it: a process that
+  went on would wait for the others in the checkpoint's save.  A collective there: every process
+  calls it at the same step."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    lost_on_0 = bool(multihost_utils.broadcast_one_to_all(np.int32(message is not None)))
+    if lost_on_0 and message is None:
+      message = (f"Process 0 lost the lock of {workdir}: stopped before writing into a workdir "
+                 "another run now writes.")
+  if message is not None:
+    raise WorkdirLockedError(message)
 
 
 _HELD: dict = {}  # path -> the lock this process holds on it
@@ -292,7 +311,8 @@ def lock_workdir(workdir, **options) -> Iterator[WorkdirLock]:
   if held is not None:
     yield held
     return
-  lock, error = WorkdirLock(workdir, **options) if jax.process_index() == 0 else _NotHeld(), None
+  lock = WorkdirLock(workdir, **options) if jax.process_index() == 0 else _NotHeld(workdir)
+  error = None
   if isinstance(lock, WorkdirLock):
     try:
       lock.acquire()

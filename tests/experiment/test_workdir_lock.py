@@ -238,6 +238,21 @@ def test_a_multi_process_job_locks_on_process_0_only(tmp_path, monkeypatch):
   assert workdir_lock._HELD == {}
 
 
+def test_every_process_of_a_job_stops_when_process_0_lost_the_lock(tmp_path, monkeypatch):
+  """Process 0 holds the lock; when it lost it, the others raise at the same check (going on,
+  they would wait for process 0 in the checkpoint's save), and not while it holds it."""
+  from jax.experimental import multihost_utils
+  process_0_lost = []
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all",
+                      lambda value: np.int32(bool(process_0_lost)))
+  other_process = workdir_lock._NotHeld(tmp_path)
+  other_process.check()
+  process_0_lost.append(True)
+  with pytest.raises(WorkdirLockedError, match=f"Process 0 lost the lock of {tmp_path}: stopped"):
+    other_process.check()
+
+
 def test_a_reader_never_finds_a_held_lease_empty(tmp_path):
   """Every read of a lease renewed every 0.5 ms finds its holder: a heartbeat replaces the file
   whole (a plain write truncates it first, and a writer reading then would take the lock)."""
