@@ -230,9 +230,9 @@ class WorkdirLock:
   def check(self) -> None:
     """Raise :class:`WorkdirLockedError` if this run's lease was taken by another writer (in a
     multi-process job, on every process: :func:`_raise_together`)."""
-    _raise_together(self.workdir, None if self._lost is None else (
+    _raise_together(None if self._lost is None else WorkdirLockedError(
         f"Lost the lock of {self.workdir} to {describe(self._lost)}: stopped before writing "
-        "into a workdir another run now writes."))
+        "into a workdir another run now writes."), _LOST_ON_0.format(workdir=self.workdir))
 
   def release(self) -> None:
     if self._fd is not None:
@@ -278,22 +278,26 @@ class _NotHeld:
     self.workdir = workdir
 
   def check(self) -> None:
-    _raise_together(self.workdir, None)
+    _raise_together(None, _LOST_ON_0.format(workdir=self.workdir))
 
 
-def _raise_together(workdir, message: str | None) -> None:
-  """:class:`WorkdirLockedError` with ``message`` (None: the lock is held), raised on every
-  process of a multi-process job when process 0, which holds the lock, lost it: a process that
-  went on would wait for the others in the checkpoint's save.  A collective there: every process
-  calls it at the same step."""
+# What the other processes of a job raise when process 0 lost the lock it held.
+_LOST_ON_0 = ("Process 0 lost the lock of {workdir}: stopped before writing into a workdir "
+              "another run now writes.")
+
+
+def _raise_together(error: WorkdirLockedError | None, elsewhere: str) -> None:
+  """Raise process 0's ``error`` (None: none) on every process of a multi-process job, the others
+  raising :class:`WorkdirLockedError` with the text ``elsewhere``: process 0 holds the lock, and a
+  process that went on alone would wait for the others in their next collective.  A collective
+  there: every process calls it at the same point."""
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
-    lost_on_0 = bool(multihost_utils.broadcast_one_to_all(np.int32(message is not None)))
-    if lost_on_0 and message is None:
-      message = (f"Process 0 lost the lock of {workdir}: stopped before writing into a workdir "
-                 "another run now writes.")
-  if message is not None:
-    raise WorkdirLockedError(message)
+    raised_on_0 = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+    if raised_on_0 and error is None:
+      error = WorkdirLockedError(elsewhere)
+  if error is not None:
+    raise error
 
 
 _HELD: dict = {}  # path -> the lock this process holds on it
@@ -318,13 +322,7 @@ def lock_workdir(workdir, **options) -> Iterator[WorkdirLock]:
       lock.acquire()
     except WorkdirLockedError as refused:
       error = refused
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    refused_on_0 = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
-    if refused_on_0 and error is None:
-      error = WorkdirLockedError(f"{workdir} is in use by another run (process 0 was refused).")
-  if error is not None:
-    raise error
+  _raise_together(error, f"{workdir} is in use by another run (process 0 was refused).")
   with _HELD_GUARD:
     _HELD[key] = lock
   try:

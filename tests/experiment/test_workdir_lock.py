@@ -251,6 +251,11 @@ def test_every_process_of_a_job_stops_when_process_0_lost_the_lock(tmp_path, mon
   process_0_lost.append(True)
   with pytest.raises(WorkdirLockedError, match=f"Process 0 lost the lock of {tmp_path}: stopped"):
     other_process.check()
+  monkeypatch.setattr(jax, "process_index", lambda: 1)  # and when process 0 was refused it
+  with pytest.raises(WorkdirLockedError, match="is in use by another run \\(process 0 was refused"):
+    with lock_workdir(tmp_path):
+      pass
+  assert workdir_lock._HELD == {}
 
 
 def test_a_reader_never_finds_a_held_lease_empty(tmp_path):
