@@ -23,6 +23,10 @@ os.environ["XLA_FLAGS"] = " ".join([
     os.environ.get("XLA_FLAGS", ""),
     "--xla_force_host_platform_device_count=8",
     "--xla_backend_optimization_level=0",
+    # Each program's machine code in one piece instead of 32 compiled on a thread pool: the two
+    # workers already keep both cores busy (the whole suite, one worker: XLA compiles 291 s
+    # against 331 s).
+    "--xla_cpu_parallel_codegen_split_count=1",
     # XLA:CPU's older elemental emitters instead of its MLIR fusion emitters: each compile takes
     # about half the time (38 programs of a tiny ResNet and ViT, train step and predictive:
     # 3.2 s against 5.9 s), and compiles are most of the suite's time.  jaxlib 0.11 (the
