@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
 from smoothing_jax.layers.mean_field import (
   BayesianConv,
@@ -39,9 +38,14 @@ def test_kl_matches_the_closed_form_in_numpy_and_monte_carlo(prior_mean):
   closed = np.sum(np.log(prior_std / sigma) + (sigma**2 + (mu - m)**2) / (2 * prior_std**2) - 0.5)
   ours = float(kl_divergence(params, prior_std, prior_mean))
   np.testing.assert_allclose(ours, closed, rtol=1e-5)
-  # E_q[log q(w) − log p(w)] over 200,000 sampled weight tensors.
+  # E_q[log q(w) − log p(w)] over 200,000 sampled weight tensors (the Gaussian log-density written
+  # out: scipy.stats.norm.logpdf took 4.7 s of each case for the same numbers).
   w = mu + sigma * np.random.default_rng(1).standard_normal((200_000,) + mu.shape)
-  log_ratio = stats.norm.logpdf(w, mu, sigma) - stats.norm.logpdf(w, m, prior_std)
+
+  def log_density(x, mean, std):
+    return -0.5 * np.square((x - mean) / std) - np.log(std) - 0.5 * np.log(2 * np.pi)
+
+  log_ratio = log_density(w, mu, sigma) - log_density(w, m, prior_std)
   estimate = log_ratio.reshape(len(w), -1).sum(1)
   assert abs(estimate.mean() - ours) < 4 * estimate.std() / np.sqrt(len(w))
   assert len(mean_field_layers(params)) == 1
